@@ -1,0 +1,6 @@
+"""tendril's benchmarks: `python -m benchmarks list` and `python -m benchmarks run NAME [--quick] [--out DIR]`.
+
+Cases live in `benchmarks/cases/`, one module each, registered with `@register`. A case measures
+tendril and its baselines side by side in one process and reports rows and targets through the
+`Context` it is given; the runner adds the machine's description and writes `NAME.json` and `NAME.md`.
+"""

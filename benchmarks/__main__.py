@@ -1,0 +1,56 @@
+"""Command line of the benchmark runner; see `benchmarks/__init__.py`."""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+from pathlib import Path
+
+import torch
+from rich.console import Console
+
+from benchmarks import registry, results
+
+RESULTS_DIR = Path(__file__).parent / "results"
+
+
+def run_case(name: str, quick: bool, out_dir: Path, command: str, device: str | None = None) -> dict:
+    cases = registry.discover()
+    if name not in cases:
+        raise SystemExit(f"unknown benchmark case {name!r}; known: {', '.join(sorted(cases)) or 'none'}")
+    case = cases[name]
+    chosen = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if case.needs_gpu and chosen.type != "cuda":
+        raise SystemExit(f"benchmark case {name!r} needs an NVIDIA GPU; run it on the device lane")
+    ctx = registry.Context(device=chosen, quick=quick)
+    case.run(ctx)
+    result = results.build(name, command, ctx)
+    results.write(result, out_dir)
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = argparse.ArgumentParser(prog="python -m benchmarks")
+    commands = parser.add_subparsers(dest="command", required=True)
+    commands.add_parser("list", help="list benchmark cases")
+    run = commands.add_parser("run", help="run one case and write NAME.json and NAME.md")
+    run.add_argument("name")
+    run.add_argument("--quick", action="store_true", help="fewer sizes and repetitions")
+    run.add_argument("--out", type=Path, default=RESULTS_DIR, help=f"output folder (default {RESULTS_DIR})")
+    run.add_argument("--device", help="torch device (default: cuda if available, else cpu)")
+    args = parser.parse_args(argv)
+    console = Console()
+    if args.command == "list":
+        for case in sorted(registry.discover().values(), key=lambda c: c.name):
+            console.print(f"{case.name:28s} {'GPU' if case.needs_gpu else 'any'}  {case.description}")
+        return 0
+    command = "python -m benchmarks " + shlex.join(argv)
+    result = run_case(args.name, args.quick, args.out, command, args.device)
+    console.print(results.markdown(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Benchmark cases, one module each; `benchmarks.registry.discover` imports them all."""

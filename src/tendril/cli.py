@@ -1,0 +1,68 @@
+"""The `tendril` command: `tendril demo` and `tendril info`."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from rich.console import Console
+from rich.table import Table
+
+
+def _info(console: Console) -> int:
+    from tendril.info import collect
+
+    table = Table(title="tendril info", show_header=False)
+    for key, value in collect().rows():
+        table.add_row(key, value)
+    console.print(table)
+    return 0
+
+
+def _demo(console: Console, quick: bool, device_name: str | None) -> int:
+    import torch
+
+    from tendril.demo import sections
+
+    device = torch.device(device_name or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type != "cuda":
+        console.print(
+            "[bold yellow]No NVIDIA GPU here:[/] running tendril's CPU paths only. "
+            "Graphed execution and the GPU kernels need an NVIDIA GPU with CUDA."
+        )
+    for section in sections():
+        result = section.run(device, quick)
+        table = Table(title=f"{result.title} ({device})")
+        for column in ("variant", "what", "median ms", "speedup", "checked"):
+            table.add_column(column, justify="right" if column in ("median ms", "speedup") else "left")
+        for row in result.rows:
+            speedup = result.speedup(row)
+            table.add_row(
+                row.variant,
+                row.detail,
+                "-" if row.ms is None else f"{row.ms:.3f}",
+                "-" if speedup is None else f"{speedup:.2f}x",
+                row.check,
+            )
+        console.print(table)
+        for note in result.notes:
+            console.print(f"  {note}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="tendril", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+    demo = commands.add_parser("demo", help="side-by-side demo of tendril against what users do today")
+    demo.add_argument("--quick", action="store_true", help="fewer repetitions (noisier numbers)")
+    demo.add_argument("--device", help="run on this torch device (default: cuda if available, else cpu)")
+    commands.add_parser("info", help="versions, GPU, driver and CUDA feature support")
+    args = parser.parse_args(argv)
+    console = Console()
+    if args.command == "info":
+        return _info(console)
+    return _demo(console, args.quick, args.device)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,59 @@
+"""tendril's configuration: one typed object, with every environment variable read here and nowhere else.
+
+`tendril.settings` is the process-wide instance, read from the environment at import. Code takes the
+settings it needs from it (or from an explicit `Config` passed in), so tests can build their own.
+
+| variable          | field        | meaning                                                             |
+|-------------------|--------------|---------------------------------------------------------------------|
+| TENDRIL_DEBUG     | debug        | expensive invariant checks (input addresses, use of stale outputs)  |
+| TENDRIL_NO_GRAPHS | disable_graphs | run every graphed callable eagerly (for bisecting a wrong answer) |
+| TENDRIL_CACHE_DIR | cache_dir    | where compiled helper kernels are cached on disk                   |
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off", ""}
+
+
+def _flag(env: Mapping[str, str], name: str) -> bool:
+    raw = env.get(name, "").strip().lower()
+    if raw in _TRUE:
+        return True
+    if raw in _FALSE:
+        return False
+    raise ValueError(f"environment variable {name}={raw!r}: expected one of 1/0, true/false, yes/no, on/off")
+
+
+def _default_cache_dir() -> Path:
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "tendril"
+
+
+@dataclass(frozen=True)
+class Config:
+    """Process-wide settings. Defaults suit production; `debug` turns on expensive checks."""
+
+    debug: bool = False
+    """Check placeholder addresses at replay and detect reads of outputs a later replay overwrote."""
+    disable_graphs: bool = False
+    """Run every graphed callable eagerly; each call is counted as a fallback with this reason."""
+    cache_dir: Path = field(default_factory=_default_cache_dir)
+    """Directory for compiled helper kernels (NVRTC output)."""
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> Config:
+        env = os.environ if env is None else env
+        cache = env.get("TENDRIL_CACHE_DIR")
+        return cls(
+            debug=_flag(env, "TENDRIL_DEBUG"),
+            disable_graphs=_flag(env, "TENDRIL_NO_GRAPHS"),
+            cache_dir=Path(cache) if cache else _default_cache_dir(),
+        )
+
+
+settings = Config.from_env()

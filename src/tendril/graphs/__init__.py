@@ -1,0 +1,1 @@
+"""Graphed execution of dynamic DNNs: CUDA graphs keyed by input shapes, sharing one memory pool."""

@@ -1,0 +1,64 @@
+import json
+
+import pytest
+import torch
+
+from benchmarks import registry
+from benchmarks.__main__ import main, run_case
+from benchmarks.registry import Context, Goal
+from tendril.utils.timing import time_callable
+
+
+@pytest.fixture
+def fake_case():
+    name = "fake-cpu-case"
+
+    @registry.register(name, "a CPU-only case for testing the runner", needs_gpu=False)
+    def run(ctx: Context) -> None:
+        x = torch.randn(64, 64)
+        ctx.add_timing("matmul", time_callable(torch.mm, [(x, x)], device=ctx.device, warmup=1, reps=5))
+        ctx.add_value("matmul", "bytes", 64 * 64 * 4)
+        ctx.target("speedup_fake", 2.0, Goal(">=", 5))
+        ctx.target("ratio_fake", 0.5)
+        ctx.note("fake note")
+
+    yield name
+    registry.CASES.pop(name)
+
+
+def test_run_writes_json_and_markdown_with_the_contract_fields(fake_case, tmp_path):
+    run_case(fake_case, quick=True, out_dir=tmp_path, command="python -m benchmarks run fake-cpu-case")
+    result = json.loads((tmp_path / f"{fake_case}.json").read_text())
+    for key in ("case", "command", "device", "driver", "torch", "date", "rows", "targets"):
+        assert key in result
+    assert result["case"] == fake_case
+    assert result["rows"][0]["variant"] == "matmul"
+    assert set(result["rows"][0]) == {"variant", "metric", "median", "p10", "p90", "n"}
+    assert result["rows"][0]["n"] == 5 and result["rows"][0]["median"] > 0
+    assert result["targets"] == {"speedup_fake": 2.0, "ratio_fake": 0.5}
+    assert result["goals"]["speedup_fake"] == {"goal": ">= 5", "met": False}
+    md = (tmp_path / f"{fake_case}.md").read_text()
+    assert "`speedup_fake`" in md and "**no**" in md and "fake note" in md
+
+
+def test_list_shows_registered_cases(fake_case, capsys):
+    assert main(["list"]) == 0
+    out = capsys.readouterr().out
+    assert fake_case in out and "launch-overhead" in out
+
+
+def test_unknown_case_and_gpu_case_on_cpu_are_refused(tmp_path):
+    with pytest.raises(SystemExit, match="unknown benchmark case 'nope'"):
+        run_case("nope", True, tmp_path, "cmd")
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit, match="needs an NVIDIA GPU"):
+            run_case("launch-overhead", True, tmp_path, "cmd")
+
+
+def test_goal_rejects_unknown_operators_and_targets_are_reported_once():
+    with pytest.raises(ValueError):
+        Goal("~", 1)
+    ctx = Context(device=torch.device("cpu"), quick=True)
+    ctx.target("a", 1)
+    with pytest.raises(ValueError, match="reported twice"):
+        ctx.target("a", 2)

@@ -1,0 +1,40 @@
+import pytest
+import torch
+
+from tendril.cli import main
+from tendril.demo import Row, SectionResult, sections
+
+
+def test_info_prints_versions_and_feature_support(capsys):
+    assert main(["info"]) == 0
+    out = capsys.readouterr().out
+    assert "torch" in out and torch.__version__ in out
+    assert "conditional graph nodes" in out
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message shown without a GPU")
+def test_demo_on_cpu_runs_real_cpu_paths_and_says_what_needs_a_gpu(capsys):
+    assert main(["demo", "--quick"]) == 0
+    out = capsys.readouterr().out
+    assert "No NVIDIA GPU here" in out
+    assert "eager PyTorch" in out
+    assert "needs an NVIDIA GPU" in out
+
+
+def test_every_demo_section_measures_something_on_cpu():
+    found = sections()
+    assert found, "no demo sections found"
+    for section in found:
+        result = section.run(torch.device("cpu"), True)
+        assert result.rows
+        assert all(row.ms is None or row.ms > 0 for row in result.rows)
+
+
+def test_speedup_is_relative_to_the_baseline_row():
+    result = SectionResult("t", [Row("a", "", 4.0, baseline=True), Row("b", "", 1.0), Row("c", "", None)])
+    assert [result.speedup(r) for r in result.rows] == [1.0, 4.0, None]
+
+
+def test_unknown_command_exits_with_usage():
+    with pytest.raises(SystemExit):
+        main(["nope"])

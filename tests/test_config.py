@@ -1,0 +1,17 @@
+from pathlib import Path
+
+import pytest
+
+from tendril.config import Config
+
+
+def test_defaults_and_environment():
+    assert Config.from_env({}) == Config(cache_dir=Config.from_env({}).cache_dir)
+    cfg = Config.from_env({"TENDRIL_DEBUG": "1", "TENDRIL_NO_GRAPHS": "yes", "TENDRIL_CACHE_DIR": "/tmp/x"})
+    assert cfg.debug and cfg.disable_graphs and cfg.cache_dir == Path("/tmp/x")
+    assert not Config.from_env({"TENDRIL_DEBUG": "off"}).debug
+
+
+def test_bad_flag_names_the_variable():
+    with pytest.raises(ValueError, match="TENDRIL_DEBUG='maybe'"):
+        Config.from_env({"TENDRIL_DEBUG": "maybe"})
