@@ -1,0 +1,1 @@
+"""The compress operator: reference, Triton kernel and CPU implementation."""

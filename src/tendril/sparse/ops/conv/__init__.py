@@ -1,0 +1,1 @@
+"""The conv operator: reference, Triton kernel and CPU implementation."""

@@ -1,0 +1,1 @@
+"""The linear operator: reference, Triton kernel and CPU implementation."""

@@ -1,0 +1,80 @@
+"""Sparse weights × sparse activations for fully-connected layers, natively (no conv mapping).
+
+The activation vector is compressed (nonzero values and their feature indices); the weight is CSC,
+so nonzero activation `j` meets exactly the nonzeros of column `j`: the Cartesian product of
+the two operands restricted to matching `j`. A program takes `BLOCK_A` stored activations and walks
+their columns together, `BLOCK_W` entries at a time up to the longest of them, adding each product
+to its output row with a relaxed atomic. Zero activations cost nothing; zero weights are not stored.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from tendril.sparse.format import CompressedActivations, SparseLinearWeights
+
+
+@triton.jit
+def _spmspv_kernel(
+    out_ptr,
+    act_values_ptr,
+    act_positions_ptr,
+    act_counts_ptr,
+    w_values_ptr,
+    w_rows_ptr,
+    w_col_ptr,
+    capacity,
+    BLOCK_A: tl.constexpr,
+    BLOCK_W: tl.constexpr,
+):
+    a_start = tl.program_id(0) * BLOCK_A
+    count = tl.minimum(tl.load(act_counts_ptr), capacity)
+    if a_start >= count:
+        return
+    offs_a = a_start + tl.arange(0, BLOCK_A)  # [BLOCK_A]
+    mask_a = offs_a < count
+    a = tl.load(act_values_ptr + offs_a, mask=mask_a, other=0.0)
+    feature = tl.load(act_positions_ptr + offs_a, mask=mask_a, other=0)
+    col_begin = tl.load(w_col_ptr + feature, mask=mask_a, other=0)
+    col_end = tl.load(w_col_ptr + feature + 1, mask=mask_a, other=0)
+    longest = tl.max(col_end - col_begin, axis=0)
+    for t in range(0, longest, BLOCK_W):
+        entry = col_begin[:, None] + t + tl.arange(0, BLOCK_W)[None, :]  # [BLOCK_A, BLOCK_W]
+        valid = entry < col_end[:, None]
+        w = tl.load(w_values_ptr + entry, mask=valid, other=0.0)
+        row = tl.load(w_rows_ptr + entry, mask=valid, other=0)
+        tl.atomic_add(out_ptr + row, w * a[:, None], mask=valid, sem="relaxed")
+
+
+def linear(
+    acts: CompressedActivations,
+    weights: SparseLinearWeights,
+    init: torch.Tensor,
+    *,
+    block_a: int = 16,
+    block_w: int = 64,
+) -> torch.Tensor:
+    """`init + W @ a`, accumulated in place into `init` (`[out_features]` fp32) and returned."""
+    layout = acts.layout
+    if layout.virtual_channels != 1 or layout.plane_size != weights.in_features:
+        raise ValueError(f"activations hold {layout.plane_size} features, the weight expects {weights.in_features}")
+    if tuple(init.shape) != (weights.out_features,) or init.dtype != torch.float32 or not init.is_contiguous():
+        raise ValueError(f"init must be a contiguous float32 [{weights.out_features}] tensor")
+    if weights.nnz == 0:
+        return init
+    grid = (triton.cdiv(layout.capacity, block_a),)
+    _spmspv_kernel[grid](
+        init,
+        acts.values,
+        acts.positions,
+        acts.counts,
+        weights.values,
+        weights.rows,
+        weights.col_ptr,
+        layout.capacity,
+        BLOCK_A=block_a,
+        BLOCK_W=block_w,
+    )
+    return init
