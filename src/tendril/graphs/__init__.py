@@ -1,1 +1,38 @@
-"""Graphed execution of dynamic DNNs: CUDA graphs keyed by input shapes, sharing one memory pool."""
+"""Graphed execution of dynamic DNNs: CUDA graphs keyed by input shapes, sharing one memory pool.
+
+Public names resolve lazily so importing a submodule stays cheap: `graphed`, `GraphedCallable`,
+`Call`, `Buckets`, `Pad`, `sequence_buckets`, `pow2_sizes`, `GraphKey`, `Fallback`,
+`GraphFallbackWarning`, `StaleOutputError`, `NullBackend`.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_LAZY: dict[str, str] = {
+    "graphed": "tendril.graphs.callable",
+    "GraphedCallable": "tendril.graphs.callable",
+    "GraphFallbackWarning": "tendril.graphs.callable",
+    "Call": "tendril.graphs.callable",
+    "Buckets": "tendril.graphs.buckets",
+    "Pad": "tendril.graphs.buckets",
+    "sequence_buckets": "tendril.graphs.buckets",
+    "pow2_sizes": "tendril.graphs.buckets",
+    "GraphKey": "tendril.graphs.key",
+    "Fallback": "tendril.graphs.stats",
+    "GraphStats": "tendril.graphs.stats",
+    "StaleOutputError": "tendril.graphs.outputs",
+    "NullBackend": "tendril.graphs.backend",
+}
+
+__all__ = list(_LAZY)
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'tendril.graphs' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value

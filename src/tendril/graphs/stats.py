@@ -1,0 +1,98 @@
+"""What a graphed callable did: captures, replays, eager fallbacks with their reasons, memory per graph.
+
+`GraphedCallable.stats` is a live `GraphStats`; tests assert on its counters and users read it (or
+print `stats.table()`) to see why a call did not run as a graph.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import Counter
+from dataclasses import dataclass, field
+
+from tendril.graphs.key import GraphKey
+
+
+class Fallback(enum.Enum):
+    """Why a call ran eagerly instead of as a graph."""
+
+    NO_CUDA = "no CUDA device: every call runs eagerly"
+    GRAPHS_DISABLED = "graphs disabled by TENDRIL_NO_GRAPHS (tendril.settings.disable_graphs)"
+    UNKEYABLE = "an argument cannot be part of a graph key (not hashable)"
+    CPU_TENSOR = "a tensor argument is not on a CUDA device"
+    MIXED_DEVICES = "tensor arguments on several devices"
+    REQUIRES_GRAD = "grad mode is on and an argument requires grad (graphs serve inference only)"
+    LIMIT = "new key past max_graphs"
+    HOST_SYNC = "the function synchronises with the host while capturing (.item(), .cpu(), data-dependent shapes)"
+    MUTATES_INPUTS = "the function writes into its tensor arguments"
+    CAPTURE_ERROR = "capturing raised an error (an operation that cannot be captured)"
+
+
+@dataclass
+class GraphRecord:
+    """One captured graph."""
+
+    key: GraphKey
+    capture_ms: float
+    """Host time to warm up, capture and instantiate the graph."""
+    pool_growth_bytes: int
+    """Bytes the shared pool grew by to capture this graph (0 when it reused memory already in the pool)."""
+    driver_bytes: int | None
+    """Device memory the driver allocated to instantiate the graph (cudaMemGetInfo around instantiation);
+    None where not measured (the null backend)."""
+    replays: int = 0
+
+
+@dataclass
+class GraphStats:
+    """Counters of one graphed callable."""
+
+    calls: int = 0
+    replays: int = 0
+    eager_calls: int = 0
+    padded_calls: int = 0
+    """Calls padded up to a bucket."""
+    input_copies: int = 0
+    """Tensor arguments copied into placeholders (arguments already in their placeholder are not copied)."""
+    fallbacks: Counter[Fallback] = field(default_factory=Counter)
+    fallback_details: dict[Fallback, str] = field(default_factory=dict)
+    """The first detailed message seen for each reason (the exception text for capture errors)."""
+    graphs: dict[GraphKey, GraphRecord] = field(default_factory=dict)
+    failed_keys: dict[GraphKey, Fallback] = field(default_factory=dict)
+    """Keys whose capture failed; they run eagerly from then on without retrying."""
+    pool_bytes: int = 0
+    """Bytes reserved by the callable's shared graph pool(s)."""
+    placeholder_bytes: int = 0
+    """Bytes of the placeholder buffers shared by all graphs."""
+
+    @property
+    def captures(self) -> int:
+        return len(self.graphs)
+
+    @property
+    def driver_bytes(self) -> int:
+        return sum(record.driver_bytes or 0 for record in self.graphs.values())
+
+    def record_fallback(self, reason: Fallback, detail: str) -> None:
+        """Count an eager call and why it was eager."""
+        self.eager_calls += 1
+        self.fallbacks[reason] += 1
+        self.fallback_details.setdefault(reason, detail)
+
+    def table(self) -> str:
+        """A plain-text summary: totals, fallbacks with reasons, one line per graph."""
+        mib = 1 << 20
+        lines = [
+            f"calls {self.calls}: {self.replays} replays, {self.eager_calls} eager, {self.captures} graphs, "
+            f"pool {self.pool_bytes / mib:.1f} MiB, placeholders {self.placeholder_bytes / mib:.2f} MiB, "
+            f"driver {self.driver_bytes / mib:.1f} MiB",
+        ]
+        for reason, detail in self.fallback_details.items():
+            lines.append(f"  eager x{self.fallbacks[reason]}: {reason.value}: {detail}")
+        for record in self.graphs.values():
+            driver = "n/a" if record.driver_bytes is None else f"{record.driver_bytes / mib:.2f} MiB"
+            lines.append(
+                f"  graph {record.key}: capture {record.capture_ms:.1f} ms, pool +{record.pool_growth_bytes / mib:.1f}"
+                f" MiB, driver {driver}, replays {record.replays}"
+            )
+        return "\n".join(lines)

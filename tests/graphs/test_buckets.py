@@ -1,0 +1,68 @@
+"""Buckets pad calls up to a declared size and cut outputs back; pure Python on CPU tensors."""
+
+import pytest
+import torch
+
+from tendril.graphs.buckets import Buckets, Pad, parameter_positions, pow2_sizes, sequence_buckets
+
+
+def test_bucket_is_the_smallest_size_that_holds_the_call():
+    buckets = Buckets((8, 16, 32), (("x", Pad(1)),))
+    assert [buckets.bucket_for(n) for n in (1, 8, 9, 32, 33)] == [8, 8, 16, 32, None]
+
+
+def test_invalid_sizes_and_missing_pads_are_rejected():
+    with pytest.raises(ValueError, match="ascending"):
+        Buckets((16, 8), (("x", Pad(1)),))
+    with pytest.raises(ValueError, match="at least one padded argument"):
+        Buckets((8,), ())
+
+
+def test_sequence_buckets_pad_ids_and_create_the_mask():
+    buckets = sequence_buckets((4, 8), pad_token_id=7)
+    ids = torch.tensor([[1, 2, 3, 4, 5]])
+    padded = buckets.pad((), {"input_ids": ids})
+    assert padded is not None and padded.bucket == 8 and padded.length == 5
+    assert padded.kwargs["input_ids"].tolist() == [[1, 2, 3, 4, 5, 7, 7, 7]]
+    assert padded.kwargs["attention_mask"].tolist() == [[1, 1, 1, 1, 1, 0, 0, 0]]
+
+
+def test_an_existing_mask_is_padded_with_zeros_and_positional_names_resolve():
+    def forward(input_ids, attention_mask=None):
+        return input_ids
+
+    buckets = sequence_buckets((8,))
+    ids, mask = torch.ones(1, 3, dtype=torch.long), torch.tensor([[0, 1, 1]])
+    padded = buckets.pad((ids, mask), {}, parameter_positions(forward))
+    assert padded is not None and not padded.kwargs
+    assert padded.args[1].tolist() == [[0, 1, 1, 0, 0, 0, 0, 0]]
+    assert padded.args[0].shape == (1, 8)
+
+
+def test_outputs_are_cut_back_along_the_output_dim_only_where_it_has_the_bucket_size():
+    buckets = sequence_buckets((8,))
+    padded = buckets.pad((), {"input_ids": torch.ones(1, 5, dtype=torch.long)})
+    assert padded is not None
+    logits, pooled = torch.randn(1, 8, 3), torch.randn(1, 4)
+    out = padded.restore({"logits": logits, "pooled": pooled})
+    assert out["logits"].shape == (1, 5, 3) and torch.equal(out["logits"], logits[:, :5])
+    assert out["pooled"] is pooled
+
+
+def test_calls_longer_than_every_bucket_or_without_padded_arguments_are_not_padded():
+    buckets = sequence_buckets((4,))
+    assert buckets.pad((), {"input_ids": torch.ones(1, 5, dtype=torch.long)}) is None
+    assert buckets.pad((torch.ones(3),), {}) is None
+
+
+def test_padded_arguments_must_agree_on_the_length():
+    buckets = sequence_buckets((8,))
+    with pytest.raises(ValueError, match="disagree"):
+        buckets.pad((), {"input_ids": torch.ones(1, 3), "attention_mask": torch.ones(1, 4)})
+
+
+def test_pow2_sizes():
+    assert pow2_sizes(64, 8) == (8, 16, 32, 64)
+    assert pow2_sizes(65, 32) == (32, 64, 128)
+    with pytest.raises(ValueError):
+        pow2_sizes(4, 8)
