@@ -1,0 +1,120 @@
+"""The architecture interface and its registry (model_type -> graph-safe decode path)."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from tendril.generation.cache import StaticKVCache
+
+
+class UnsupportedModelError(ValueError):
+    """The model (or one of its configuration options) has no graph-safe decode path in tendril."""
+
+
+@dataclass(frozen=True)
+class CacheLayout:
+    num_layers: int
+    kv_heads: int
+    head_dim: int
+
+
+class DecoderArchitecture(ABC):
+    """A forward of one HF causal LM over tendril's static KV cache, reusing the model's modules.
+
+    `forward` must be capturable: no host syncs, no Python branches on tensor values; every shape it
+    sees depends only on (rows, T), never on the step.
+    """
+
+    model_types: ClassVar[tuple[str, ...]] = ()
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self.config: Any = model.config
+        self.check(self.config)
+
+    def check(self, config: Any) -> None:  # noqa: B027 (optional hook)
+        """Raise `UnsupportedModelError` for configuration options this path does not reproduce."""
+
+    def check_length(self, max_len: int) -> None:
+        """Raise if sequences of `max_len` tokens (prompt + new) exceed what the model supports."""
+        limit = getattr(self.config, "max_position_embeddings", None) or getattr(self.config, "n_positions", None)
+        if limit is not None and max_len > limit:
+            raise ValueError(f"prompt length + max_new_tokens = {max_len} exceeds the model's {limit} positions; "
+                             "lower max_new_tokens or shorten the prompt")
+
+    @abstractmethod
+    def layout(self) -> CacheLayout:
+        """Shape of the per-layer key/value cache."""
+
+    @abstractmethod
+    def forward(
+        self, tokens: torch.Tensor, positions: torch.Tensor, query_slots: torch.Tensor, cache: StaticKVCache
+    ) -> torch.Tensor:
+        """Logits of the last position, float32 [rows, vocab].
+
+        tokens, positions: [rows, T] long; query_slots: [T] long, the cache slots these tokens occupy.
+        """
+
+
+_REGISTRY: dict[str, type[DecoderArchitecture]] = {}
+
+
+def register(cls: type[DecoderArchitecture]) -> type[DecoderArchitecture]:
+    """Class decorator: serve `cls.model_types` with `cls`."""
+    if not cls.model_types:
+        raise ValueError(f"{cls.__name__}.model_types is empty")
+    for model_type in cls.model_types:
+        if model_type in _REGISTRY:
+            raise ValueError(f"model_type {model_type!r} registered twice ({_REGISTRY[model_type].__name__})")
+        _REGISTRY[model_type] = cls
+    return cls
+
+
+def supported_model_types() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+def decoder_for(model: nn.Module) -> DecoderArchitecture:
+    """The graph-safe decode path for `model`, or `UnsupportedModelError` saying what is supported."""
+    config = getattr(model, "config", None)
+    model_type = getattr(config, "model_type", None)
+    cls = _REGISTRY.get(model_type) if isinstance(model_type, str) else None
+    if cls is None:
+        raise UnsupportedModelError(
+            f"tendril.generate has no graph-safe decode path for model_type {model_type!r} "
+            f"({type(model).__name__}); supported: {', '.join(supported_model_types())}. Pass "
+            "unsupported='hf' to run Hugging Face's generate eagerly instead, or add the architecture "
+            "(see tendril/generation/architectures/__init__.py)."
+        )
+    if getattr(config, "is_encoder_decoder", False):
+        raise UnsupportedModelError(f"{type(model).__name__} is an encoder-decoder model; only decoders are supported")
+    return cls(model)
+
+
+def require(condition: bool, message: str) -> None:
+    """`check` helper: raise `UnsupportedModelError(message)` unless `condition`."""
+    if not condition:
+        raise UnsupportedModelError(message)
+
+
+def split_heads(x: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """[rows, T, heads * head_dim] -> [rows, heads, T, head_dim]."""
+    rows, length, _ = x.shape
+    return x.view(rows, length, -1, head_dim).transpose(1, 2)
+
+
+def merge_heads(x: torch.Tensor) -> torch.Tensor:
+    """[rows, heads, T, head_dim] -> [rows, T, heads * head_dim]."""
+    rows, _, length, _ = x.shape
+    return x.transpose(1, 2).reshape(rows, length, -1)
+
+
+def last_logits(lm_head: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor) -> torch.Tensor:
+    """The LM head on the last position only, as float32 [rows, vocab] (what HF's generate uses)."""
+    return lm_head(hidden[:, -1]).float()

@@ -1,0 +1,195 @@
+"""Beam search (and beam sampling) as a device loop, with HF's semantics and no host decisions.
+
+HF's `_beam_search` already keeps its bookkeeping in fixed-size tensors; what keeps it on the host is
+`cur_len` as a Python int (column writes, length penalty), the stop test, and a cache it reorders by
+reallocating. Here `cur_len` is a device tensor, columns are written by `scatter`, the length penalty is
+computed on the device, the cache is reordered in place (`StaticKVCache.reorder`), and the stop test is a
+carried device flag. The finished hypotheses are HF's fixed-size scoreboard: the best `num_beams`
+(sequence, score) pairs per batch item, merged with the newly finished candidates by a top-k each step.
+
+Carried state (B batch items, K beams, L = prompt + max_new_tokens, M = max_new_tokens):
+  cur_len [] long; running_sequences [B,K,L] long; running_scores [B,K] float; sequences [B,K,L] long;
+  scores [B,K] float; finished [B,K] bool; improvable [B,1] bool; running_beam_indices [B,K,M] int32;
+  beam_indices [B,K,M] int32; done [] bool.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from tendril.generation.noise import gumbel
+from tendril.generation.state import Decoder
+
+Carried = tuple[torch.Tensor, ...]
+_NEG = -1.0e9
+
+
+def _gather_beams(tensor: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+    """tensor [B, K, ...] -> [B, K', ...] picking beams `indices` [B, K'] per batch item."""
+    while indices.dim() < tensor.dim():
+        indices = indices.unsqueeze(-1)
+    return torch.take_along_dim(tensor, indices, dim=1)
+
+
+def _write_column(tensor: torch.Tensor, column: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """Copy of tensor [B, K, N] with column `column` (0-d) set to `values` [B, K]."""
+    index = column.expand(*tensor.shape[:2], 1)
+    return tensor.scatter(2, index, values[..., None].to(tensor.dtype))
+
+
+class BeamSearch:
+    def __init__(
+        self,
+        decoder: Decoder,
+        batch_size: int,
+        num_beams: int,
+        length_penalty: float,
+        early_stopping: bool | str,
+        fill_token_id: int,
+    ) -> None:
+        if early_stopping not in (True, False, "never"):
+            raise ValueError(f"early_stopping must be True, False or 'never', got {early_stopping!r}")
+        self.decoder = decoder
+        self.batch_size = batch_size
+        self.num_beams = num_beams
+        self.length_penalty = length_penalty
+        self.early_stopping = early_stopping
+        self.fill_token_id = fill_token_id
+        self.beams_to_keep = max(2, 1 + decoder.eos.numel()) * num_beams
+        device = decoder.eos.device
+        self.top_beam_mask = torch.arange(self.beams_to_keep, device=device) < num_beams
+        self.batch_offset = torch.arange(batch_size, device=device)[:, None] * num_beams
+
+    def start(self, prompt: torch.Tensor, prefill_logits: torch.Tensor) -> Carried:
+        """The state after the first beam step on the prompt's logits. `prompt` is [B*K, P]."""
+        d, b, k, device = self.decoder, self.batch_size, self.num_beams, prompt.device
+        running_sequences = torch.full((b, k, d.max_len), self.fill_token_id, dtype=torch.long, device=device)
+        running_sequences[:, :, : d.prompt_len] = prompt.view(b, k, -1)
+        running_scores = torch.zeros((b, k), dtype=torch.float32, device=device)
+        running_scores[:, 1:] = _NEG
+        running_beam_indices = torch.full((b, k, d.max_new_tokens), -1, dtype=torch.int32, device=device)
+        carried = (
+            torch.tensor(d.prompt_len, dtype=torch.long, device=device),
+            running_sequences,
+            running_scores,
+            running_sequences.clone(),
+            torch.full((b, k), _NEG, dtype=torch.float32, device=device),
+            torch.zeros((b, k), dtype=torch.bool, device=device),
+            torch.ones((b, 1), dtype=torch.bool, device=device),
+            running_beam_indices,
+            running_beam_indices.clone(),
+            torch.zeros((), dtype=torch.bool, device=device),
+        )
+        return self.choose(prefill_logits, *carried)
+
+    def cond(self, *carried: torch.Tensor) -> torch.Tensor:
+        return ~carried[-1]
+
+    def body(self, *carried: torch.Tensor) -> Carried:
+        cur_len, running_sequences = carried[0], carried[1]
+        slot = cur_len - 1
+        flat = running_sequences.view(-1, running_sequences.shape[-1])
+        last = flat.gather(1, slot.expand(flat.shape[0], 1)).squeeze(1)
+        return self.choose(self.decoder.step(last, slot), *carried)
+
+    def choose(
+        self,
+        logits: torch.Tensor,
+        cur_len: torch.Tensor,
+        running_sequences: torch.Tensor,
+        running_scores: torch.Tensor,
+        sequences: torch.Tensor,
+        scores: torch.Tensor,
+        finished: torch.Tensor,
+        improvable: torch.Tensor,
+        running_beam_indices: torch.Tensor,
+        beam_indices: torch.Tensor,
+        done: torch.Tensor,
+    ) -> Carried:
+        d, b, k = self.decoder, self.batch_size, self.num_beams
+        vocab = logits.shape[-1]
+        generated = cur_len - d.prompt_len
+
+        # a. log-probabilities, processed, accumulated over each beam
+        log_probs = F.log_softmax(logits, dim=-1)
+        log_probs = d.process(log_probs, running_sequences.view(b * k, -1), cur_len)
+        log_probs = (log_probs.view(b, k, vocab) + running_scores[:, :, None]).view(b, k * vocab)
+
+        # b. the top `beams_to_keep` continuations over all beams (sampled without replacement if sampling)
+        if d.processing.do_sample:
+            picked = torch.topk(log_probs + gumbel(d.noise_key, cur_len, b, k * vocab), self.beams_to_keep)[1]
+            top_log_probs, order = log_probs.gather(1, picked).sort(dim=-1, descending=True)
+            top_indices = picked.gather(1, order)
+        else:
+            top_log_probs, top_indices = torch.topk(log_probs, self.beams_to_keep)
+        source_beams = top_indices // vocab
+        top_tokens = top_indices % vocab
+        top_sequences = _write_column(_gather_beams(running_sequences, source_beams), cur_len, top_tokens)
+        top_beam_indices = _write_column(
+            _gather_beams(running_beam_indices, source_beams), generated, source_beams + self.batch_offset
+        )
+
+        # c. which continuations hit a stopping criterion (eos, or the length limit)
+        hits = d.is_eos(top_tokens) | (cur_len + 1 >= d.max_len)
+
+        # d. the best `num_beams` unfinished continuations keep running
+        top_running = top_log_probs + hits.to(torch.float32) * _NEG
+        keep = torch.topk(top_running, k)[1]
+        running_sequences = _gather_beams(top_sequences, keep)
+        running_scores = _gather_beams(top_running, keep)
+        running_beam_indices = _gather_beams(top_beam_indices, keep)
+
+        # e. merge newly finished hypotheses into the fixed-size scoreboard
+        just_finished = hits & self.top_beam_mask[None, :]
+        candidate = top_log_probs / self._penalty(generated + 1)
+        if self.early_stopping is True:
+            candidate = candidate + finished.all(-1, keepdim=True).to(torch.float32) * _NEG
+        candidate = candidate + (~improvable).to(torch.float32) * _NEG
+        candidate = candidate + (~just_finished).to(torch.float32) * _NEG
+        merged = torch.topk(torch.cat((scores, candidate), dim=1), k)[1]
+        sequences = _gather_beams(torch.cat((sequences, top_sequences), dim=1), merged)
+        scores = _gather_beams(torch.cat((scores, candidate), dim=1), merged)
+        beam_indices = _gather_beams(torch.cat((beam_indices, top_beam_indices), dim=1), merged)
+        finished = _gather_beams(torch.cat((finished, just_finished), dim=1), merged)
+
+        # f. reorder the cache to the surviving beams, then decide whether to go on
+        source_rows = running_beam_indices.view(b * k, -1).gather(1, generated.expand(b * k, 1)).squeeze(1)
+        d.cache.reorder(source_rows.long())
+        cur_len = cur_len + 1
+        improvable = self._still_improvable(improvable, running_scores, scores, finished, cur_len)
+        go_on = improvable.any() & ~hits.all()
+        if self.early_stopping is True:
+            go_on = go_on & ~finished.all()
+        return (cur_len, running_sequences, running_scores, sequences, scores, finished, improvable,
+                running_beam_indices, beam_indices, ~go_on)
+
+    def _penalty(self, length: torch.Tensor) -> torch.Tensor:
+        """length ** length_penalty, computed in float64 as HF does in Python, then used in float32."""
+        return (length.to(torch.float64) ** self.length_penalty).to(torch.float32)
+
+    def _still_improvable(
+        self,
+        improvable: torch.Tensor,
+        running_scores: torch.Tensor,
+        scores: torch.Tensor,
+        finished: torch.Tensor,
+        cur_len: torch.Tensor,
+    ) -> torch.Tensor:
+        """HF's early-stop heuristic: can the best running beam still beat the worst finished one?"""
+        d = self.decoder
+        if self.early_stopping == "never" and self.length_penalty > 0.0:
+            best_length = torch.full_like(cur_len, d.max_len - d.prompt_len)
+        else:
+            best_length = cur_len - d.prompt_len
+        best_running = running_scores[:, :1] / self._penalty(best_length)
+        worst_finished = torch.where(finished, scores.min(dim=1, keepdim=True)[0], _NEG)
+        return improvable & (best_running > worst_finished).any(dim=-1, keepdim=True)
+
+    def result(self, carried: Carried, num_return_sequences: int) -> torch.Tensor:
+        """The best `num_return_sequences` hypotheses per batch item, cropped as HF crops them."""
+        sequences, beam_indices = carried[3], carried[8]
+        r = num_return_sequences
+        sequences = sequences[:, :r].reshape(self.batch_size * r, -1)
+        generated = int((beam_indices[:, :r] + 1).bool().sum(dim=-1).max().item())
+        return sequences[:, : self.decoder.prompt_len + generated]

@@ -1,0 +1,82 @@
+"""tendril's static KV cache: preallocated per-layer key/value tensors indexed by absolute slot.
+
+Slot `s` of every row holds the token at position `s` of the padded sequence: slots `0..P-1` hold the
+(left-padded) prompt, slot `P + i` the `i`-th generated token, so the cache is sized once from the prompt
+length and `max_new_tokens` and its addresses never change. Which slots a query may attend to is a
+boolean mask computed on the device from `key_valid` (the prompt's attention mask, then all ones) and
+the query's slot, so the same captured kernels serve every step: no host decision, no reallocation.
+
+Writes use `index_copy_` with slot indices held in device tensors; beam search reorders rows with
+`index_select` followed by an in-place copy, keeping the cache's storage (and a graph's placeholders) fixed.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+class StaticKVCache:
+    """Keys and values of every layer for `rows` sequences of up to `max_len` tokens."""
+
+    def __init__(
+        self,
+        num_layers: int,
+        rows: int,
+        kv_heads: int,
+        max_len: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        key_valid: torch.Tensor,
+    ) -> None:
+        if key_valid.shape != (rows, max_len) or key_valid.dtype != torch.bool:
+            raise ValueError(f"key_valid must be a bool tensor of shape ({rows}, {max_len}), got {key_valid.dtype} "
+                             f"{tuple(key_valid.shape)}")
+        shape = (rows, kv_heads, max_len, head_dim)
+        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.key_valid = key_valid
+        """[rows, max_len] bool: slots that hold real tokens (False for left padding)."""
+        self.slots = torch.arange(max_len, device=device)
+
+    @property
+    def max_len(self) -> int:
+        return self.key_valid.shape[1]
+
+    def attention_mask(self, query_slots: torch.Tensor) -> torch.Tensor:
+        """[rows, 1, T, max_len] bool: query at slot q sees valid keys at slots <= q.
+
+        A query always sees its own slot, so the rows of padding queries are never fully masked (a fully
+        masked row would make attention NaN, and NaN keys poison every later layer through 0 * NaN).
+        """
+        causal = self.slots[None, :] <= query_slots[:, None]  # [T, max_len]
+        own = self.slots[None, :] == query_slots[:, None]
+        return ((self.key_valid[:, None, :] & causal[None]) | own[None])[:, None]
+
+    def attend(
+        self,
+        layer: int,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        query_slots: torch.Tensor,
+        mask: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor:
+        """Write `key`/`value` ([rows, kv_heads, T, head_dim]) at `query_slots`, attend `query` over the cache.
+
+        `query` is [rows, heads, T, head_dim]; heads may be a multiple of kv_heads (grouped-query attention).
+        Returns [rows, heads, T, head_dim].
+        """
+        keys, values = self.keys[layer], self.values[layer]
+        keys.index_copy_(2, query_slots, key.to(keys.dtype))
+        values.index_copy_(2, query_slots, value.to(values.dtype))
+        grouped = query.shape[1] != keys.shape[1]
+        return F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scale, enable_gqa=grouped)
+
+    def reorder(self, rows: torch.Tensor) -> None:
+        """Row `i` becomes old row `rows[i]` in every layer (beam search), in place."""
+        for tensor in (*self.keys, *self.values):
+            tensor.copy_(tensor.index_select(0, rows))
+        self.key_valid.copy_(self.key_valid.index_select(0, rows))

@@ -1,0 +1,61 @@
+"""Greedy decoding and multinomial sampling as a device loop (HF's `_sample`).
+
+Carried state: (step, sequences, unfinished):
+- step: 0-d long, tokens generated so far;
+- sequences: [rows, P + max_new_tokens] long, the prompt then the generated tokens (pad beyond);
+- unfinished: [rows] bool, rows that have not produced eos (finished rows emit the pad token, as HF).
+The loop runs while `step < max_new_tokens` and some row is unfinished; one iteration forwards the last
+token, processes the logits, picks the next token and updates the stop mask, all on the device.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tendril.generation.noise import gumbel
+from tendril.generation.state import Decoder
+
+Carried = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+class TokenSearch:
+    def __init__(self, decoder: Decoder, pad_token_id: int) -> None:
+        self.decoder = decoder
+        self.pad_token_id = pad_token_id
+
+    def start(self, prompt: torch.Tensor, prefill_logits: torch.Tensor) -> Carried:
+        """The state after choosing the first token from the prompt's logits."""
+        rows, device = prompt.shape[0], prompt.device
+        sequences = torch.full((rows, self.decoder.max_len), self.pad_token_id, dtype=torch.long, device=device)
+        sequences[:, : self.decoder.prompt_len] = prompt
+        step = torch.zeros((), dtype=torch.long, device=device)
+        unfinished = torch.ones(rows, dtype=torch.bool, device=device)
+        return self.choose(prefill_logits, step, sequences, unfinished)
+
+    def cond(self, step: torch.Tensor, sequences: torch.Tensor, unfinished: torch.Tensor) -> torch.Tensor:
+        return (step < self.decoder.max_new_tokens) & unfinished.any()
+
+    def body(self, step: torch.Tensor, sequences: torch.Tensor, unfinished: torch.Tensor) -> Carried:
+        slot = self.decoder.prompt_len + step - 1
+        last = sequences.gather(1, slot.expand(sequences.shape[0], 1)).squeeze(1)
+        return self.choose(self.decoder.step(last, slot), step, sequences, unfinished)
+
+    def choose(
+        self, logits: torch.Tensor, step: torch.Tensor, sequences: torch.Tensor, unfinished: torch.Tensor
+    ) -> Carried:
+        decoder = self.decoder
+        length = decoder.prompt_len + step
+        scores = decoder.process(logits, sequences, length)
+        if decoder.processing.do_sample:
+            scores = scores + gumbel(decoder.noise_key, step, *scores.shape)
+        tokens = scores.argmax(-1)
+        if decoder.has_eos:
+            tokens = torch.where(unfinished, tokens, self.pad_token_id)
+            unfinished = unfinished & ~decoder.is_eos(tokens)
+        sequences = sequences.scatter(1, length.expand(sequences.shape[0], 1), tokens[:, None])
+        return step + 1, sequences, unfinished
+
+    def result(self, carried: Carried) -> torch.Tensor:
+        """The prompt and generated tokens, cropped to the steps run (one host sync, after the loop)."""
+        step, sequences, _ = carried
+        return sequences[:, : self.decoder.prompt_len + int(step.item())]
