@@ -8,20 +8,22 @@ defaults; options tendril does not implement are refused by name, never ignored.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import weakref
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
-from tendril.generation.architectures import UnsupportedModelError, decoder_for
-from tendril.generation.beam import BeamSearch
-from tendril.generation.cache import StaticKVCache
-from tendril.generation.greedy import TokenSearch
-from tendril.generation.loop import while_loop
+from tendril.generation.architectures import DecoderArchitecture, UnsupportedModelError, decoder_for
+from tendril.generation.beam import BeamSearch, beam_result
+from tendril.generation.greedy import TokenSearch, greedy_result
 from tendril.generation.noise import draw_key
 from tendril.generation.processors import LogitsProcessing
 from tendril.generation.state import Decoder
+from tendril.graphs.callable import GraphedCallable, graphed
+from tendril.graphs.control import while_loop
 
 _SUPPORTED = (
     "attention_mask, max_new_tokens, eos_token_id, pad_token_id, do_sample, temperature, top_k, top_p, "
@@ -114,52 +116,85 @@ def generate(
         repetition_penalty=float(repetition_penalty),
         min_tokens_to_keep=len(eos) + 1 if num_beams > 1 else 1,
     )
-    with torch.inference_mode():
-        return _run(model, arch, input_ids, attention_mask, max_new_tokens, eos, pad, processing, num_beams,
-                    length_penalty, early_stopping, num_return_sequences, seed)
-
-
-def _run(
-    model: nn.Module,
-    arch: Any,
-    input_ids: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    max_new_tokens: int,
-    eos: list[int],
-    pad: int | None,
-    processing: LogitsProcessing,
-    num_beams: int,
-    length_penalty: float,
-    early_stopping: bool | str,
-    num_return_sequences: int,
-    seed: int | None,
-) -> torch.Tensor:
+    if early_stopping not in (True, False, "never"):
+        raise ValueError(f"early_stopping must be True, False or 'never', got {early_stopping!r}")
+    plan = Plan(
+        max_new_tokens=max_new_tokens, processing=processing, eos=tuple(eos),
+        pad_token_id=pad if pad is not None else 0,
+        # HF's fill value for beam outputs is `pad_token_id or eos_token_id[0]`: a pad id of 0 falls through
+        beam_fill_token_id=pad if pad else (eos[0] if eos else -1),
+        num_beams=num_beams, length_penalty=float(length_penalty), early_stopping=early_stopping,
+    )
     device = input_ids.device
     batch, prompt_len = input_ids.shape
     mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask.to(device=device, dtype=torch.long)
     copies = num_beams if num_beams > 1 else num_return_sequences
-    prompt = input_ids.repeat_interleave(copies, dim=0)
-    mask = mask.repeat_interleave(copies, dim=0)
-    rows, max_len = prompt.shape[0], prompt_len + max_new_tokens
-    arch.check_length(max_len)
+    prompt, mask = input_ids.repeat_interleave(copies, dim=0), mask.repeat_interleave(copies, dim=0)
+    arch.check_length(prompt_len + max_new_tokens)
+    with torch.inference_mode():
+        carried = runner(model, arch, plan)(prompt, mask, draw_key(device, seed))
+        if num_beams == 1:
+            return greedy_result(carried, prompt_len).clone()
+        return beam_result(carried, batch, prompt_len, num_return_sequences).clone()
 
-    layout = arch.layout()
-    weight = next(model.parameters())
-    key_valid = torch.cat([mask.bool(), torch.ones(rows, max_new_tokens, dtype=torch.bool, device=device)], dim=1)
-    cache = StaticKVCache(layout.num_layers, rows, layout.kv_heads, max_len, layout.head_dim, weight.dtype, device,
-                          key_valid)
-    real_lengths = mask.sum(-1)
-    decoder = Decoder(
-        arch=arch, cache=cache, prompt_len=prompt_len, max_new_tokens=max_new_tokens, real_lengths=real_lengths,
-        pad_lengths=(mask != 0).int().argmax(dim=1).long(), processing=processing,
-        eos=torch.tensor(eos, dtype=torch.long, device=device), noise_key=draw_key(device, seed),
-    )
-    logits = decoder.prefill(prompt, mask)
-    loop = while_loop()
-    if num_beams == 1:
-        search = TokenSearch(decoder, pad if pad is not None else 0)
-        return search.result(loop(search.cond, search.body, search.start(prompt, logits)))
-    # HF's fill value for beam outputs: `pad_token_id or eos_token_id[0]` (so a pad id of 0 falls through to eos)
-    fill = pad if pad else (eos[0] if eos else -1)
-    beams = BeamSearch(decoder, batch, num_beams, length_penalty, early_stopping, fill)
-    return beams.result(loop(beams.cond, beams.body, beams.start(prompt, logits)), num_return_sequences)
+
+@dataclass(frozen=True)
+class Plan:
+    """Everything about a `generate` call that is not a tensor: one graph (per input shape) per plan."""
+
+    max_new_tokens: int
+    processing: LogitsProcessing
+    eos: tuple[int, ...]
+    pad_token_id: int
+    beam_fill_token_id: int
+    num_beams: int
+    length_penalty: float
+    early_stopping: bool | str
+
+
+class DecodeLoop:
+    """(prompt, mask, noise_key) -> final loop state: prefill, first choice, then the device loop."""
+
+    def __init__(self, model: nn.Module, arch: DecoderArchitecture, plan: Plan) -> None:
+        self.arch = arch
+        self.plan = plan
+        weight = next(model.parameters())
+        self.cache_dtype = weight.dtype
+        self.eos = torch.tensor(plan.eos, dtype=torch.long, device=weight.device)
+        self.__qualname__ = f"generate[{type(model).__name__}]"
+
+    def __call__(self, prompt: torch.Tensor, mask: torch.Tensor, noise_key: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        plan = self.plan
+        decoder = Decoder.build(self.arch, prompt, mask, plan.max_new_tokens, plan.processing, self.eos, noise_key,
+                                self.cache_dtype)
+        search: TokenSearch | BeamSearch
+        if plan.num_beams == 1:
+            search = TokenSearch(decoder, plan.pad_token_id)
+        else:
+            search = BeamSearch(decoder, prompt.shape[0] // plan.num_beams, plan.num_beams, plan.length_penalty,
+                                plan.early_stopping, plan.beam_fill_token_id)
+        carried = search.start(decoder.prefill())
+        return while_loop(search.cond, search.body, carried, max_iterations=plan.max_new_tokens,
+                          name=f"generate ({type(search).__name__})")
+
+
+_RUNNERS: weakref.WeakKeyDictionary[nn.Module, dict[Plan, Callable[..., tuple[torch.Tensor, ...]]]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def runner(model: nn.Module, arch: DecoderArchitecture, plan: Plan) -> Callable[..., tuple[torch.Tensor, ...]]:
+    """The decode loop for (model, plan): on CUDA a `tendril.graphed` callable (one graph per input shape,
+    replayed with one launch), elsewhere the loop itself, run eagerly."""
+    per_model = _RUNNERS.setdefault(model, {})
+    found = per_model.get(plan)
+    if found is None:
+        loop = DecodeLoop(model, arch, plan)
+        found = graphed(loop) if next(model.parameters()).is_cuda else loop
+        per_model[plan] = found
+    return found
+
+
+def graphed_runners(model: nn.Module) -> list[GraphedCallable]:
+    """The graphed decode loops built for `model` so far (their `.stats` count captures, replays, fallbacks)."""
+    return [r for r in _RUNNERS.get(model, {}).values() if isinstance(r, GraphedCallable)]

@@ -11,6 +11,9 @@ Carried state (B batch items, K beams, L = prompt + max_new_tokens, M = max_new_
   cur_len [] long; running_sequences [B,K,L] long; running_scores [B,K] float; sequences [B,K,L] long;
   scores [B,K] float; finished [B,K] bool; improvable [B,1] bool; running_beam_indices [B,K,M] int32;
   beam_indices [B,K,M] int32; done [] bool.
+
+The body is also safe to evaluate on a finished state (predicated loops do that and discard the result):
+column indices are clamped into range and the cache is not reordered once `done` is set.
 """
 
 from __future__ import annotations
@@ -60,17 +63,19 @@ class BeamSearch:
         device = decoder.eos.device
         self.top_beam_mask = torch.arange(self.beams_to_keep, device=device) < num_beams
         self.batch_offset = torch.arange(batch_size, device=device)[:, None] * num_beams
+        self.same_rows = torch.arange(batch_size * num_beams, device=device)
 
-    def start(self, prompt: torch.Tensor, prefill_logits: torch.Tensor) -> Carried:
-        """The state after the first beam step on the prompt's logits. `prompt` is [B*K, P]."""
-        d, b, k, device = self.decoder, self.batch_size, self.num_beams, prompt.device
+    def start(self, prefill_logits: torch.Tensor) -> Carried:
+        """The state after the first beam step on the prompt's logits (the prompt is [B*K, P])."""
+        d, b, k = self.decoder, self.batch_size, self.num_beams
+        prompt, device = d.prompt, d.prompt.device
         running_sequences = torch.full((b, k, d.max_len), self.fill_token_id, dtype=torch.long, device=device)
         running_sequences[:, :, : d.prompt_len] = prompt.view(b, k, -1)
         running_scores = torch.zeros((b, k), dtype=torch.float32, device=device)
         running_scores[:, 1:] = _NEG
         running_beam_indices = torch.full((b, k, d.max_new_tokens), -1, dtype=torch.int32, device=device)
         carried = (
-            torch.tensor(d.prompt_len, dtype=torch.long, device=device),
+            torch.full((), d.prompt_len, dtype=torch.long, device=device),
             running_sequences,
             running_scores,
             running_sequences.clone(),
@@ -109,7 +114,8 @@ class BeamSearch:
     ) -> Carried:
         d, b, k = self.decoder, self.batch_size, self.num_beams
         vocab = logits.shape[-1]
-        generated = cur_len - d.prompt_len
+        column = cur_len.clamp(max=d.max_len - 1)
+        generated = (cur_len - d.prompt_len).clamp(max=d.max_new_tokens - 1)
 
         # a. log-probabilities, processed, accumulated over each beam
         log_probs = F.log_softmax(logits, dim=-1)
@@ -125,7 +131,7 @@ class BeamSearch:
             top_log_probs, top_indices = torch.topk(log_probs, self.beams_to_keep)
         source_beams = top_indices // vocab
         top_tokens = top_indices % vocab
-        top_sequences = _write_column(_gather_beams(running_sequences, source_beams), cur_len, top_tokens)
+        top_sequences = _write_column(_gather_beams(running_sequences, source_beams), column, top_tokens)
         top_beam_indices = _write_column(
             _gather_beams(running_beam_indices, source_beams), generated, source_beams + self.batch_offset
         )
@@ -155,7 +161,7 @@ class BeamSearch:
 
         # f. reorder the cache to the surviving beams, then decide whether to go on
         source_rows = running_beam_indices.view(b * k, -1).gather(1, generated.expand(b * k, 1)).squeeze(1)
-        d.cache.reorder(source_rows.long())
+        d.cache.reorder(torch.where(done, self.same_rows, source_rows.long()))
         cur_len = cur_len + 1
         improvable = self._still_improvable(improvable, running_scores, scores, finished, cur_len)
         go_on = improvable.any() & ~hits.all()
@@ -186,10 +192,12 @@ class BeamSearch:
         worst_finished = torch.where(finished, scores.min(dim=1, keepdim=True)[0], _NEG)
         return improvable & (best_running > worst_finished).any(dim=-1, keepdim=True)
 
-    def result(self, carried: Carried, num_return_sequences: int) -> torch.Tensor:
-        """The best `num_return_sequences` hypotheses per batch item, cropped as HF crops them."""
-        sequences, beam_indices = carried[3], carried[8]
-        r = num_return_sequences
-        sequences = sequences[:, :r].reshape(self.batch_size * r, -1)
-        generated = int((beam_indices[:, :r] + 1).bool().sum(dim=-1).max().item())
-        return sequences[:, : self.decoder.prompt_len + generated]
+
+
+def beam_result(carried: Carried, batch_size: int, prompt_len: int, num_return_sequences: int) -> torch.Tensor:
+    """The best `num_return_sequences` hypotheses per batch item, cropped as HF crops them (one host sync)."""
+    sequences, beam_indices = carried[3], carried[8]
+    r = num_return_sequences
+    sequences = sequences[:, :r].reshape(batch_size * r, -1)
+    generated = int((beam_indices[:, :r] + 1).bool().sum(dim=-1).max().item())
+    return sequences[:, : prompt_len + generated]

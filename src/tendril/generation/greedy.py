@@ -6,6 +6,9 @@ Carried state: (step, sequences, unfinished):
 - unfinished: [rows] bool, rows that have not produced eos (finished rows emit the pad token, as HF).
 The loop runs while `step < max_new_tokens` and some row is unfinished; one iteration forwards the last
 token, processes the logits, picks the next token and updates the stop mask, all on the device.
+
+The body is also safe to evaluate on a finished state (predicated loops do that and discard the result):
+indices are clamped into range and the cache write it repeats is idempotent.
 """
 
 from __future__ import annotations
@@ -23,8 +26,9 @@ class TokenSearch:
         self.decoder = decoder
         self.pad_token_id = pad_token_id
 
-    def start(self, prompt: torch.Tensor, prefill_logits: torch.Tensor) -> Carried:
+    def start(self, prefill_logits: torch.Tensor) -> Carried:
         """The state after choosing the first token from the prompt's logits."""
+        prompt = self.decoder.prompt
         rows, device = prompt.shape[0], prompt.device
         sequences = torch.full((rows, self.decoder.max_len), self.pad_token_id, dtype=torch.long, device=device)
         sequences[:, : self.decoder.prompt_len] = prompt
@@ -44,7 +48,7 @@ class TokenSearch:
         self, logits: torch.Tensor, step: torch.Tensor, sequences: torch.Tensor, unfinished: torch.Tensor
     ) -> Carried:
         decoder = self.decoder
-        length = decoder.prompt_len + step
+        length = (decoder.prompt_len + step).clamp(max=decoder.max_len - 1)
         scores = decoder.process(logits, sequences, length)
         if decoder.processing.do_sample:
             scores = scores + gumbel(decoder.noise_key, step, *scores.shape)
@@ -55,7 +59,9 @@ class TokenSearch:
         sequences = sequences.scatter(1, length.expand(sequences.shape[0], 1), tokens[:, None])
         return step + 1, sequences, unfinished
 
-    def result(self, carried: Carried) -> torch.Tensor:
-        """The prompt and generated tokens, cropped to the steps run (one host sync, after the loop)."""
-        step, sequences, _ = carried
-        return sequences[:, : self.decoder.prompt_len + int(step.item())]
+
+
+def greedy_result(carried: tuple[torch.Tensor, ...], prompt_len: int) -> torch.Tensor:
+    """The prompt and generated tokens, cropped to the steps run (one host sync, after the loop)."""
+    step, sequences, _ = carried
+    return sequences[:, : prompt_len + int(step.item())]

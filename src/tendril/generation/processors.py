@@ -28,7 +28,7 @@ class LogitsProcessing:
 
     def __post_init__(self) -> None:
         if not self.temperature > 0:
-            raise ValueError(f"temperature must be > 0, got {self.temperature}; for greedy decoding use do_sample=False")
+            raise ValueError(f"temperature must be > 0, got {self.temperature}; for greedy use do_sample=False")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
         if not 0.0 <= self.top_p <= 1.0:

@@ -1,7 +1,8 @@
 """What every decode loop shares: the model's graph-safe forward, its static cache, and the prompt layout.
 
-`Decoder` is built once per `generate` call. Its tensors (cache, prompt lengths, random key) live on the
-device for the whole loop, so a loop body that reads them captures as a fixed graph.
+A `Decoder` is built inside the generation function from its tensor inputs (prompt, attention mask,
+random key), so under capture every tensor it derives (lengths, cache, masks) lives in the graph's
+memory and is recomputed by each replay: nothing is decided on the host.
 """
 
 from __future__ import annotations
@@ -19,18 +20,46 @@ from tendril.generation.processors import LogitsProcessing, seen_tokens
 class Decoder:
     arch: DecoderArchitecture
     cache: StaticKVCache
-    prompt_len: int
-    """P: prompt length including left padding; the first generated token goes to slot P."""
+    prompt: torch.Tensor
+    """[rows, P] long, left-padded."""
+    mask: torch.Tensor
+    """[rows, P] long attention mask (0 for padding)."""
     max_new_tokens: int
-    real_lengths: torch.Tensor
-    """[rows] long: prompt tokens that are not padding (positions of generated tokens start there)."""
-    pad_lengths: torch.Tensor
-    """[rows] long: left-padding tokens per row (ignored by the repetition penalty, as in HF)."""
     processing: LogitsProcessing
     eos: torch.Tensor
     """[E] long, possibly empty (then only max_new_tokens stops a sequence)."""
     noise_key: torch.Tensor
     """0-d int64 key of the counter-based sampler (see noise.py)."""
+
+    @classmethod
+    def build(
+        cls,
+        arch: DecoderArchitecture,
+        prompt: torch.Tensor,
+        mask: torch.Tensor,
+        max_new_tokens: int,
+        processing: LogitsProcessing,
+        eos: torch.Tensor,
+        noise_key: torch.Tensor,
+        cache_dtype: torch.dtype,
+    ) -> Decoder:
+        rows, prompt_len = prompt.shape
+        layout = arch.layout()
+        generated = torch.ones(rows, max_new_tokens, dtype=torch.bool, device=prompt.device)
+        key_valid = torch.cat([mask != 0, generated], dim=1)
+        cache = StaticKVCache(layout.num_layers, rows, layout.kv_heads, prompt_len + max_new_tokens, layout.head_dim,
+                              cache_dtype, prompt.device, key_valid)
+        return cls(arch, cache, prompt, mask, max_new_tokens, processing, eos, noise_key)
+
+    def __post_init__(self) -> None:
+        self.real_lengths = self.mask.sum(-1)
+        """[rows] long: prompt tokens that are not padding (positions of generated tokens start there)."""
+        self.pad_lengths = (self.mask != 0).int().argmax(dim=1)
+        """[rows]: left-padding tokens per row (ignored by the repetition penalty, as in HF)."""
+
+    @property
+    def prompt_len(self) -> int:
+        return self.prompt.shape[1]
 
     @property
     def max_len(self) -> int:
@@ -40,11 +69,10 @@ class Decoder:
     def has_eos(self) -> bool:
         return self.eos.numel() > 0
 
-    def prefill(self, prompt: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    def prefill(self) -> torch.Tensor:
         """Run the prompt through the model, filling cache slots 0..P-1; logits of the last position."""
-        positions = (attention_mask.cumsum(-1) - 1).masked_fill(attention_mask == 0, 0)
-        slots = torch.arange(self.prompt_len, device=prompt.device)
-        return self.arch.forward(prompt, positions, slots, self.cache)
+        positions = (self.mask.cumsum(-1) - 1).masked_fill(self.mask == 0, 0)
+        return self.arch.forward(self.prompt, positions, self.cache.slots[: self.prompt_len], self.cache)
 
     def step(self, last_tokens: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
         """Forward one token per row ([rows] long) stored at cache `slot` (0-d long); logits [rows, vocab]."""

@@ -38,4 +38,4 @@ __all__ = [
 ]
 
 # Registering modules: imported for their `@register` side effect.
-from tendril.generation.architectures import gpt2, gptj, llama  # noqa: E402, F401
+from tendril.generation.architectures import gpt2, gptj, llama  # noqa: F401

@@ -34,7 +34,7 @@ class DecoderArchitecture(ABC):
     model_types: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, model: nn.Module) -> None:
-        self.model = model
+        self.model: Any = model
         self.config: Any = model.config
         self.check(self.config)
 

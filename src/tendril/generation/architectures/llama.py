@@ -39,11 +39,12 @@ class Llama(DecoderArchitecture):
 
     def check_length(self, max_len: int) -> None:
         super().check_length(max_len)
-        window = getattr(self.config, "sliding_window", None)
-        sliding = getattr(self.config, "use_sliding_window", True) and window is not None
-        layer_types = getattr(self.config, "layer_types", None) or []
+        window: int | None = getattr(self.config, "sliding_window", None)
+        if window is None:
+            return
+        sliding = getattr(self.config, "use_sliding_window", True)
         if self.config.model_type == "qwen2":
-            sliding = "sliding_attention" in layer_types and window is not None
+            sliding = "sliding_attention" in (getattr(self.config, "layer_types", None) or [])
         require(not sliding or max_len <= window,
                 f"sequences of {max_len} tokens exceed the sliding window ({window}); tendril's cache attends to "
                 "every earlier token, so keep prompt + max_new_tokens within the window")
