@@ -1,0 +1,116 @@
+"""Demo: a model whose input length changes every call, as CUDA graphs.
+
+GPT-2 at random lengths, batch 1. Today's choices: eager PyTorch (every kernel launched from the
+CPU), or one `torch.cuda.graph` per length, each with its own memory pool. `tendril.graphed`
+captures one graph per length into a single shared pool, largest first, and dispatches by shape.
+"""
+
+from __future__ import annotations
+
+import gc
+import random
+import warnings
+
+import torch
+
+from tendril.demo import DemoSection, Row, SectionResult
+from tendril.graphs.callable import GraphFallbackWarning, graphed
+from tendril.utils.timing import time_callable
+
+MIB = 1 << 20
+
+
+def _gpt2(device: torch.device, quick: bool) -> tuple[torch.nn.Module, int]:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    if device.type == "cuda":
+        config = GPT2Config(use_cache=False)
+        dtype = torch.float16
+    else:  # small enough to run quickly on a CPU
+        config = GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=1000, use_cache=False)
+        dtype = torch.float32
+    model: torch.nn.Module = GPT2LMHeadModel(config)
+    return model.to(device=device, dtype=dtype).eval(), config.vocab_size
+
+
+def _device_used(device: torch.device) -> int:
+    torch.cuda.synchronize(device)
+    gc.collect()
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info(device)
+    return total - free
+
+
+def run(device: torch.device, quick: bool) -> SectionResult:
+    torch.manual_seed(0)
+    rng = random.Random(0)
+    model, vocab = _gpt2(device, quick)
+    lengths = list(range(1, 17 if quick else 129))
+    sequence = [rng.choice(lengths) for _ in range(16 if quick else 64)]
+    inputs = [(torch.randint(0, vocab, (1, n), device=device),) for n in sequence]
+    reps = 8 if quick else 4 * len(inputs)
+    notes = [f"GPT-2, batch 1, a random sequence of lengths 1..{lengths[-1]} ({len(lengths)} shapes)"]
+    with torch.inference_mode():
+        eager = time_callable(model, inputs, device=device, warmup=2, reps=reps)
+        rows = [Row("eager PyTorch", "kernels launched from the CPU", eager.median_ms, baseline=True)]
+        if device.type != "cuda":
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", GraphFallbackWarning)
+                fast = graphed(model)
+                fast(*inputs[0])
+            reason = next(iter(fast.stats.fallback_details.values()))
+            notes.append(f"tendril.graphed runs eagerly here ({reason}); graphs need an NVIDIA GPU.")
+            return SectionResult("Dynamic shapes as CUDA graphs", rows, notes)
+        rows += _graphed_rows(model, vocab, inputs, lengths, device, reps)
+    return SectionResult("Dynamic shapes as CUDA graphs", rows, notes)
+
+
+def _graphed_rows(
+    model: torch.nn.Module,
+    vocab: int,
+    inputs: list[tuple[torch.Tensor]],
+    lengths: list[int],
+    device: torch.device,
+    reps: int,
+) -> list[Row]:
+    base = _device_used(device)
+    per_length = {}
+    for n in lengths:
+        placeholder = torch.randint(0, vocab, (1, n), device=device)
+        model(placeholder)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            logits = model(placeholder).logits
+        per_length[n] = (graph, placeholder, logits)
+    separate_mib = (_device_used(device) - base) / MIB
+
+    def replay_own_pool(ids: torch.Tensor) -> torch.Tensor:
+        graph, placeholder, logits = per_length[ids.shape[1]]
+        placeholder.copy_(ids)
+        graph.replay()
+        return logits
+
+    own = time_callable(replay_own_pool, inputs, device=device, warmup=2, reps=reps)
+    per_length.clear()
+    base = _device_used(device)
+    fast = graphed(model, max_graphs=len(lengths))
+    fast.capture([(torch.zeros(1, n, dtype=torch.long, device=device),) for n in lengths])
+    tendril_mib = (_device_used(device) - base) / MIB
+    timing = time_callable(fast, inputs, device=device, warmup=2, reps=reps)
+    err = max((fast(*x).logits.float() - model(*x).logits.float()).abs().max().item() for x in inputs[:8])
+    return [
+        Row(
+            "torch.cuda.graph per length",
+            f"{len(lengths)} graphs, a pool each: {separate_mib:.0f} MiB",
+            own.median_ms,
+        ),
+        Row(
+            "tendril.graphed",
+            f"{fast.stats.captures} graphs, one shared pool: {tendril_mib:.0f} MiB",
+            timing.median_ms,
+            check=f"max |logit err| {err:.1e} vs eager (fp16)",
+        ),
+    ]
+
+
+SECTION = DemoSection(order=10, title="Dynamic shapes as CUDA graphs", run=run)

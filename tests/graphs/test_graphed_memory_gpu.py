@@ -1,0 +1,91 @@
+"""Memory on the GPU: smaller graphs reuse the largest one's pool, outputs included; failed captures free."""
+
+import gc
+
+import pytest
+import torch
+
+from tests.graphs.gpu_models import fast, gpt2
+
+pytestmark = pytest.mark.gpu
+
+MIB = 1 << 20
+
+
+def _device_used() -> int:
+    torch.cuda.synchronize()
+    gc.collect()
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info()
+    return total - free
+
+
+def test_smaller_graphs_reuse_the_largest_graphs_memory():
+    model = gpt2(torch.float16)
+    graphed_model = fast(model)
+    examples = [(torch.randint(0, 1000, (1, n), device="cuda"),) for n in range(1, 65)]
+    with torch.inference_mode():
+        graphed_model.capture(examples, progress=False)
+    records = list(graphed_model.stats.graphs.values())
+    assert len(records) == 64 and records[0].key.tensors[0].shape == (1, 64)
+    largest, rest = records[0].pool_growth_bytes, sum(r.pool_growth_bytes for r in records[1:])
+    print(f"largest graph's pool {largest / MIB:.1f} MiB, 63 smaller graphs added {rest / MIB:.1f} MiB")
+    assert largest > 0
+    assert rest <= 0.1 * largest, f"smaller graphs grew the shared pool by {rest / MIB:.1f} MiB"
+    assert all(r.driver_bytes is not None for r in records)
+
+
+def test_one_pool_is_much_smaller_than_a_pool_per_shape():
+    model = gpt2(torch.float16)
+    lengths = range(8, 40)
+    with torch.inference_mode():
+        before = _device_used()
+        graphs = []
+        for n in lengths:
+            ids = torch.randint(0, 1000, (1, n), device="cuda")
+            model(ids)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                out = model(ids)
+            graphs.append((graph, ids, out))
+        separate = _device_used() - before
+        del graphs, out
+        before = _device_used()
+        graphed_model = fast(model)
+        graphed_model.capture([(torch.randint(0, 1000, (1, n), device="cuda"),) for n in lengths], progress=False)
+        shared = _device_used() - before
+    print(f"separate pools {separate / MIB:.0f} MiB, tendril {shared / MIB:.0f} MiB")
+    assert shared * 4 < separate
+
+
+def test_outputs_released_to_the_pool_still_hold_the_results():
+    model = gpt2()
+    graphed_model = fast(model)
+    with torch.inference_mode():
+        ids = torch.randint(0, 1000, (1, 24), device="cuda")
+        graphed_model.capture([(ids,), (ids[:, :5],)], progress=False)
+        torch.testing.assert_close(graphed_model(ids).logits, model(ids).logits, rtol=1e-4, atol=1e-4)
+        short = ids[:, :5]
+        torch.testing.assert_close(graphed_model(short).logits, model(short).logits, rtol=1e-4, atol=1e-4)
+
+
+def test_a_failed_capture_returns_its_memory_and_leaves_the_callable_usable():
+    def syncs_when_long(x):
+        y = (x @ x.T).relu()
+        if x.shape[0] > 1000:
+            y = y * y.sum().item()
+        return y
+
+    graphed_fn = fast(syncs_when_long)
+    with torch.inference_mode():
+        before = _device_used()
+        big = torch.randn(2048, 2048, device="cuda")
+        with pytest.warns(UserWarning, match="synchronises"):
+            out = graphed_fn(big)
+        torch.testing.assert_close(out, syncs_when_long(big))
+        del out
+        leaked = _device_used() - before - big.numel() * 4
+        assert leaked < 4 * MIB, f"failed capture left {leaked / MIB:.1f} MiB"
+        small = torch.randn(64, 64, device="cuda")
+        torch.testing.assert_close(graphed_fn(small), syncs_when_long(small))
+        assert graphed_fn.stats.captures == 1 and graphed_fn.stats.replays == 1
