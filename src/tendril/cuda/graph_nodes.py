@@ -87,7 +87,7 @@ def set_condition(handle: Any, flag: torch.Tensor) -> None:
     if flag.dtype != torch.bool or flag.numel() != 1 or flag.device.type != "cuda":
         raise ValueError(f"a condition must be a one-element bool CUDA tensor, got {flag.dtype} {list(flag.shape)}")
     kernel = compile_kernel(_SET_CONDITION_SOURCE, "tendril_set_condition", options=_SET_CONDITION_OPTIONS)
-    kernel.launch(1, 1, [ctypes.c_uint64(int(handle)), flag])
+    kernel.launch(1, 1, [ctypes.c_uint64(int(handle)), flag.contiguous()])
 
 
 def add_conditional_node(
@@ -112,16 +112,21 @@ def add_conditional_node(
         else runtime.cudaGraphConditionalNodeType.cudaGraphCondTypeIf
     )
     params.conditional.size = branches
-    if hasattr(runtime, "cudaDeviceGetExecutionCtx"):  # CUDA 13: the node names the context it runs in
+    deps = info.dependencies
+    edge_data = info.edge_data if len(info.edge_data) == len(deps) and deps else None
+
+    def add() -> Any:
+        if _takes_edge_data(runtime.cudaGraphAddNode):
+            return runtime.cudaGraphAddNode(info.graph, deps, edge_data, len(deps), params)
+        return runtime.cudaGraphAddNode(info.graph, deps, len(deps), params)
+
+    result = add()
+    if int(result[0]) != 0 and hasattr(runtime, "cudaDeviceGetExecutionCtx"):
+        # CUDA 13 drivers may want the node to name the execution context it runs in
         params.conditional.ctx = check(
             runtime.cudaDeviceGetExecutionCtx(torch.cuda.current_device()), "cudaDeviceGetExecutionCtx"
         )
-    deps = info.dependencies
-    edge_data = info.edge_data if len(info.edge_data) == len(deps) and deps else None
-    if _takes_edge_data(runtime.cudaGraphAddNode):
-        result = runtime.cudaGraphAddNode(info.graph, deps, edge_data, len(deps), params)
-    else:
-        result = runtime.cudaGraphAddNode(info.graph, deps, len(deps), params)
+        result = add()
     node = check(result, "cudaGraphAddNode(conditional)")
     bodies = list(params.conditional.phGraph_out)[:branches]
     return node, bodies

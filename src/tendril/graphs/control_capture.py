@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from tendril.cuda import graph_nodes
+from tendril.cuda.nvrtc import relaxed_capture_mode
 
 
 class HostSyncInGraphError(RuntimeError):
@@ -65,7 +66,8 @@ def _side_stream(device: int, depth: int) -> torch.cuda.Stream:
     state = _state()
     stream = state.streams.get((device, depth))
     if stream is None:
-        stream = state.streams[(device, depth)] = torch.cuda.Stream(device)
+        with relaxed_capture_mode():  # may create torch's stream pool, which is not capturable
+            stream = state.streams[(device, depth)] = torch.cuda.Stream(device)
     return stream
 
 
