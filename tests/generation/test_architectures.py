@@ -1,0 +1,72 @@
+"""Each graph-safe decode path against the HF model's own forward (fp32, left padding, several steps)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+from tendril.generation.architectures import UnsupportedModelError, decoder_for, supported_model_types
+from tendril.generation.cache import StaticKVCache
+from tests.generation.models import VOCAB, left_padded, tiny_model
+
+FAMILIES = ["gpt2", "gptj", "llama", "mistral", "qwen2"]
+
+
+def _positions(mask: torch.Tensor) -> torch.Tensor:
+    return (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_prefill_and_steps_match_hf_logits(family):
+    model = tiny_model(family)
+    arch = decoder_for(model)
+    ids, mask = left_padded([5, 3, 1])
+    steps, max_len = 3, ids.shape[1] + 3
+    layout = arch.layout()
+    key_valid = torch.cat([mask.bool(), torch.ones(3, steps, dtype=torch.bool)], dim=1)
+    cache = StaticKVCache(layout.num_layers, 3, layout.kv_heads, max_len, layout.head_dim, torch.float32,
+                          torch.device("cpu"), key_valid)
+    with torch.no_grad():
+        logits = arch.forward(ids, _positions(mask), torch.arange(ids.shape[1]), cache)
+        for step in range(steps + 1):
+            expected = model(ids, attention_mask=mask, position_ids=_positions(mask)).logits[:, -1]
+            torch.testing.assert_close(logits, expected, rtol=1e-5, atol=1e-5)
+            if step == steps:
+                break
+            token = torch.randint(4, VOCAB, (3, 1), generator=torch.Generator().manual_seed(step))
+            slot = torch.tensor([ids.shape[1]])
+            ids, mask = torch.cat([ids, token], 1), torch.cat([mask, torch.ones(3, 1, dtype=torch.long)], 1)
+            logits = arch.forward(token, _positions(mask)[:, -1:], slot, cache)
+
+
+def test_registry_lists_the_families():
+    assert {"gpt2", "gptj", "llama", "mistral", "qwen2"} <= set(supported_model_types())
+
+
+def test_unsupported_model_names_what_is_supported():
+    model = transformers.OPTForCausalLM(transformers.OPTConfig(
+        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=1, ffn_dim=64, num_attention_heads=2,
+        word_embed_proj_dim=32))
+    with pytest.raises(UnsupportedModelError, match=r"'opt'.*supported: .*gpt2.*unsupported='hf'"):
+        decoder_for(model)
+
+
+def test_unsupported_options_are_refused_by_name():
+    config = transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=VOCAB, reorder_and_upcast_attn=True)
+    with pytest.raises(UnsupportedModelError, match="reorder_and_upcast_attn"):
+        decoder_for(transformers.GPT2LMHeadModel(config))
+    rope = transformers.LlamaConfig(num_hidden_layers=1, hidden_size=32, num_attention_heads=2, intermediate_size=64,
+                                    vocab_size=VOCAB, rope_parameters={"rope_type": "dynamic", "factor": 2.0,
+                                                                      "rope_theta": 10000.0})
+    with pytest.raises(UnsupportedModelError, match="dynamic"):
+        decoder_for(transformers.LlamaForCausalLM(rope))
+
+
+def test_lengths_beyond_the_model_or_window_are_refused():
+    with pytest.raises(ValueError, match="exceeds the model's 128 positions"):
+        decoder_for(tiny_model("gpt2")).check_length(129)
+    mistral = tiny_model("mistral")
+    mistral.config.sliding_window = 16
+    with pytest.raises(UnsupportedModelError, match="sliding window"):
+        decoder_for(mistral).check_length(17)
