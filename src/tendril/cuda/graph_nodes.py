@@ -4,8 +4,8 @@ A stream that is being captured has a graph under construction and a set of "cur
 captured operation will depend on (`capture_info`). Device-side control flow is spliced in there:
 
 1. `create_conditional_handle(graph)`: a conditional variable owned by that graph.
-2. `set_condition(handle, flag)`: a one-thread kernel, captured like any other launch, that copies a
-   0-d bool tensor into the conditional variable (`cudaGraphSetConditional` on the device).
+2. `set_condition(handle, flag)`: a one-thread kernel (NVRTC), captured like any other launch, that
+   copies a 0-d bool tensor into the conditional variable (`cudaGraphSetConditional` on the device).
 3. `add_conditional_node(info, handle, kind, branches)`: an IF (one or two branches) or WHILE node that
    depends on the current nodes; CUDA creates its empty body graphs.
 4. `capture_to_graph(stream, body)`: a second capture, on another stream, that records into a body
@@ -23,19 +23,26 @@ import ctypes
 import enum
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from tendril.cuda.runtime import CudaError, check
 
+if TYPE_CHECKING:
+    from tendril.cuda.nvrtc import Kernel
+
+# `cudaGraphSetConditional` is a CUDA device-runtime builtin: ptxas resolves the call itself, so the kernel
+# needs neither relocatable code nor cudadevrt, and declaring it here avoids depending on the toolkit's
+# headers being installed beside NVRTC (the declaration matches cuda_device_runtime_api.h).
 _SET_CONDITION_SOURCE = r"""
-#include <cuda_device_runtime_api.h>
+typedef unsigned long long cudaGraphConditionalHandle;
+extern "C" __device__ void cudaGraphSetConditional(cudaGraphConditionalHandle handle, unsigned int value);
+
 extern "C" __global__ void tendril_set_condition(cudaGraphConditionalHandle handle, const bool* flag) {
     cudaGraphSetConditional(handle, *flag ? 1u : 0u);
 }
 """
-_SET_CONDITION_OPTIONS = ("-default-device",)
 
 
 class ConditionalKind(enum.Enum):
@@ -82,12 +89,17 @@ def create_conditional_handle(graph: Any) -> Any:
 
 def set_condition(handle: Any, flag: torch.Tensor) -> None:
     """Enqueue, on torch's current stream, a kernel that sets `handle` to `flag` (a one-element bool tensor)."""
-    from tendril.cuda.nvrtc import compile_kernel
-
     if flag.dtype != torch.bool or flag.numel() != 1 or flag.device.type != "cuda":
         raise ValueError(f"a condition must be a one-element bool CUDA tensor, got {flag.dtype} {list(flag.shape)}")
-    kernel = compile_kernel(_SET_CONDITION_SOURCE, "tendril_set_condition", options=_SET_CONDITION_OPTIONS)
-    kernel.launch(1, 1, [ctypes.c_uint64(int(handle)), flag.contiguous()])
+    set_condition_kernel().launch(1, 1, [ctypes.c_uint64(int(handle)), flag.contiguous()])
+
+
+def set_condition_kernel() -> Kernel:
+    """The compiled `set_condition` kernel (compile it before creating a handle: a handle left without a node
+    makes the whole graph fail to instantiate)."""
+    from tendril.cuda.nvrtc import compile_kernel
+
+    return compile_kernel(_SET_CONDITION_SOURCE, "tendril_set_condition")
 
 
 def add_conditional_node(

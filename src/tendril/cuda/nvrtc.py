@@ -33,7 +33,7 @@ from tendril.cuda.runtime import CudaError, check
 KernelArg = torch.Tensor | ctypes._SimpleCData
 Dim = int | tuple[int, ...]
 
-_HEADER_NOT_FOUND = "cannot open source file"
+_HEADER_NOT_FOUND = "open source file"  # NVRTC: "could not open source file" / "cannot open ..."
 
 
 class CompileError(RuntimeError):

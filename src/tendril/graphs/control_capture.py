@@ -111,6 +111,7 @@ def add_node(pred: torch.Tensor, kind: graph_nodes.ConditionalKind, branches: in
     state = _state()
     if state.depth == 0:
         state.root_capture_id = info.capture_id
+    graph_nodes.set_condition_kernel()
     handle = graph_nodes.create_conditional_handle(info.graph)
     graph_nodes.set_condition(handle, pred)
     info = graph_nodes.capture_info(stream)
