@@ -18,6 +18,8 @@ def alexnet_like(num_classes: int = 10, width: int = 8) -> nn.Module:
         nn.MaxPool2d(kernel_size=3, stride=2),
         nn.Conv2d(2 * w, 3 * w, kernel_size=3, padding=1),
         nn.ReLU(inplace=True),
+        nn.Conv2d(3 * w, 3 * w, kernel_size=3, padding=1),
+        nn.ReLU(inplace=True),
         nn.Conv2d(3 * w, 2 * w, kernel_size=3, padding=1),
         nn.ReLU(inplace=True),
         nn.MaxPool2d(kernel_size=3, stride=2),

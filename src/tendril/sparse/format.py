@@ -22,13 +22,15 @@ Layouts (all on one device; int32 indices, fp32 values):
     column is `col_ptr[j]:col_ptr[j + 1]`, so one nonzero activation meets exactly its column.
 
 `CompressedActivations` (bytes per nonzero: 8, static capacity)
-    `values[Cv, capacity]`, `positions[Cv, capacity]` (flat plane index `iy * plane_w + ix`, ascending)
-    and `counts[Cv]`, the *true* number of nonzeros of each virtual channel, kept on the device. The
+    `values[Cv, capacity]`, `positions[Cv, capacity]` (flat plane index `iy * plane_w + ix`, ascending),
+    `row_ptr[Cv, plane_h + 1]` (how many nonzeros of the channel lie in the rows before each row, so a
+    band of rows is one contiguous slice) and `counts[Cv]`, the *true* number of nonzeros of each
+    virtual channel, kept on the device. The
     buffers are allocated at their static capacity so that compression needs no host sync and runs
     inside a CUDA graph. The default capacity is the whole plane, which cannot overflow. A smaller
     capacity saves memory; a channel with more nonzeros than that keeps its first `capacity` ones, its
     count records the true number, and the compressor raises the shared overflow flag: kernels read
-    `min(count, capacity)` (never past the buffer) and `SparseNetwork.check_overflow()` raises after the
+    `min(count, capacity)` and `min(row_ptr, capacity)` (never past the buffer) and `SparseNetwork.check_overflow()` raises after the
     run instead of returning a silently wrong answer.
 """
 
@@ -302,6 +304,7 @@ class CompressedActivations:
     layout: ActivationLayout
     values: torch.Tensor
     positions: torch.Tensor
+    row_ptr: torch.Tensor
     counts: torch.Tensor
 
     @classmethod
@@ -311,6 +314,7 @@ class CompressedActivations:
             layout,
             torch.empty(shape, dtype=torch.float32, device=device),
             torch.empty(shape, dtype=torch.int32, device=device),
+            torch.empty(layout.virtual_channels, layout.plane_hw[0] + 1, dtype=torch.int32, device=device),
             torch.empty(layout.virtual_channels, dtype=torch.int32, device=device),
         )
 

@@ -18,8 +18,10 @@ A batch is run one sample at a time (the engine is built for batch-1 latency).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -170,6 +172,28 @@ class SparseNetwork:
         return values[self.output_name]
 
     __call__ = forward
+
+    @torch.no_grad()
+    def profile(self, x: torch.Tensor) -> list[tuple[str, float]]:
+        """One forward timing each step (CUDA events on the GPU, wall clock on the CPU): `(step, ms)`."""
+        values = {self.input_name: x}
+        cuda = self.device.type == "cuda"
+        marks: list[tuple[str, Any]] = []
+        for step in self.steps:
+            start = torch.cuda.Event(enable_timing=True) if cuda else time.perf_counter()
+            if cuda:
+                start.record()
+            values[step.output] = step.run([values[name] for name in step.inputs], self._state)
+            if cuda:
+                end = torch.cuda.Event(enable_timing=True)
+                end.record()
+                marks.append((step.name, (start, end)))
+            else:
+                marks.append((step.name, (time.perf_counter() - start) * 1e3))
+        if cuda:
+            torch.cuda.synchronize(self.device)
+            return [(name, s.elapsed_time(e)) for name, (s, e) in marks]
+        return marks
 
     def check_overflow(self) -> None:
         """Raise if any activation overflowed its capacity since the last check (host sync), then reset."""

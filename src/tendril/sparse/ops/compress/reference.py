@@ -31,6 +31,9 @@ def compress(x: torch.Tensor, layout: ActivationLayout) -> CompressedActivations
         out.values[v, : kept.numel()] = planes[v, kept]
         out.positions[v, : kept.numel()] = kept.to(torch.int32)
         out.counts[v] = nz.numel()
+    rows = (planes != 0).reshape(layout.virtual_channels, layout.plane_hw[0], layout.plane_hw[1]).sum(2)
+    out.row_ptr[:, 0] = 0
+    out.row_ptr[:, 1:] = torch.cumsum(rows, 1)
     return out
 
 

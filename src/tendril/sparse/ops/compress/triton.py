@@ -2,7 +2,8 @@
 
 Each program walks its phase plane in blocks of `BLOCK` positions, reading the dense input through
 the padding and stride-phase indexing (nothing is materialised), numbers the nonzeros of the block
-with `tl.cumsum` on top of the running count and stores them in order. The true count goes to
+with `tl.cumsum` on top of the running count and stores them in order; where a plane row starts it
+stores the running count as that row's pointer. The true count goes to
 `counts`; a channel over capacity stores only what fits and raises `overflow_ptr[0]`. No host sync:
 the launch shape depends only on the layout, so it runs inside a CUDA graph.
 """
@@ -21,10 +22,12 @@ def _compress_kernel(
     x_ptr,
     values_ptr,
     positions_ptr,
+    row_ptr_ptr,
     counts_ptr,
     overflow_ptr,
     height,
     width,
+    plane_h,
     plane_w,
     plane_size,
     capacity,
@@ -50,11 +53,14 @@ def _compress_kernel(
         x = tl.load(x_base + iy * width + ix, mask=inside, other=0.0)
         nonzero = inside & (x != 0.0)
         slot = total + tl.cumsum(nonzero.to(tl.int32), axis=0) - 1
+        row_start = (flat < plane_size) & (flat % plane_w == 0)
+        tl.store(row_ptr_ptr + v * (plane_h + 1) + flat // plane_w, slot + 1 - nonzero.to(tl.int32), mask=row_start)
         keep = nonzero & (slot < capacity)
         tl.store(values_ptr + out_base + slot, x, mask=keep)
         tl.store(positions_ptr + out_base + slot, flat, mask=keep)
         total += tl.sum(nonzero.to(tl.int32), axis=0)
     tl.store(counts_ptr + v, total)
+    tl.store(row_ptr_ptr + v * (plane_h + 1) + plane_h, total)
     tl.atomic_max(overflow_ptr, (total > capacity).to(tl.int32))
 
 
@@ -73,10 +79,12 @@ def compress(
         x,
         out.values,
         out.positions,
+        out.row_ptr,
         out.counts,
         overflow,
         h,
         w,
+        layout.plane_hw[0],
         layout.plane_hw[1],
         layout.plane_size,
         layout.capacity,

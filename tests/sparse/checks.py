@@ -1,0 +1,122 @@
+"""Checks shared by the CPU, Triton-interpreter and GPU tests: each op against its plain-PyTorch
+reference, with unwritten buffer slots poisoned so that reading past a count is caught."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from tendril.sparse.format import (
+    ActivationLayout,
+    CompressedActivations,
+    ConvGeometry,
+    SparseConvWeights,
+    SparseLinearWeights,
+)
+from tendril.sparse.ops.compress import reference as compress_reference
+
+REL_TOL = 1e-4
+
+
+@dataclass(frozen=True)
+class ConvCase:
+    channels: int
+    out_channels: int
+    size: tuple[int, int]
+    kernel: int
+    stride: int
+    padding: int
+    groups: int
+    weight_density: float
+    act_density: float
+    seed: int = 0
+
+    @property
+    def geometry(self) -> ConvGeometry:
+        k, s, p = self.kernel, self.stride, self.padding
+        return ConvGeometry(self.channels, self.out_channels, (k, k), (s, s), (p, p), self.groups, self.size)
+
+
+CONV_CASES = [
+    ConvCase(3, 4, (9, 11), 3, 1, 1, 1, 0.4, 0.5),
+    ConvCase(4, 6, (13, 12), 5, 2, 2, 2, 0.3, 0.6),
+    ConvCase(3, 5, (23, 23), 11, 4, 2, 1, 0.8, 1.0),
+    ConvCase(4, 4, (8, 8), 1, 2, 0, 4, 0.5, 0.5),
+    ConvCase(3, 5, (10, 9), 7, 3, 3, 1, 0.5, 0.4),
+    ConvCase(6, 6, (7, 7), 3, 1, 0, 3, 1.0, 0.3),
+    ConvCase(2, 3, (6, 5), 3, 1, 1, 1, 0.0, 0.5),
+    ConvCase(2, 3, (6, 5), 5, 1, 2, 1, 0.5, 0.0),
+    ConvCase(2, 3, (5, 5), 7, 2, 3, 1, 0.5, 0.5),
+]
+
+
+def sparse_tensor(shape: tuple[int, ...], density: float, gen: torch.Generator, positive: bool = False) -> torch.Tensor:
+    x = torch.randn(shape, generator=gen)
+    if positive:
+        x = x.abs() + 0.1
+    return x * (torch.rand(shape, generator=gen) < density)
+
+
+def relative_error(y: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((y.double() - ref.double()).abs().max() / ref.double().abs().max().clamp(min=1e-6))
+
+
+def poisoned(acts: CompressedActivations) -> CompressedActivations:
+    """A copy whose slots past each count hold NaN values and out-of-range positions."""
+    slots = torch.arange(acts.layout.capacity, device=acts.values.device)
+    unused = slots[None, :] >= acts.stored_counts[:, None]
+    values = acts.values.masked_fill(unused, float("nan"))
+    positions = acts.positions.masked_fill(unused, 1 << 30)
+    return CompressedActivations(acts.layout, values, positions, acts.row_ptr.clone(), acts.counts.clone())
+
+
+def assert_same_compression(acts: CompressedActivations, expected: CompressedActivations) -> None:
+    assert torch.equal(acts.counts.cpu(), expected.counts.cpu())
+    assert torch.equal(acts.row_ptr.cpu(), expected.row_ptr.cpu())
+    stored = torch.arange(expected.layout.capacity)[None, :] < expected.stored_counts.cpu()[:, None]
+    assert torch.equal(acts.values.cpu()[stored], expected.values.cpu()[stored])
+    assert torch.equal(acts.positions.cpu()[stored], expected.positions.cpu()[stored])
+
+
+def conv_operands(case: ConvCase, device: torch.device):
+    gen = torch.Generator().manual_seed(case.seed)
+    g = case.geometry
+    weight = sparse_tensor((g.out_channels, g.in_channels // g.groups, *g.kernel), case.weight_density, gen)
+    x = sparse_tensor((g.in_channels, *g.in_hw), case.act_density, gen, positive=True)
+    bias = torch.randn(g.out_channels, generator=gen)
+    ref = F.conv2d(x[None].double(), weight.double(), bias.double(), g.stride, g.padding, groups=g.groups)[0]
+    weights = SparseConvWeights.from_dense(weight.to(device), g)
+    weights.validate()
+    init = bias.view(-1, 1, 1).expand(g.out_channels, *g.out_hw).contiguous().to(device)
+    return weights, x.to(device), init, ref
+
+
+def check_conv(case: ConvCase, compress, conv, device: torch.device) -> None:
+    """`compress(x, layout)` and `conv(acts, weights, init)` must match the dense convolution."""
+    weights, x, init, ref = conv_operands(case, device)
+    layout = ActivationLayout.for_conv(weights.geometry)
+    acts = compress(x, layout)
+    assert_same_compression(acts, compress_reference.compress(x.cpu(), layout))
+    y = conv(poisoned(acts), weights, init)
+    assert y.shape == ref.shape
+    if ref.abs().max() == 0:
+        assert torch.equal(y.cpu(), torch.zeros_like(y.cpu()))
+    else:
+        assert relative_error(y.cpu(), ref) <= REL_TOL, case
+
+
+def check_linear(features: int, outputs: int, weight_density: float, act_density: float, compress, linear,
+                 device: torch.device, seed: int = 0) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    weight = sparse_tensor((outputs, features), weight_density, gen)
+    x = sparse_tensor((features,), act_density, gen, positive=True)
+    bias = torch.randn(outputs, generator=gen)
+    ref = weight.double() @ x.double() + bias.double()
+    weights = SparseLinearWeights.from_dense(weight.to(device))
+    weights.validate()
+    layout = ActivationLayout.for_vector(features)
+    acts = compress(x.to(device).view(1, 1, features), layout)
+    y = linear(poisoned(acts), weights, bias.to(device).clone())
+    assert relative_error(y.cpu(), ref) <= REL_TOL

@@ -1,0 +1,53 @@
+"""Triton kernels run on the CPU by the Triton interpreter; executed by test_triton_interpreted.py in a
+subprocess with TRITON_INTERPRET=1 (the variable must be set before the kernels are defined)."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from tendril.sparse import convert, prune
+from tendril.sparse.format import ActivationLayout
+from tendril.sparse.ops.compress import reference as compress_reference
+from tendril.sparse.ops.compress import triton as compress_triton
+from tendril.sparse.ops.conv import triton as conv_triton
+from tendril.sparse.ops.linear import triton as linear_triton
+from tests.sparse.checks import CONV_CASES, REL_TOL, assert_same_compression, check_conv, check_linear, relative_error
+from tests.sparse.models import Bottleneck, ResNetLike, alexnet_like, randomize_batchnorm
+
+CPU = torch.device("cpu")
+
+
+def _compress(x: torch.Tensor, layout: ActivationLayout):
+    return compress_triton.compress(x, layout, torch.zeros(1, dtype=torch.int32), block=64)
+
+
+def main() -> None:
+    assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
+    for case in CONV_CASES:
+        check_conv(case, _compress, lambda a, w, i: conv_triton.conv(a, w, i, block_a=32, block_w=8), CPU)
+    for wd, ad in ((0.3, 0.5), (1.0, 1.0), (0.0, 0.5), (0.5, 0.0)):
+        check_linear(97, 33, wd, ad, _compress, linear_triton.linear, CPU)
+
+    x = torch.rand(2, 6, 6) + 0.1
+    layout = ActivationLayout(2, (6, 6), (1, 1), (0, 0), 10)
+    flag = torch.zeros(1, dtype=torch.int32)
+    acts = compress_triton.compress(x, layout, flag, block=16)
+    assert flag.item() == 1 and acts.counts.tolist() == [36, 36]
+    assert_same_compression(acts, compress_reference.compress(x, layout))
+
+    torch.manual_seed(0)
+    for model, densities, size in ((alexnet_like(), "alexnet", 67), (ResNetLike(Bottleneck, (1, 1)), 0.3, 24)):
+        model = randomize_batchnorm(model).eval()
+        prune(model, densities)
+        net = convert(model, torch.randn(1, 3, size, size)).set_backend("triton")
+        x = torch.randn(1, 3, size, size)
+        with torch.no_grad():
+            assert relative_error(net(x), model(x)) <= REL_TOL
+        net.check_overflow()
+    print("interpreted checks passed")
+
+
+if __name__ == "__main__":
+    main()

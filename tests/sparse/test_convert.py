@@ -1,0 +1,76 @@
+"""Whole networks on the CPU backend against dense PyTorch on the same pruned weights; conversion errors."""
+
+import pytest
+import torch
+from torch import nn
+
+from tendril.sparse import ActivationOverflowError, UnsupportedLayerError, convert, prune
+from tendril.sparse.network import DenseStep, SparseConvStep, SparseLinearStep
+from tests.sparse.checks import REL_TOL, relative_error
+from tests.sparse.models import BasicBlock, Bottleneck, ResNetLike, alexnet_like, randomize_batchnorm, vgg_like
+
+NETWORKS = {
+    "alexnet": (lambda: alexnet_like(), "alexnet", 67),
+    "vgg_bn": (lambda: vgg_like(batch_norm=True), 0.4, 32),
+    "resnet_basic": (lambda: ResNetLike(BasicBlock, (2, 2, 2)), 0.3, 40),
+    "resnet_bottleneck": (lambda: ResNetLike(Bottleneck, (1, 2, 1)), 0.2, 40),
+}
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+@pytest.mark.parametrize("name", list(NETWORKS))
+def test_cpu_network_matches_dense_pytorch(name, threads):
+    build, densities, size = NETWORKS[name]
+    torch.manual_seed(0)
+    model = randomize_batchnorm(build()).eval()
+    prune(model, densities)
+    net = convert(model, torch.randn(1, 3, size, size)).set_backend("cpu", threads)
+    for _ in range(2):
+        x = torch.randn(2, 3, size, size)
+        with torch.no_grad():
+            assert relative_error(net(x), model(x)) <= REL_TOL
+    net.check_overflow()
+    layers = net.layers()
+    assert all(0.0 <= r.activation_density <= 1.0 for r in layers)
+    assert layers[0].activation_density == 1.0
+    compressed, dense = net.weight_bytes()
+    assert 0 < compressed < dense
+
+
+def test_fusions_fold_batchnorm_relu_and_residual_adds_into_the_sparse_layers():
+    model = randomize_batchnorm(ResNetLike(Bottleneck, (1, 1))).eval()
+    net = convert(model, torch.randn(1, 3, 32, 32))
+    convs = [s for s in net.steps if isinstance(s, SparseConvStep)]
+    assert len(convs) == sum(isinstance(m, nn.Conv2d) for m in model.modules())
+    assert sum(s.residual for s in convs) == 2
+    assert sum(isinstance(s, DenseStep) for s in net.steps) == 3  # maxpool, avgpool, flatten
+    assert isinstance(net.steps[-1], SparseLinearStep)
+
+
+def test_unsupported_layers_are_named():
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.GELU()).eval()
+    with pytest.raises(UnsupportedLayerError, match=r"'1' \(GELU\)"):
+        convert(model, torch.randn(1, 3, 8, 8))
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.BatchNorm2d(4)).eval()
+    with pytest.raises(UnsupportedLayerError, match="BatchNorm2d 2"):
+        convert(model, torch.randn(1, 3, 8, 8))
+    with pytest.raises(ValueError, match="dilation"):
+        convert(nn.Sequential(nn.Conv2d(3, 4, 3, dilation=2)).eval(), torch.randn(1, 3, 8, 8))
+    with pytest.raises(ValueError, match="eval-mode"):
+        convert(nn.Sequential(nn.Conv2d(3, 4, 3)), torch.randn(1, 3, 8, 8))
+
+
+def test_overflow_of_a_reduced_capacity_is_reported_not_silent():
+    model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.ReLU(), nn.Conv2d(4, 4, 3)).eval()
+    net = convert(model, torch.randn(1, 3, 8, 8), activation_capacity=0.1)
+    net(torch.rand(1, 3, 8, 8) + 0.1)
+    with pytest.raises(ActivationOverflowError, match="activation_capacity"):
+        net.check_overflow()
+    net.check_overflow()  # the flag was reset
+
+
+def test_wrong_input_shape_is_rejected():
+    model = nn.Sequential(nn.Conv2d(3, 4, 3)).eval()
+    net = convert(model, torch.randn(1, 3, 8, 8))
+    with pytest.raises(ValueError, match="layout expects"):
+        net(torch.randn(1, 3, 9, 9))

@@ -1,0 +1,131 @@
+"""GPU: every kernel against its reference over random geometries and densities (0 and 1 included),
+whole networks against dense PyTorch, and a converted network replayed inside a CUDA graph."""
+
+import random
+
+import pytest
+import torch
+
+from tendril.sparse import ActivationOverflowError, convert, prune
+from tendril.sparse.format import ActivationLayout
+from tendril.sparse.ops.compress import reference as compress_reference
+from tendril.sparse.ops.compress import triton as compress_triton
+from tendril.sparse.ops.conv import triton as conv_triton
+from tendril.sparse.ops.linear import triton as linear_triton
+from tests.sparse.checks import (
+    CONV_CASES,
+    REL_TOL,
+    ConvCase,
+    assert_same_compression,
+    check_conv,
+    check_linear,
+    relative_error,
+)
+from tests.sparse.models import BasicBlock, Bottleneck, ResNetLike, alexnet_like, randomize_batchnorm, vgg_like
+
+pytestmark = pytest.mark.gpu
+CUDA = torch.device("cuda")
+
+
+@pytest.fixture(autouse=True)
+def _exact_fp32():
+    previous = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
+    yield
+    torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = previous
+
+
+def _compress(x, layout):
+    return compress_triton.compress(x, layout, torch.zeros(1, dtype=torch.int32, device=x.device))
+
+
+def _random_conv_cases(n: int, seed: int = 0) -> list[ConvCase]:
+    rng = random.Random(seed)
+    cases = []
+    while len(cases) < n:
+        groups = rng.choice([1, 1, 2, 4])
+        kernel = rng.choice([1, 3, 5, 7, 11])
+        padding = rng.randint(0, kernel // 2 + 1)
+        size = (rng.randint(kernel, 40), rng.randint(kernel, 40))
+        case = ConvCase(
+            groups * rng.randint(1, 12), groups * rng.randint(1, 24), size, kernel, rng.randint(1, 4), padding,
+            groups, rng.choice([0.0, 0.05, 0.3, 0.7, 1.0]), rng.choice([0.0, 0.1, 0.5, 1.0]), seed=rng.randint(0, 99),
+        )
+        cases.append(case)
+    return cases
+
+
+@pytest.mark.parametrize("case", CONV_CASES + _random_conv_cases(40))
+def test_conv_kernel_matches_dense_conv(case):
+    check_conv(case, _compress, conv_triton.conv, CUDA)
+
+
+@pytest.mark.parametrize("block_a,block_w", [(32, 8), (128, 16), (256, 32)])
+def test_conv_kernel_block_sizes_on_a_vgg_sized_layer(block_a, block_w):
+    case = ConvCase(64, 64, (56, 56), 3, 1, 1, 1, 0.3, 0.5)
+    check_conv(case, _compress, lambda a, w, i: conv_triton.conv(a, w, i, block_a=block_a, block_w=block_w), CUDA)
+
+
+@pytest.mark.parametrize(("features", "outputs", "wd", "ad"), [
+    (97, 33, 0.3, 0.5), (4096, 1000, 0.04, 0.5), (9216, 512, 1.0, 1.0), (300, 70, 0.0, 0.5), (300, 70, 0.5, 0.0),
+])
+def test_linear_kernel_matches_dense(features, outputs, wd, ad):
+    check_linear(features, outputs, wd, ad, _compress, linear_triton.linear, CUDA)
+
+
+def test_compression_overflow_raises_the_device_flag_and_keeps_true_counts():
+    x = torch.rand(3, 20, 20, device=CUDA) + 0.1
+    layout = ActivationLayout(3, (20, 20), (1, 1), (0, 0), 50)
+    flag = torch.zeros(1, dtype=torch.int32, device=CUDA)
+    acts = compress_triton.compress(x, layout, flag)
+    assert flag.item() == 1 and acts.counts.tolist() == [400] * 3
+    assert_same_compression(acts, compress_reference.compress(x.cpu(), layout))
+
+
+NETWORKS = [
+    (lambda: alexnet_like(width=16), "alexnet", 127),
+    (lambda: vgg_like(width=8, batch_norm=True), 0.3, 64),
+    (lambda: ResNetLike(BasicBlock, (2, 2, 2)), 0.2, 64),
+    (lambda: ResNetLike(Bottleneck, (2, 2, 2), width=16), 0.2, 96),
+]
+
+
+@pytest.mark.parametrize("index", range(len(NETWORKS)))
+def test_network_matches_dense_pytorch_eager_and_inside_a_cuda_graph(index):
+    build, densities, size = NETWORKS[index]
+    torch.manual_seed(index)
+    model = randomize_batchnorm(build()).eval().to(CUDA)
+    prune(model, densities)
+    placeholder = torch.randn(1, 3, size, size, device=CUDA)
+    net = convert(model, placeholder)
+    with torch.no_grad():
+        assert relative_error(net(placeholder), model(placeholder)) <= REL_TOL
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            net(placeholder)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = net(placeholder)
+        for _ in range(5):
+            x = torch.randn(1, 3, size, size, device=CUDA)
+            placeholder.copy_(x)
+            out.fill_(float("nan"))
+            graph.replay()
+            assert relative_error(out, model(x)) <= REL_TOL
+    net.check_overflow()
+
+
+def test_network_overflow_inside_a_graph_is_reported_after_the_replay():
+    model = vgg_like(width=8).eval().to(CUDA)
+    x = torch.rand(1, 3, 32, 32, device=CUDA) + 0.1
+    net = convert(model, x, activation_capacity=0.05)
+    graph = torch.cuda.CUDAGraph()
+    net(x)
+    net._state.overflow.zero_()
+    with torch.cuda.graph(graph):
+        net(x)
+    graph.replay()
+    with pytest.raises(ActivationOverflowError):
+        net.check_overflow()

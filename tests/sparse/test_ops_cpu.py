@@ -1,0 +1,74 @@
+"""The CPU implementations of compression, convolution and the FC layer against their references."""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tendril.sparse.format import ActivationLayout
+from tendril.sparse.ops.compress import cpu as compress_cpu
+from tendril.sparse.ops.compress import reference as compress_reference
+from tendril.sparse.ops.conv import cpu as conv_cpu
+from tendril.sparse.ops.conv import reference as conv_reference
+from tendril.sparse.ops.cpu_threads import balanced_ranges
+from tendril.sparse.ops.linear import cpu as linear_cpu
+from tendril.sparse.ops.linear import reference as linear_reference
+from tests.sparse.checks import CONV_CASES, ConvCase, assert_same_compression, check_conv, check_linear, sparse_tensor
+
+CPU = torch.device("cpu")
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+@pytest.mark.parametrize("case", CONV_CASES)
+def test_cpu_conv_matches_dense_conv(case, threads):
+    check_conv(case, compress_cpu.compress, lambda a, w, i: conv_cpu.conv(a, w, i, threads=threads), CPU)
+
+
+@pytest.mark.parametrize("case", CONV_CASES[:3])
+def test_reference_conv_matches_dense_conv(case):
+    check_conv(case, compress_reference.compress, conv_reference.conv, CPU)
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    channels=st.integers(1, 4),
+    groups=st.sampled_from([1, 2]),
+    size=st.tuples(st.integers(4, 14), st.integers(4, 14)),
+    kernel=st.sampled_from([1, 3, 5, 7, 11]),
+    stride=st.integers(1, 4),
+    padding=st.integers(0, 5),
+    weight_density=st.sampled_from([0.0, 0.2, 0.7, 1.0]),
+    act_density=st.sampled_from([0.0, 0.3, 1.0]),
+    seed=st.integers(0, 1000),
+)
+def test_cpu_conv_over_random_geometries(channels, groups, size, kernel, stride, padding, weight_density,
+                                         act_density, seed):
+    if min(size) + 2 * padding < kernel:
+        return
+    case = ConvCase(channels * groups, 2 * groups, size, kernel, stride, padding, groups, weight_density,
+                    act_density, seed)
+    check_conv(case, compress_cpu.compress, lambda a, w, i: conv_cpu.conv(a, w, i, threads=2), CPU)
+
+
+@pytest.mark.parametrize("threads", [1, 4])
+@pytest.mark.parametrize(("weight_density", "act_density"), [(0.3, 0.5), (1.0, 1.0), (0.0, 0.5), (0.5, 0.0)])
+def test_cpu_linear_matches_dense(weight_density, act_density, threads):
+    check_linear(97, 33, weight_density, act_density, compress_cpu.compress,
+                 lambda a, w, i: linear_cpu.linear(a, w, i, threads=threads), CPU)
+    check_linear(97, 33, weight_density, act_density, compress_cpu.compress, linear_reference.linear, CPU)
+
+
+def test_overflowing_capacity_keeps_the_true_count_and_stores_only_what_fits():
+    x = sparse_tensor((2, 6, 6), 1.0, torch.Generator().manual_seed(0), positive=True)
+    layout = ActivationLayout(2, (6, 6), (1, 1), (0, 0), 10)
+    acts = compress_cpu.compress(x, layout)
+    assert acts.counts.tolist() == [36, 36] and acts.overflowed()
+    assert_same_compression(acts, compress_reference.compress(x, layout))
+
+
+def test_balanced_ranges_cover_everything_once():
+    work = [5, 0, 3, 9, 1, 1, 7, 0]
+    for parts in (1, 2, 3, 8, 20):
+        ranges = balanced_ranges(work, parts)
+        assert len(ranges) <= parts
+        assert [i for a, b in ranges for i in range(a, b)] == list(range(len(work)))
