@@ -49,3 +49,21 @@ def test_gumbel_max_samples_the_softmax():
     probs = logits.softmax(-1).double()
     assert freq[4] == 0
     assert (freq - probs).abs().max() < 4 * (probs * (1 - probs) / rows).sqrt().max()
+
+
+def test_chi_square_over_many_keys_has_the_right_tail():
+    """Across keys, Gumbel-max sampling of 8 tokens (out of 96 columns) fits chi-square with 7 dof."""
+    probs = torch.zeros(96, dtype=torch.float64)
+    picked = torch.tensor([15, 18, 29, 41, 55, 63, 69, 88])
+    probs[picked] = torch.tensor([0.12, 0.11, 0.11, 0.11, 0.12, 0.18, 0.13, 0.12], dtype=torch.float64)
+    scores = probs.float().log()
+    rows, keys = 2000, 150
+    stats = []
+    for seed in range(keys):
+        noise = gumbel(draw_key(torch.device("cpu"), seed), _step(0), rows, 96)
+        counts = torch.bincount((scores + noise).argmax(-1), minlength=96).double()[picked]
+        expected = probs[picked] * rows
+        stats.append(((counts - expected) ** 2 / expected).sum().item())
+    chi2 = torch.tensor(stats)
+    assert 6.0 < chi2.mean() < 8.0
+    assert (chi2 > 18.5).float().mean() <= 0.04  # 1% expected above the 0.99 quantile

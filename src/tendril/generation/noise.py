@@ -47,11 +47,16 @@ def draw_key(device: torch.device, seed: int | None) -> torch.Tensor:
 
 
 def uniform(key: torch.Tensor, step: torch.Tensor, rows: int, columns: int) -> torch.Tensor:
-    """[rows, columns] float32 in (0, 1), a pure function of (key, step, row, column)."""
+    """[rows, columns] float32 in (0, 1), a pure function of (key, step, row, column).
+
+    Each row gets its own 32-bit key; a column's bits hash the row key plus a Weyl sequence in the
+    column, hashed again with the row key (one hash round alone showed a heavy chi-square tail).
+    """
     device = key.device
     row_keys = hash32((hash32(key ^ ((step * _GOLDEN) & _MASK32)) + torch.arange(rows, device=device)) & _MASK32)
-    index = torch.arange(columns, device=device)
-    bits = hash32((row_keys[:, None] ^ hash32(index)[None, :]) & _MASK32)
+    weyl = (torch.arange(columns, device=device) * _GOLDEN) & _MASK32
+    first = hash32((row_keys[:, None] + weyl[None, :]) & _MASK32)
+    bits = hash32(first ^ row_keys[:, None])
     return ((bits >> 8).to(torch.float32) + 0.5) * (2.0**-24)
 
 

@@ -1,0 +1,151 @@
+"""`tendril.generate` against HF's `model.generate`, token for token (fp32, CPU eager path)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tendril.generation import UnsupportedModelError, generate
+from tests.generation.models import hf_generate, left_padded, tiny_model
+
+NEW = 12
+
+
+def _eos_hit_by(model, ids, mask, row: int = 0, step: int = 3) -> int:
+    """A token that greedy decoding of `row` produces at `step`: using it as eos forces an early stop."""
+    out = hf_generate(model, ids, mask, None, max_new_tokens=NEW)
+    return int(out[row, ids.shape[1] + step])
+
+
+def _check(model, ids, mask, eos, **options):
+    expected = hf_generate(model, ids, mask, eos, max_new_tokens=NEW, **options)
+    got = generate(model, ids, mask, max_new_tokens=NEW, eos_token_id=eos if eos is not None else [], pad_token_id=0,
+                   **options)
+    assert got.shape == expected.shape, (got.shape, expected.shape)
+    assert torch.equal(got, expected), (got, expected)
+    return got
+
+
+@pytest.mark.parametrize("family", ["gpt2", "gptj", "llama"])
+def test_greedy_matches_hf_with_left_padding_and_ragged_eos(family):
+    model = tiny_model(family)
+    ids, mask = left_padded([6, 3, 5])
+    _check(model, ids, mask, None)
+    eos = _eos_hit_by(model, ids, mask, row=1, step=2)
+    out = _check(model, ids, mask, eos)
+    assert (out[1, ids.shape[1] + 3 :] == 0).all()  # row 1 stopped early and was padded, like HF
+
+
+def test_greedy_stops_when_every_row_hit_eos(gpt2):
+    ids, mask = left_padded([4])
+    eos = _eos_hit_by(gpt2, ids, mask, step=0)
+    out = _check(gpt2, ids, mask, eos)
+    assert out.shape[1] == ids.shape[1] + 1
+
+
+@pytest.mark.parametrize("family", ["gpt2", "gptj", "llama"])
+def test_beam_search_matches_hf(family):
+    model = tiny_model(family)
+    ids, mask = left_padded([5, 2])
+    _check(model, ids, mask, None, num_beams=3)
+    _check(model, ids, mask, _eos_hit_by(model, ids, mask, row=0, step=1), num_beams=3, num_return_sequences=2)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        dict(num_beams=4, length_penalty=0.5),
+        dict(num_beams=4, length_penalty=2.0, early_stopping=True),
+        dict(num_beams=2, early_stopping="never", length_penalty=1.5),
+        dict(num_beams=4, num_return_sequences=4, early_stopping=True),
+    ],
+)
+def test_beam_options_match_hf_with_early_eos(gpt2, options):
+    ids, mask = left_padded([4, 6, 3], seed=1)
+    for row in range(3):
+        _check(gpt2, ids, mask, _eos_hit_by(gpt2, ids, mask, row=row, step=row + 1), **options)
+
+
+def test_repetition_penalty_matches_hf(gpt2):
+    ids, mask = left_padded([6, 2], seed=2)
+    _check(gpt2, ids, mask, None, repetition_penalty=1.5)
+    _check(gpt2, ids, mask, None, repetition_penalty=0.7)
+    _check(gpt2, ids[:1], mask[:1], None, repetition_penalty=1.5, num_beams=3)
+
+
+def test_sampling_is_reproducible_with_seed_and_varies_without(gpt2):
+    ids, mask = left_padded([5, 3])
+    sample = dict(max_new_tokens=NEW, eos_token_id=[], do_sample=True, top_k=0)
+    a = generate(gpt2, ids, mask, seed=11, **sample)
+    assert torch.equal(a, generate(gpt2, ids, mask, seed=11, **sample))
+    assert not torch.equal(a, generate(gpt2, ids, mask, seed=12, **sample))
+    torch.manual_seed(5)
+    b = generate(gpt2, ids, mask, **sample)
+    torch.manual_seed(5)
+    assert torch.equal(b, generate(gpt2, ids, mask, **sample))
+    beams = generate(gpt2, ids, mask, seed=3, num_beams=3, num_return_sequences=2, **sample)
+    assert beams.shape == (4, ids.shape[1] + NEW)
+    assert torch.equal(beams, generate(gpt2, ids, mask, seed=3, num_beams=3, num_return_sequences=2, **sample))
+
+
+@pytest.mark.parametrize("options", [dict(top_k=0), dict(temperature=0.6, top_k=8, top_p=0.9, repetition_penalty=1.3)])
+def test_sampling_draws_from_hfs_processed_distribution(gpt2, options):
+    """First sampled token of many rows against the probabilities HF's processors give (chi-square)."""
+    from transformers.generation.logits_process import (
+        LogitsProcessorList,
+        RepetitionPenaltyLogitsProcessor,
+        TemperatureLogitsWarper,
+        TopKLogitsWarper,
+        TopPLogitsWarper,
+    )
+
+    ids, mask = left_padded([5])
+    rows = 6000
+    out = generate(gpt2, ids.expand(rows, -1), mask.expand(rows, -1), max_new_tokens=1, eos_token_id=[],
+                   do_sample=True, seed=0, **options)
+    counts = torch.bincount(out[:, -1], minlength=gpt2.config.vocab_size).double()
+    chain = LogitsProcessorList()
+    if options.get("repetition_penalty", 1.0) != 1.0:
+        chain.append(RepetitionPenaltyLogitsProcessor(options["repetition_penalty"]))
+    if options.get("temperature", 1.0) != 1.0:
+        chain.append(TemperatureLogitsWarper(options["temperature"]))
+    if options.get("top_k"):
+        chain.append(TopKLogitsWarper(options["top_k"]))
+    if options.get("top_p", 1.0) < 1.0:
+        chain.append(TopPLogitsWarper(options["top_p"]))
+    with torch.no_grad():
+        logits = gpt2(ids, attention_mask=mask).logits[:, -1].float()
+    probs = chain(ids, logits).softmax(-1)[0].double()
+    assert counts[probs == 0].sum() == 0
+    expected = probs * rows
+    bins = expected >= 5
+    chi2 = (((counts - expected) ** 2 / expected.clamp(min=1e-12))[bins]).sum().item()
+    dof = int(bins.sum()) - 1
+    assert chi2 < dof + 5 * (2 * dof) ** 0.5, (chi2, dof)
+
+
+def test_options_outside_the_supported_set_are_refused(gpt2):
+    ids, mask = left_padded([3])
+    with pytest.raises(ValueError, match="does not support no_repeat_ngram_size"):
+        generate(gpt2, ids, mask, max_new_tokens=2, no_repeat_ngram_size=2)
+    with pytest.raises(ValueError, match="num_return_sequences"):
+        generate(gpt2, ids, mask, max_new_tokens=2, num_return_sequences=2)
+    with pytest.raises(ValueError, match="must be <= num_beams"):
+        generate(gpt2, ids, mask, max_new_tokens=2, num_beams=2, num_return_sequences=3)
+    with pytest.raises(ValueError, match="early_stopping"):
+        generate(gpt2, ids, mask, max_new_tokens=2, num_beams=2, early_stopping="sometimes")
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        generate(gpt2, ids, mask, max_new_tokens=0)
+
+
+def test_unsupported_models_raise_or_fall_back_to_hf_on_request():
+    import transformers
+
+    model = transformers.OPTForCausalLM(transformers.OPTConfig(
+        vocab_size=96, hidden_size=32, num_hidden_layers=1, ffn_dim=64, num_attention_heads=2,
+        word_embed_proj_dim=32, eos_token_id=3, pad_token_id=0)).eval()
+    ids, mask = left_padded([4])
+    with pytest.raises(UnsupportedModelError):
+        generate(model, ids, mask, max_new_tokens=3)
+    out = generate(model, ids, mask, max_new_tokens=3, eos_token_id=[], unsupported="hf")
+    assert torch.equal(out, hf_generate(model, ids, mask, None, max_new_tokens=3))
