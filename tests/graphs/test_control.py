@@ -193,3 +193,39 @@ def test_random_programs_agree_across_lowerings(ops, branch_ops, threshold, limi
         i, x = while_loop(keep_going, body, (torch.tensor(0), x0), max_iterations=6, lowering=lowering)
         assert i.item() == expected_i.item()
         torch.testing.assert_close(x, expected_x)
+
+
+# ---------------------------------------------------------------- lowering policy (no GPU needed)
+
+
+@pytest.fixture
+def capturing_without_conditional_nodes(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(control, "_conditional_support", lambda needs_else: control.runtime.Support(False, "no driver"))
+
+
+def test_capture_without_conditional_nodes_falls_back_to_predication(capturing_without_conditional_nodes):
+    assert control._choose_lowering([], "auto", needs_else=False, what="x") == (
+        "predication",
+        "conditional nodes unavailable: no driver",
+    )
+
+
+def test_cpu_tensors_are_refused_while_capturing(capturing_without_conditional_nodes):
+    with pytest.raises(ValueError, match=r"while_loop carried: tensor 0 is on cpu, but a CUDA graph is being captured"):
+        while_loop(lambda x: x.sum() > 0, lambda x: x, (torch.zeros(1),), max_iterations=2)
+
+
+def test_if_else_nodes_need_a_12_8_driver(monkeypatch):
+    monkeypatch.setattr(control.runtime, "conditional_nodes", lambda: control.runtime.Support(True, "12.6"))
+    monkeypatch.setattr(control.runtime, "driver_version", lambda: 12060)
+    control._conditional_support.cache_clear()
+    try:
+        assert control._conditional_support(False).available
+        assert control._conditional_support(True) == control.runtime.Support(
+            False, "IF/ELSE nodes need a driver for CUDA 12.8"
+        )
+    finally:
+        control._conditional_support.cache_clear()

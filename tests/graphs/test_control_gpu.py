@@ -234,3 +234,34 @@ def test_cpu_tensors_during_capture_are_named():
     with pytest.raises(ValueError, match=r"tensor 1 is on cpu, but a CUDA graph is being captured"):  # noqa: SIM117
         with torch.cuda.graph(graph):
             while_loop(lambda i, v: i < 3, lambda i, v: (i + 1, v), (torch.zeros((), device="cuda"), torch.ones(2)))
+
+
+def test_without_conditional_nodes_a_captured_loop_is_predicated(monkeypatch):
+    monkeypatch.setattr(control, "_conditional_support", lambda needs_else: control.runtime.Support(False, "forced"))
+    control.reset_control_flow_stats()
+    control.clear_loop_bound_checks()
+    run = _nested_program("auto")
+    limit = torch.tensor(4, device="cuda")
+    x = torch.randn(8, device="cuda")
+    graph, outputs = _capture(run, limit, x)
+    stats = control.control_flow_stats()
+    assert stats.conditional_node == 0 and stats.predication > 0
+    assert stats.fallback_reasons["conditional nodes unavailable: forced"] == stats.predication
+    monkeypatch.undo()
+    expected = _nested_program("auto")(limit, x)
+    _replay_without_host_sync(graph)
+    for got, want in zip(outputs, expected, strict=True):
+        torch.testing.assert_close(got, want)
+    control.check_loop_bounds()
+    control.clear_loop_bound_checks()
+
+
+def test_shape_changing_state_inside_a_capture_is_a_clean_error():
+    graph = torch.cuda.CUDAGraph()
+    with pytest.raises(ValueError, match=r"body_fn output 1 is \[4\] float32 on cuda:0 but carried 1 is \[3\]"):  # noqa: SIM117
+        with torch.cuda.graph(graph):
+            while_loop(
+                lambda i, v: i < 3,
+                lambda i, v: (i + 1, torch.cat([v, v[:1]])),
+                (torch.zeros((), dtype=torch.int64, device="cuda"), torch.ones(3, device="cuda")),
+            )
