@@ -207,14 +207,16 @@ def capturing_without_conditional_nodes(monkeypatch):
 
 
 def test_capture_without_conditional_nodes_falls_back_to_predication(capturing_without_conditional_nodes):
-    assert control._choose_lowering([], "auto", needs_else=False, what="x") == (
+    assert control._choose_lowering([], "auto", needs_else=False) == (
         "predication",
         "conditional nodes unavailable: no driver",
     )
 
 
 def test_cpu_tensors_are_refused_while_capturing(capturing_without_conditional_nodes):
-    with pytest.raises(ValueError, match=r"while_loop carried: tensor 0 is on cpu, but a CUDA graph is being captured"):
+    with pytest.raises(
+        ValueError, match=r"while_loop carried\[0\] is on cpu, but a CUDA graph is being captured on cuda:0"
+    ):
         while_loop(lambda x: x.sum() > 0, lambda x: x, (torch.zeros(1),), max_iterations=2)
 
 

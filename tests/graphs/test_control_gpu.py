@@ -231,7 +231,7 @@ def test_a_host_sync_inside_a_body_is_named():
 
 def test_cpu_tensors_during_capture_are_named():
     graph = torch.cuda.CUDAGraph()
-    with pytest.raises(ValueError, match=r"tensor 1 is on cpu, but a CUDA graph is being captured"):  # noqa: SIM117
+    with pytest.raises(ValueError, match=r"while_loop carried\[1\] is on cpu, but a CUDA graph is being captured"):  # noqa: SIM117
         with torch.cuda.graph(graph):
             while_loop(lambda i, v: i < 3, lambda i, v: (i + 1, v), (torch.zeros((), device="cuda"), torch.ones(2)))
 

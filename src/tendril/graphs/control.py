@@ -124,7 +124,7 @@ def while_loop(
     if max_iterations is not None and (not isinstance(max_iterations, int) or max_iterations < 0):
         raise ValueError(f"max_iterations must be a non-negative int, got {max_iterations!r}")
     label = name or f"while_loop({_fn_name(cond_fn)}, {_fn_name(body_fn)})"
-    how, reason = _choose_lowering(state, lowering, needs_else=False, what="while_loop carried")
+    how, reason = _choose_lowering(_named("while_loop carried", state), lowering, needs_else=False)
     if how == "predication" and max_iterations is None:
         raise ValueError(f"{label}: predication ({reason}) unrolls the loop and needs a bound: pass max_iterations=N")
     _count(how, reason)
@@ -154,7 +154,8 @@ def cond(
     if isinstance(pred, bool):
         return _fresh(_flatten(true_fn(*ops) if pred else false_fn(*ops), "cond branch"), ops)
     flag = _as_pred(pred, "cond pred")
-    how, reason = _choose_lowering((flag, *ops), lowering, needs_else=True, what="cond operands")
+    named = [("cond pred", flag), *_named("cond operands", ops)]
+    how, reason = _choose_lowering(named, lowering, needs_else=True)
     _count(how, reason)
     if how == "eager":
         chosen = true_fn if bool(flag) else false_fn
@@ -172,8 +173,12 @@ def cond(
 # -------------------------------------------------------------------------------- lowering choice
 
 
+def _named(what: str, tensors: Sequence[torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
+    return [(f"{what}[{i}]", t) for i, t in enumerate(tensors)]
+
+
 def _choose_lowering(
-    tensors: Sequence[torch.Tensor], lowering: Lowering, *, needs_else: bool, what: str
+    tensors: Sequence[tuple[str, torch.Tensor]], lowering: Lowering, *, needs_else: bool
 ) -> tuple[str, str]:
     """(lowering, why): "eager", "conditional_node" or "predication"."""
     if lowering not in ("auto", "predication"):
@@ -181,10 +186,10 @@ def _choose_lowering(
     capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
     if capturing:
         device = torch.device("cuda", torch.cuda.current_device())
-        for i, t in enumerate(tensors):
+        for name, t in tensors:
             if t.device != device:
                 raise ValueError(
-                    f"{what}: tensor {i} is on {t.device}, but a CUDA graph is being captured on {device}; "
+                    f"{name} is on {t.device}, but a CUDA graph is being captured on {device}; "
                     f"inside a capture every tensor must be on {device} (move it there before capturing)"
                 )
     if lowering == "predication":
