@@ -37,6 +37,21 @@ from typing import Any, Literal
 import torch
 
 from tendril.cuda import runtime
+from tendril.graphs import control_capture
+from tendril.graphs.control_capture import HostSyncInGraphError
+
+__all__ = [
+    "ControlFlowStats",
+    "HostSyncInGraphError",
+    "LoopBoundCheck",
+    "LoopBoundExceeded",
+    "check_loop_bounds",
+    "clear_loop_bound_checks",
+    "cond",
+    "control_flow_stats",
+    "reset_control_flow_stats",
+    "while_loop",
+]
 
 Lowering = Literal["auto", "predication"]
 IF_ELSE_MIN_DRIVER = 12080
@@ -218,9 +233,7 @@ def _count(how: str, reason: str) -> None:
 
 def _sync_guard_when_capturing(fn: Callable[..., Any], what: str) -> contextlib.AbstractContextManager[None]:
     if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-        from tendril.graphs.control_capture import host_sync_guard
-
-        return host_sync_guard(fn, what)
+        return control_capture.host_sync_guard(fn, what)
     return contextlib.nullcontext()
 
 
@@ -272,7 +285,6 @@ def _while_predicated(loop: _Loop, state: list[torch.Tensor], max_iterations: in
 
 def _while_conditional_node(loop: _Loop, carried: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
     from tendril.cuda.graph_nodes import ConditionalKind, set_condition
-    from tendril.graphs import control_capture
 
     state = [c.clone(memory_format=torch.contiguous_format) for c in carried]
     with control_capture.host_sync_guard(loop.cond_fn, f"{loop.label}: cond_fn"):
@@ -288,7 +300,6 @@ def _cond_conditional_node(
     flag: torch.Tensor, true_fn: Callable[..., Any], false_fn: Callable[..., Any], ops: list[torch.Tensor]
 ) -> Any:
     from tendril.cuda.graph_nodes import ConditionalKind
-    from tendril.graphs import control_capture
 
     outer = torch.cuda.current_stream()
     splice = control_capture.add_node(flag, ConditionalKind.IF, branches=2)

@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import traceback
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -149,7 +150,9 @@ def capture_body(body_graph: Any, fn: Callable[..., Any], what: str) -> Iterator
 def host_sync_guard(fn: Callable[..., Any], what: str) -> Iterator[None]:
     """Make host syncs in the block raise at once (sync debug mode "error"), reported as `HostSyncInGraphError`."""
     previous = torch.cuda.get_sync_debug_mode()
-    torch.cuda.set_sync_debug_mode("error")
+    with warnings.catch_warnings():  # torch warns that the mode is a prototype; it is only our guard here
+        warnings.simplefilter("ignore", UserWarning)
+        torch.cuda.set_sync_debug_mode("error")
     try:
         yield
     except RuntimeError as exc:
