@@ -79,3 +79,15 @@ def test_sampling_on_the_gpu_is_reproducible_and_varies_per_step():
     assert torch.equal(a, generate(model, ids, mask, seed=1, **sample))
     assert not torch.equal(a, generate(model, ids, mask, seed=2, **sample))
     assert len(set(a[0, ids.shape[1]:].tolist())) > 3  # not one token repeated: the noise changes per step
+
+
+def test_benchmark_per_step_graph_variant_matches_tendril():
+    from benchmarks.cases import generation as case
+
+    model = case.gpt2(torch.device("cuda"), torch.float32, n_layer=2, n_embd=64, n_head=4, vocab_size=96,
+                      n_positions=64)
+    prompts = [torch.randint(0, 96, (1, 5), generator=torch.Generator().manual_seed(i)).cuda() for i in range(2)]
+    step_graph = case.PerStepGraph(model, prompts[0], NEW, 1)
+    for prompt in prompts:
+        expected = case.tendril_generate(model, NEW, 1)(prompt)
+        assert torch.equal(step_graph(prompt).clone(), expected)

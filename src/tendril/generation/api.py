@@ -164,18 +164,20 @@ class DecodeLoop:
         self.__qualname__ = f"generate[{type(model).__name__}]"
 
     def __call__(self, prompt: torch.Tensor, mask: torch.Tensor, noise_key: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        search = self.search(prompt, mask, noise_key)
+        carried = search.start(search.decoder.prefill())
+        return while_loop(search.cond, search.body, carried, max_iterations=self.plan.max_new_tokens,
+                          name=f"generate ({type(search).__name__})")
+
+    def search(self, prompt: torch.Tensor, mask: torch.Tensor, noise_key: torch.Tensor) -> TokenSearch | BeamSearch:
+        """The search (cond/body/start over a new decoder and cache) for these inputs."""
         plan = self.plan
         decoder = Decoder.build(self.arch, prompt, mask, plan.max_new_tokens, plan.processing, self.eos, noise_key,
                                 self.cache_dtype)
-        search: TokenSearch | BeamSearch
         if plan.num_beams == 1:
-            search = TokenSearch(decoder, plan.pad_token_id)
-        else:
-            search = BeamSearch(decoder, prompt.shape[0] // plan.num_beams, plan.num_beams, plan.length_penalty,
-                                plan.early_stopping, plan.beam_fill_token_id)
-        carried = search.start(decoder.prefill())
-        return while_loop(search.cond, search.body, carried, max_iterations=plan.max_new_tokens,
-                          name=f"generate ({type(search).__name__})")
+            return TokenSearch(decoder, plan.pad_token_id)
+        return BeamSearch(decoder, prompt.shape[0] // plan.num_beams, plan.num_beams, plan.length_penalty,
+                          plan.early_stopping, plan.beam_fill_token_id)
 
 
 _RUNNERS: weakref.WeakKeyDictionary[nn.Module, dict[Plan, Callable[..., tuple[torch.Tensor, ...]]]] = (

@@ -1,0 +1,212 @@
+"""Case `generation`: GPT-2 124M (fp16, random weights), batch 1, 16-token prompt, 128 new tokens.
+
+Variants, greedy and 4-beam, each forced to do equal work (eos disabled, so every variant generates
+exactly 128 tokens):
+- `hf eager`: `model.generate` as users call it;
+- `hf static+compile`: `model.generate(cache_implementation="static")`, which HF compiles automatically
+  (its warm-up, the first call, is reported);
+- `per-step graph`: tendril's decode step (forward + token choice / beam bookkeeping over the static
+  cache) captured as one CUDA graph and replayed from a host loop, one replay per token;
+- `tendril`: `tendril.generate`, the prompt and the whole loop in one graph launch (a WHILE node).
+Then one run with an early eos (a token greedy decoding emits at step 32): HF stops on the host,
+tendril on the device. Every call is timed with CUDA events (medians); prompts rotate among several.
+For each variant: ms per call, tokens/s, time to first token (the same call with max_new_tokens=1)
+and warm-up (wall time of the first call: compilation or capture).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from benchmarks.registry import Context, Goal, register
+from tendril.generation import generate
+from tendril.generation.api import DecodeLoop, Plan, graphed_runners
+from tendril.generation.architectures import decoder_for
+from tendril.generation.noise import draw_key
+from tendril.generation.processors import LogitsProcessing
+from tendril.graphs.capture import capture
+from tendril.graphs.control import control_flow_stats
+from tendril.utils.timing import time_callable
+
+Generate = Callable[[torch.Tensor], torch.Tensor]
+"""prompt ids [1, P] -> generated ids [rows, P + new]."""
+
+
+@dataclass(frozen=True)
+class Workload:
+    prompt_len: int = 16
+    new_tokens: int = 128
+    prompts: int = 4
+    early_eos_step: int = 32
+
+
+def tokens_per_second(new_tokens: int, ms: float) -> float:
+    return new_tokens / (ms / 1000.0)
+
+
+def gpt2(device: torch.device, dtype: torch.dtype = torch.float16, **config: int) -> nn.Module:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(**config))
+    model.generation_config.eos_token_id = None  # equal work: nothing stops a sequence early
+    model.generation_config.pad_token_id = 0
+    return model.to(device=device, dtype=dtype).eval()
+
+
+def hf_eager(model: nn.Module, new_tokens: int, num_beams: int, eos: int | None = None) -> Generate:
+    def run(ids: torch.Tensor) -> torch.Tensor:
+        with torch.inference_mode():
+            return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,  # type: ignore[operator]
+                                  num_beams=num_beams, do_sample=False, eos_token_id=eos, pad_token_id=0)
+
+    return run
+
+
+def hf_static_compiled(model: nn.Module, new_tokens: int, num_beams: int) -> Generate:
+    def run(ids: torch.Tensor) -> torch.Tensor:
+        with torch.inference_mode():
+            return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,  # type: ignore[operator]
+                                  num_beams=num_beams, do_sample=False, cache_implementation="static",
+                                  pad_token_id=0)
+
+    return run
+
+
+def tendril_generate(model: nn.Module, new_tokens: int, num_beams: int, eos: int | None = None) -> Generate:
+    def run(ids: torch.Tensor) -> torch.Tensor:
+        return generate(model, ids, max_new_tokens=new_tokens, num_beams=num_beams,
+                        eos_token_id=[] if eos is None else eos, pad_token_id=0)
+
+    return run
+
+
+class PerStepGraph:
+    """tendril's loop body captured once as a CUDA graph and replayed from a host loop (one replay a token).
+
+    The prompt pass and first token choice run eagerly into the same decoder and cache each call; the
+    replays then read and write the loop state in place. With eos disabled every call runs the full
+    `new_tokens - 1` replays (no per-step stop test, which would cost a host sync per token).
+    """
+
+    def __init__(self, model: nn.Module, prompt: torch.Tensor, new_tokens: int, num_beams: int) -> None:
+        plan = Plan(max_new_tokens=new_tokens, processing=LogitsProcessing(min_tokens_to_keep=1), eos=(),
+                    pad_token_id=0, beam_fill_token_id=0, num_beams=num_beams,
+                    length_penalty=1.0, early_stopping=False)
+        self.new_tokens = new_tokens
+        rows_prompt = prompt.repeat_interleave(num_beams, 0)
+        with torch.inference_mode():
+            self.search = DecodeLoop(model, decoder_for(model), plan).search(
+                rows_prompt.clone(), torch.ones_like(rows_prompt), draw_key(prompt.device, 0))
+            self.state = [t.clone() for t in self.search.start(self.search.decoder.prefill())]
+            self.graph = capture(self._step)
+
+    def _step(self) -> None:
+        for buffer, value in zip(self.state, self.search.body(*self.state), strict=True):
+            buffer.copy_(value)
+
+    def __call__(self, prompt: torch.Tensor) -> torch.Tensor:
+        decoder = self.search.decoder
+        with torch.inference_mode():
+            decoder.prompt.copy_(prompt.expand_as(decoder.prompt))
+            for buffer, value in zip(self.state, self.search.start(decoder.prefill()), strict=True):
+                buffer.copy_(value)
+            for _ in range(self.new_tokens - 1):
+                self.graph.graph.replay()
+        return self.state[1]
+
+
+def first_call(make: Callable[[int], Generate], new_tokens: int, ids: torch.Tensor) -> tuple[Generate, float]:
+    """Build a variant and run it once: (the variant, wall seconds of both: compilation or capture)."""
+    if ids.is_cuda:
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    fn = make(new_tokens)
+    fn(ids)
+    if ids.is_cuda:
+        torch.cuda.synchronize()
+    return fn, time.perf_counter() - start
+
+
+def measure(ctx: Context, name: str, make: Callable[[int], Generate], prompts: list[torch.Tensor],
+            new_tokens: int, reps: int) -> float:
+    """Warm-up, ms per call, tokens/s and time to first token of one variant; returns ms per call."""
+    fn, warmup_s = first_call(make, new_tokens, prompts[0])
+    ctx.add_value(name, "warmup_s", warmup_s)
+    timing = time_callable(fn, [(p,) for p in prompts], device=ctx.device, warmup=1, reps=reps)
+    ctx.add_timing(name, timing)
+    ctx.add_value(name, "tok_per_s", tokens_per_second(new_tokens, timing.median_ms))
+    first = make(1)
+    ttft = time_callable(first, [(p,) for p in prompts], device=ctx.device, warmup=2, reps=reps)
+    ctx.add_timing(name, ttft, metric="ttft_ms")
+    return timing.median_ms
+
+
+def _check_same(ctx: Context, label: str, a: torch.Tensor, b: torch.Tensor) -> None:
+    same = a.shape == b.shape and bool(torch.equal(a, b))
+    ctx.note(f"{label}: {'identical tokens' if same else 'tokens DIFFER'} (shapes {tuple(a.shape)}, {tuple(b.shape)})")
+
+
+@register("generation", "GPT-2 124M fp16 generation, 128 tokens: HF eager / HF static+compile / per-step graph / "
+          "tendril (one graph launch), greedy and 4-beam")
+def run(ctx: Context) -> None:
+    work = Workload()
+    device = ctx.device
+    model = gpt2(device)
+    generator = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 50257, (1, work.prompt_len), generator=generator).to(device)
+               for _ in range(work.prompts)]
+    reps = 3 if ctx.quick else 10
+    times: dict[tuple[str, int], float] = {}
+    for beams in (1, 4):
+        mode = "greedy" if beams == 1 else "beam4"
+        variants: list[tuple[str, Callable[[int], Generate]]] = [
+            ("hf eager", lambda n, b=beams: hf_eager(model, n, b)),
+            ("hf static+compile", lambda n, b=beams: hf_static_compiled(model, n, b)),
+            ("per-step graph", lambda n, b=beams: PerStepGraph(model, prompts[0], n, b)),
+            ("tendril", lambda n, b=beams: tendril_generate(model, n, b)),
+        ]
+        for name, make in variants:
+            try:
+                times[(name, beams)] = measure(ctx, f"{mode} {name}", make, prompts, work.new_tokens, reps)
+            except Exception as error:  # a baseline that cannot run is reported, not fatal
+                ctx.note(f"{mode} {name} failed: {type(error).__name__}: {str(error).splitlines()[0][:200]}")
+        reference = hf_eager(model, work.new_tokens, beams)(prompts[0])
+        _check_same(ctx, f"{mode}: tendril vs hf eager", tendril_generate(model, work.new_tokens, beams)(prompts[0]),
+                    reference)
+    _early_eos(ctx, model, prompts, work, reps)
+    lowering = control_flow_stats()
+    ctx.note(f"loop lowering: {lowering.conditional_node} conditional-node, {lowering.predication} predicated "
+             f"({dict(lowering.fallback_reasons)}), {lowering.eager} eager")
+    for runner in graphed_runners(model):
+        ctx.note(f"{runner.name}: {len(runner.stats.graphs)} graphs, fallbacks {dict(runner.stats.fallback_details)}")
+    report_targets(ctx, times, work)
+
+
+def report_targets(ctx: Context, times: dict[tuple[str, int], float], work: Workload) -> None:
+    """The issue's targets from the medians (ms per call) of (variant, num_beams); absent variants are skipped."""
+    greedy_ms = times.get(("tendril", 1))
+    if greedy_ms is not None:
+        ctx.target("greedy_tok_per_s", tokens_per_second(work.new_tokens, greedy_ms), Goal(">=", 3000))
+        if ("hf eager", 1) in times:
+            ctx.target("greedy_speedup_vs_hf_eager", times[("hf eager", 1)] / greedy_ms, Goal(">=", 15))
+    if ("tendril", 4) in times and ("hf eager", 4) in times:
+        ctx.target("beam4_speedup_vs_hf_eager", times[("hf eager", 4)] / times[("tendril", 4)], Goal(">=", 10))
+
+
+def _early_eos(ctx: Context, model: nn.Module, prompts: list[torch.Tensor], work: Workload, reps: int) -> None:
+    """Greedy with an eos that greedy decoding of prompt 0 emits at step `early_eos_step`."""
+    full = hf_eager(model, work.new_tokens, 1)(prompts[0])
+    eos = int(full[0, work.prompt_len + work.early_eos_step])
+    hf = hf_eager(model, work.new_tokens, 1, eos)
+    ours = tendril_generate(model, work.new_tokens, 1, eos)
+    _check_same(ctx, f"early eos {eos}: tendril vs hf eager", ours(prompts[0]), hf(prompts[0]))
+    for name, fn in (("hf eager", hf), ("tendril", ours)):
+        timing = time_callable(fn, [(prompts[0],)], device=ctx.device, warmup=1, reps=reps)
+        ctx.add_timing(f"early eos {name}", timing)
+    ctx.add_value("early eos", "new_tokens", float(ours(prompts[0]).shape[1] - work.prompt_len))
