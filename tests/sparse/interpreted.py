@@ -20,7 +20,7 @@ CPU = torch.device("cpu")
 
 
 def _compress(x: torch.Tensor, layout: ActivationLayout):
-    return compress_triton.compress(x, layout, torch.zeros(1, dtype=torch.int32), block=64)
+    return compress_triton.compress(x, layout, torch.zeros(1, dtype=torch.int32), block=16, segment_blocks=2)
 
 
 def main() -> None:

@@ -10,7 +10,9 @@ from tendril.sparse import ActivationOverflowError, convert, prune
 from tendril.sparse.format import ActivationLayout
 from tendril.sparse.ops.compress import reference as compress_reference
 from tendril.sparse.ops.compress import triton as compress_triton
+from tendril.sparse.ops.conv import cuda as conv_cuda
 from tendril.sparse.ops.conv import triton as conv_triton
+from tendril.sparse.ops.conv import tiling
 from tendril.sparse.ops.linear import triton as linear_triton
 from tests.sparse.checks import (
     CONV_CASES,
@@ -19,6 +21,7 @@ from tests.sparse.checks import (
     assert_same_compression,
     check_conv,
     check_linear,
+    conv_operands,
     relative_error,
 )
 from tests.sparse.models import BasicBlock, Bottleneck, ResNetLike, alexnet_like, randomize_batchnorm, vgg_like
@@ -60,6 +63,36 @@ def test_conv_kernel_matches_dense_conv(case):
     check_conv(case, _compress, conv_triton.conv, CUDA)
 
 
+def _cuda_conv(target_blocks: int, relu: bool = False):
+    def conv(acts, weights, init):
+        tiled = tiling.TiledWeights.prepare(weights, tiling.plan(weights.geometry, target_blocks))
+        return conv_cuda.conv(acts, weights, tiled, init, relu=relu)
+
+    return conv
+
+
+@pytest.mark.parametrize("target_blocks", [1, 264])
+@pytest.mark.parametrize("case", CONV_CASES + _random_conv_cases(40, seed=1))
+def test_cuda_conv_kernel_matches_dense_conv(case, target_blocks):
+    check_conv(case, _compress, _cuda_conv(target_blocks), CUDA)
+
+
+@pytest.mark.parametrize(("channels", "size", "kernel", "stride", "padding"), [
+    (64, 224, 3, 1, 1), (256, 56, 3, 1, 1), (512, 14, 3, 1, 1), (3, 224, 11, 4, 2), (1024, 14, 1, 2, 0), (3, 224, 7, 2, 3),
+])
+def test_cuda_conv_kernel_on_imagenet_sized_layers(channels, size, kernel, stride, padding):
+    case = ConvCase(channels, 64, (size, size), kernel, stride, padding, 1, 0.3, 0.5)
+    check_conv(case, _compress, _cuda_conv(264), CUDA)
+
+
+def test_cuda_conv_fuses_relu():
+    case = ConvCase(8, 8, (20, 20), 3, 1, 1, 1, 0.5, 0.5)
+    weights, x, init, ref = conv_operands(case, CUDA)
+    acts = _compress(x, ActivationLayout.for_conv(weights.geometry))
+    y = _cuda_conv(264, relu=True)(acts, weights, init)
+    assert relative_error(y.cpu(), ref.relu()) <= REL_TOL
+
+
 @pytest.mark.parametrize("block_a,block_w", [(32, 8), (128, 16), (256, 32)])
 def test_conv_kernel_block_sizes_on_a_vgg_sized_layer(block_a, block_w):
     case = ConvCase(64, 64, (56, 56), 3, 1, 1, 1, 0.3, 0.5)
@@ -90,14 +123,15 @@ NETWORKS = [
 ]
 
 
+@pytest.mark.parametrize("backend", ["cuda", "triton"])
 @pytest.mark.parametrize("index", range(len(NETWORKS)))
-def test_network_matches_dense_pytorch_eager_and_inside_a_cuda_graph(index):
+def test_network_matches_dense_pytorch_eager_and_inside_a_cuda_graph(index, backend):
     build, densities, size = NETWORKS[index]
     torch.manual_seed(index)
     model = randomize_batchnorm(build()).eval().to(CUDA)
     prune(model, densities)
     placeholder = torch.randn(1, 3, size, size, device=CUDA)
-    net = convert(model, placeholder)
+    net = convert(model, placeholder).set_backend(backend)
     with torch.no_grad():
         assert relative_error(net(placeholder), model(placeholder)) <= REL_TOL
         stream = torch.cuda.Stream()

@@ -27,6 +27,8 @@ from torch.fx.passes.shape_prop import ShapeProp
 
 from tendril.sparse.format import ActivationLayout, ConvGeometry, SparseConvWeights, SparseLinearWeights
 from tendril.sparse.network import DenseStep, SparseConvStep, SparseLinearStep, SparseNetwork, Step
+from tendril.sparse.ops.conv import tiling
+from tendril.sparse.ops.conv.tiling import TiledWeights
 
 
 class UnsupportedLayerError(ValueError):
@@ -62,15 +64,21 @@ class _SparseBuilder:
         if isinstance(self.module, nn.Conv2d):
             geometry = ConvGeometry.of(self.module, self.in_hw)
             inputs = [self.input] if self.residual is None else [self.input, self.residual]
+            weights = SparseConvWeights.from_dense(self.weight, geometry)
+            tiled = None
+            if weights.values.is_cuda:
+                blocks = 2 * torch.cuda.get_device_properties(weights.values.device).multi_processor_count
+                tiled = TiledWeights.prepare(weights, tiling.plan(geometry, target_blocks=blocks))
             return SparseConvStep(
                 self.name,
                 inputs,
                 self.output,
-                SparseConvWeights.from_dense(self.weight, geometry),
+                weights,
                 self.bias,
                 ActivationLayout.for_conv(geometry, capacity),
                 self.relu,
                 self.residual is not None,
+                tiled,
             )
         weights = SparseLinearWeights.from_dense(self.weight)
         layout = ActivationLayout.for_vector(weights.in_features, capacity)

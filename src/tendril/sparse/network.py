@@ -7,9 +7,11 @@ starts as bias (+ the residual, when a residual add was fused into it), then app
 when one was fused. Pooling, flatten and unfused ReLU/adds run as dense PyTorch ops: on dense
 tensors they are single cheap passes, while a compressed version would need irregular gathers.
 
-Backends: `"triton"` (GPU kernels; on CPU tensors under `TRITON_INTERPRET=1`) and `"cpu"` (the same
-algorithm vectorized with torch ops, on `threads` worker threads). The Triton forward never syncs
-with the host: every buffer has a static size, nonzero counts stay on the device, overflow of a
+Backends: `"cuda"` (the default on a GPU: convolutions by the shared-memory CUDA C++ kernel, with
+bias, residual and ReLU fused; compression and FC layers by Triton kernels), `"triton"` (every op a
+Triton kernel, convolutions accumulating by global atomics; also runs on CPU tensors under
+`TRITON_INTERPRET=1`) and `"cpu"` (the same algorithm vectorized with torch ops, on `threads`
+worker threads). The GPU forwards never sync with the host: every buffer has a static size, nonzero counts stay on the device, overflow of a
 reduced activation capacity raises a device flag that `check_overflow()` turns into an error after
 the run. So a whole network replays inside one CUDA graph.
 
@@ -29,11 +31,13 @@ from tendril.sparse.format import ActivationLayout, CompressedActivations, Spars
 from tendril.sparse.ops.compress import cpu as compress_cpu
 from tendril.sparse.ops.compress import triton as compress_triton
 from tendril.sparse.ops.conv import cpu as conv_cpu
+from tendril.sparse.ops.conv import cuda as conv_cuda
 from tendril.sparse.ops.conv import triton as conv_triton
+from tendril.sparse.ops.conv.tiling import TiledWeights
 from tendril.sparse.ops.linear import cpu as linear_cpu
 from tendril.sparse.ops.linear import triton as linear_triton
 
-BACKENDS = ("triton", "cpu")
+BACKENDS = ("cuda", "triton", "cpu")
 
 
 class ActivationOverflowError(RuntimeError):
@@ -50,7 +54,7 @@ class RunState:
     last_counts: dict[str, torch.Tensor] = field(default_factory=dict)
 
     def compress(self, step: str, x: torch.Tensor, layout: ActivationLayout) -> CompressedActivations:
-        if self.backend == "triton":
+        if self.backend in ("cuda", "triton"):
             acts = compress_triton.compress(x, layout, self.overflow)
         else:
             acts = compress_cpu.compress(x, layout)
@@ -70,6 +74,8 @@ class SparseConvStep:
     relu: bool
     residual: bool
     """When true, `inputs[1]` is added to the output before the ReLU (a fused residual add)."""
+    tiled: TiledWeights | None = None
+    """The weights in the CUDA kernel's tile order (GPU networks only)."""
 
     def run(self, values: Sequence[torch.Tensor], state: RunState) -> torch.Tensor:
         x = values[0]
@@ -79,6 +85,11 @@ class SparseConvStep:
             acts = state.compress(self.name, x[b], self.layout)
             init = self.bias.view(-1, 1, 1).expand(g.out_channels, *g.out_hw)
             init = (init + values[1][b]) if self.residual else init.contiguous()
+            if state.backend == "cuda":
+                if self.tiled is None:
+                    raise ValueError(f"{self.name}: the cuda backend needs a network converted on a GPU")
+                outputs.append(conv_cuda.conv(acts, self.weights, self.tiled, init, relu=self.relu))
+                continue
             if state.backend == "triton":
                 y = conv_triton.conv(acts, self.weights, init)
             else:
@@ -105,7 +116,7 @@ class SparseLinearStep:
         for b in range(x.shape[0]):
             acts = state.compress(self.name, x[b].reshape(1, 1, -1), self.layout)
             init = self.bias.clone()
-            if state.backend == "triton":
+            if state.backend in ("cuda", "triton"):
                 y = linear_triton.linear(acts, self.weights, init)
             else:
                 y = linear_cpu.linear(acts, self.weights, init, threads=state.threads)
@@ -146,16 +157,18 @@ class SparseNetwork:
         self.input_name = input_name
         self.output_name = output_name
         self.device = device
-        self.backend = "triton" if device.type == "cuda" else "cpu"
+        self.backend = "cuda" if device.type == "cuda" else "cpu"
         self.threads = 1
         self._state = RunState(self.backend, self.threads, torch.zeros(1, dtype=torch.int32, device=device))
 
     def set_backend(self, backend: str, threads: int = 1) -> SparseNetwork:
-        """Choose `"triton"` or `"cpu"` (with `threads` workers for the CPU backend)."""
+        """Choose `"cuda"`, `"triton"` or `"cpu"` (with `threads` workers for the CPU backend)."""
         if backend not in BACKENDS:
             raise ValueError(f"backend {backend!r}: expected one of {BACKENDS}")
         if backend == "cpu" and self.device.type != "cpu":
             raise ValueError("the cpu backend needs a network converted on the CPU (convert a CPU copy of the model)")
+        if backend == "cuda" and self.device.type != "cuda":
+            raise ValueError("the cuda backend needs a network converted on a GPU")
         if threads < 1:
             raise ValueError(f"threads={threads}: expected at least 1")
         self.backend, self.threads = backend, threads
