@@ -2,7 +2,8 @@
 
 - eager PyTorch;
 - one `torch.cuda.graph` per length, each with its own pool (what a user of PyTorch's graphs gets),
-  inputs copied into that length's placeholder before each replay;
+  inputs copied into that length's placeholder before each replay; captured with the same attention
+  kernels as tendril's graphs (`GRAPH_SDPA_BACKENDS`), so the two differ only in how memory is pooled;
 - `tendril.graphed`: one shared pool, captured ahead of time largest first, dispatch by shape.
 
 Memory is the device memory in use (cudaMemGetInfo, after emptying the allocator's cache) after
@@ -17,9 +18,11 @@ import statistics
 import time
 
 import torch
+from torch.nn.attention import sdpa_kernel
 
 from benchmarks.registry import Context, Goal, register
 from tendril.graphs.callable import GraphedCallable, graphed
+from tendril.graphs.capture import GRAPH_SDPA_BACKENDS
 from tendril.graphs.key import GraphKey
 from tendril.utils.timing import time_callable
 
@@ -49,14 +52,15 @@ class SeparatePools:
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
         for length in lengths:
             placeholder = torch.randint(0, VOCAB, (1, length), device=device)
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                model(placeholder)
-            torch.cuda.current_stream().wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                logits = model(placeholder).logits
+            with sdpa_kernel(list(GRAPH_SDPA_BACKENDS)):
+                stream = torch.cuda.Stream()
+                stream.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(stream):
+                    model(placeholder)
+                torch.cuda.current_stream().wait_stream(stream)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    logits = model(placeholder).logits
             self.graphs[length] = (graph, placeholder, logits)
 
     def __call__(self, ids: torch.Tensor) -> torch.Tensor:
@@ -121,6 +125,9 @@ def run(ctx: Context) -> None:
     ctx.add_value("tendril", "driver_MiB_per_graph_max", max(driver) / MIB)
     ctx.add_value("tendril", "driver_MiB_at_first_launch_total", first_launch / MIB)
     ctx.add_value("tendril", "capture_ms_per_graph_median", statistics.median(capture_ms))
+    for phase in ("warmup", "record", "instantiate"):
+        values = [r.phases_ms.get(phase, 0.0) for r in records]
+        ctx.add_value("tendril", f"capture_{phase}_ms_median", statistics.median(values))
     ctx.add_value("graph per length", "capture_ms_per_graph", separate_capture_s * 1e3 / len(lengths))
     ctx.add_value("tendril", "speedup_vs_eager_all_lengths_median", statistics.median(speedups.values()))
     without_driver = (separate_bytes - sum(driver)) / max(tendril_bytes - sum(driver), 1)
@@ -130,6 +137,7 @@ def run(ctx: Context) -> None:
         for n, k in zip(lengths, _keys_by_length(fast), strict=True)
     }
     ctx.extra["tendril_stats"] = fast.stats.table().splitlines()[0]
+    ctx.note("eager runs with PyTorch's default attention kernels; both graph variants with flash/efficient attention")
     ctx.note(
         f"{len(lengths)} lengths; tendril captured {len(records)} graphs in {tendril_capture_s:.2f} s, "
         f"one pool per length in {separate_capture_s:.2f} s"

@@ -13,10 +13,10 @@ from tendril.config import Config
 from tendril.graphs.callable import GraphedCallable, graphed
 
 
-def gpt2(dtype: torch.dtype = torch.float32, layers: int = 4) -> torch.nn.Module:
+def gpt2(dtype: torch.dtype = torch.float32, layers: int = 4, vocab: int = 1000) -> torch.nn.Module:
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    config = GPT2Config(n_layer=layers, n_embd=256, n_head=4, vocab_size=1000, n_positions=512, use_cache=False)
+    config = GPT2Config(n_layer=layers, n_embd=256, n_head=4, vocab_size=vocab, n_positions=512, use_cache=False)
     return GPT2LMHeadModel(config).to("cuda", dtype).eval()
 
 

@@ -12,9 +12,11 @@ import random
 import warnings
 
 import torch
+from torch.nn.attention import sdpa_kernel
 
 from tendril.demo import DemoSection, Row, SectionResult
 from tendril.graphs.callable import GraphFallbackWarning, graphed
+from tendril.graphs.capture import GRAPH_SDPA_BACKENDS
 from tendril.utils.timing import time_callable
 
 MIB = 1 << 20
@@ -77,10 +79,11 @@ def _graphed_rows(
     per_length = {}
     for n in lengths:
         placeholder = torch.randint(0, vocab, (1, n), device=device)
-        model(placeholder)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            logits = model(placeholder).logits
+        with sdpa_kernel(list(GRAPH_SDPA_BACKENDS)):  # the attention kernels tendril captures with
+            model(placeholder)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                logits = model(placeholder).logits
         per_length[n] = (graph, placeholder, logits)
     separate_mib = (_device_used(device) - base) / MIB
 

@@ -9,7 +9,7 @@ fallback reasons, statistics and output lifetime rules are tested in CI without 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
@@ -39,6 +39,8 @@ class Captured:
     capture_ms: float
     pool_growth_bytes: int
     driver_bytes: int | None
+    phases_ms: dict[str, float] = field(default_factory=dict)
+    """Host time of each capture phase (warmup, record, instantiate) where measured."""
 
 
 class Backend(Protocol):
@@ -68,6 +70,7 @@ _HOST_SYNC_MARKERS = (
     "capture was invalidated",
     "synchronizing CUDA operation",
     "HostSync",
+    "Cannot copy between CPU and CUDA tensors during CUDA graph capture",
 )
 
 

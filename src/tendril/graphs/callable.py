@@ -249,7 +249,9 @@ class GraphedCallable:
             del captured
             self.stats.failed_keys[key] = Fallback.MUTATES_INPUTS
             return Fallback.MUTATES_INPUTS, f"tensor argument(s) {mutated} of {key} were written in place"
-        record = GraphRecord(key, captured.capture_ms, captured.pool_growth_bytes, captured.driver_bytes)
+        record = GraphRecord(
+            key, captured.capture_ms, captured.pool_growth_bytes, captured.driver_bytes, phases_ms=captured.phases_ms
+        )
         entry = _Entry(key, indices, placeholders, captured, record)
         self._entries[key] = entry
         self.stats.graphs[key] = record

@@ -9,19 +9,43 @@ and ends on the given stream directly rather than through `torch.cuda.graph`, wh
 synchronises the device and empties the allocator's cache on every capture (costly when capturing
 hundreds of shapes). Any work the function puts on the capturing stream is recorded, including
 nodes added by other tendril modules (conditional nodes, child graphs), not only kernels.
+
+Failing cleanly. While capturing, PyTorch's sync debug mode is set to "error", so a host
+synchronisation (`.item()`, `.cpu()`, data-dependent shapes) raises at the offending call *before*
+it reaches CUDA: the capture is still valid, ends normally and is discarded, which returns its pool
+and leaves the random-number generator consistent. A capture CUDA itself invalidated cannot end
+normally; PyTorch then leaves the default CUDA generator in capture mode, so `capture` restores it.
+
+Host-to-device copies. Some model code copies a freshly made CPU tensor to the GPU on every call
+(e.g. `torch.tensor(min_value).to(device)`); a copy from pageable memory cannot be captured. With
+`pin_host_copies=True`, such copies are staged through pinned host buffers kept with the graph
+(their values, fixed at capture, are what every replay copies), and the capture runs in "relaxed"
+mode so pinning may allocate.
 """
 
 from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+import warnings
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from tendril.graphs.memory import device_free_bytes, pool_reserved_bytes
+
+GRAPH_SDPA_BACKENDS = (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH)
+"""Attention kernels graphs are captured with: cuDNN attention is left out because it builds a plan on the
+host for every new shape (8 ms per call on average while capturing GPT-2 at 24 new lengths on our H200,
+up to a second), which would dominate the capture of shape-keyed graphs; flash and memory-efficient
+attention need no per-shape host setup. Pass `sdpa_backends=None` to keep PyTorch's choice."""
+
+HOST_COPY_ERROR = "Cannot copy between CPU and CUDA tensors during CUDA graph capture"
+"""PyTorch's message for a pageable host-to-device copy while capturing (retry with `pin_host_copies`)."""
 
 
 @dataclass
@@ -35,6 +59,10 @@ class CapturedGraph:
     """Bytes the allocator reserved while capturing (the pool's growth for this graph)."""
     driver_bytes: int = 0
     """Device memory the driver allocated while instantiating the executable graph."""
+    phases_ms: dict[str, float] = field(default_factory=dict)
+    """Host time of each phase: warmup, record, instantiate."""
+    host_buffers: list[torch.Tensor] = field(default_factory=list)
+    """Pinned host tensors the graph copies from at every replay (kept alive with it)."""
 
     def replay(self) -> Any:
         self.graph.replay()
@@ -47,6 +75,8 @@ def capture(
     pool: Any = None,
     warmup: int = 2,
     stream: torch.cuda.Stream | None = None,
+    pin_host_copies: bool = False,
+    sdpa_backends: Sequence[SDPBackend] | None = None,
     **kwargs: Any,
 ) -> CapturedGraph:
     """Run `fn(*args, **kwargs)` `warmup` times, then capture it as a CUDA graph and instantiate it.
@@ -54,8 +84,9 @@ def capture(
     `pool` is a `torch.cuda.graph_pool_handle()` to share with other graphs (None: a private pool).
     Warm-up and capture run on `stream` (default: a new side stream), which first waits for the
     current stream; the current stream then waits for the capture. A function that fails while
-    capturing (a host synchronisation, an operation that cannot be captured) ends the capture and
-    re-raises; its tensors return to the pool when the exception is dropped.
+    capturing ends the capture and re-raises; its tensors return to the pool when the exception is
+    dropped. `sdpa_backends` restricts `scaled_dot_product_attention` during warm-up and capture
+    (see `GRAPH_SDPA_BACKENDS`); None keeps PyTorch's choice.
     """
     device = torch.device("cuda", torch.cuda.current_device())
     start = time.perf_counter()
@@ -63,30 +94,103 @@ def capture(
     current = torch.cuda.current_stream()
     stream.wait_stream(current)
     graph = torch.cuda.CUDAGraph(keep_graph=True)
-    with torch.cuda.stream(stream):
+    stager = _PinHostCopies() if pin_host_copies else None
+    attention = sdpa_kernel(list(sdpa_backends)) if sdpa_backends is not None else contextlib.nullcontext()
+    with torch.cuda.stream(stream), attention:
         for _ in range(warmup):
             fn(*args, **kwargs)
+        warmed = time.perf_counter()
         reserved_before = pool_reserved_bytes(device)
-        if pool is None:
-            graph.capture_begin(capture_error_mode="thread_local")
-        else:
-            graph.capture_begin(pool=pool, capture_error_mode="thread_local")
+        generator = torch.cuda.default_generators[device.index]
+        saved_generator = generator.clone_state()
+        mode = "relaxed" if pin_host_copies else "thread_local"
         try:
-            outputs = fn(*args, **kwargs)
+            if pool is None:
+                graph.capture_begin(capture_error_mode=mode)
+            else:
+                graph.capture_begin(pool=pool, capture_error_mode=mode)
         except BaseException:
-            _abandon(graph)
+            generator.graphsafe_set_state(saved_generator)
             raise
-        graph.capture_end()
+        try:
+            with _sync_errors(), stager if stager is not None else contextlib.nullcontext():
+                outputs = fn(*args, **kwargs)
+        except BaseException:
+            _abandon(graph, generator, saved_generator)
+            raise
+        try:
+            graph.capture_end()
+        except BaseException:
+            generator.graphsafe_set_state(saved_generator)
+            raise
     current.wait_stream(stream)
+    recorded = time.perf_counter()
     pool_growth = pool_reserved_bytes(device) - reserved_before
     free_before = device_free_bytes(device)
     graph.instantiate()
     driver = free_before - device_free_bytes(device)
-    elapsed_ms = (time.perf_counter() - start) * 1e3
-    return CapturedGraph(graph, outputs, elapsed_ms, pool_growth, max(driver, 0))
+    done = time.perf_counter()
+    phases = {
+        "warmup": (warmed - start) * 1e3,
+        "record": (recorded - warmed) * 1e3,
+        "instantiate": (done - recorded) * 1e3,
+    }
+    buffers = stager.buffers if stager is not None else []
+    return CapturedGraph(graph, outputs, (done - start) * 1e3, pool_growth, max(driver, 0), phases, buffers)
 
 
-def _abandon(graph: torch.cuda.CUDAGraph) -> None:
-    """End a capture the function broke; the error it raised is the one worth reporting."""
-    with contextlib.suppress(RuntimeError):
+@contextlib.contextmanager
+def _sync_errors() -> Iterator[None]:
+    """Make host synchronisations raise before they reach CUDA (and invalidate the capture)."""
+    previous = torch.cuda.get_sync_debug_mode()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Synchronization debug mode is a prototype")
+        torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode(previous)
+
+
+def _abandon(graph: torch.cuda.CUDAGraph, generator: torch.Generator, saved: torch.Generator) -> None:
+    """End a capture the function broke; the error it raised is the one worth reporting.
+
+    If CUDA invalidated the capture, ending it fails before PyTorch takes the default generator out
+    of capture mode; restoring its saved state makes later random ops work again.
+    """
+    try:
         graph.capture_end()
+    except RuntimeError:
+        generator.graphsafe_set_state(saved)
+
+
+class _PinHostCopies(TorchDispatchMode):
+    """Stage host-to-device copies through pinned buffers, which a graph can copy from on replay."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.buffers: list[torch.Tensor] = []
+
+    def _pinned(self, tensor: torch.Tensor) -> torch.Tensor:
+        pinned = tensor.pin_memory()
+        self.buffers.append(pinned)
+        return pinned
+
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
+        kwargs = dict(kwargs or {})
+        if func is torch.ops.aten._to_copy.default:
+            source, target = args[0], kwargs.get("device")
+            if _is_host(source) and target is not None and torch.device(target).type == "cuda":
+                kwargs["non_blocking"] = True
+                return func(self._pinned(source), *args[1:], **kwargs)
+        if func is torch.ops.aten.copy_.default:
+            target, source = args[0], args[1]
+            if _is_host(source) and isinstance(target, torch.Tensor) and target.is_cuda:
+                return func(target, self._pinned(source), True)
+        return func(*args, **kwargs)
+
+
+def _is_host(tensor: Any) -> bool:
+    return isinstance(tensor, torch.Tensor) and tensor.device.type == "cpu" and not tensor.is_pinned()

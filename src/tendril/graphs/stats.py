@@ -41,6 +41,8 @@ class GraphRecord:
     """Device memory the driver allocated to instantiate the graph (cudaMemGetInfo around instantiation);
     None where not measured (the null backend)."""
     replays: int = 0
+    phases_ms: dict[str, float] = field(default_factory=dict)
+    """Host time of each capture phase: warmup, record, instantiate."""
 
 
 @dataclass
