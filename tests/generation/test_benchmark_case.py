@@ -27,6 +27,10 @@ def test_targets_follow_the_issue_contract():
                                          "beam4_speedup_vs_hf_eager": 8.0})
     assert {name: goal.met(ctx.targets[name]) for name, goal in ctx.goals.items()} == {
         "greedy_tok_per_s": False, "greedy_speedup_vs_hf_eager": True, "beam4_speedup_vs_hf_eager": False}
+    compiled = Context(device=torch.device("cpu"), quick=True)
+    case.report_targets(compiled, {**times, ("tendril compiled step", 1): 32.0}, case.Workload())
+    assert compiled.targets["greedy_tok_per_s"] == pytest.approx(4000.0)
+    assert "targets for greedy use 'tendril compiled step'" in compiled.notes
     partial = Context(device=torch.device("cpu"), quick=True)
     case.report_targets(partial, {("tendril", 1): 64.0}, case.Workload())
     assert set(partial.targets) == {"greedy_tok_per_s"}

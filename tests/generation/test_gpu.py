@@ -91,3 +91,16 @@ def test_benchmark_per_step_graph_variant_matches_tendril():
     for prompt in prompts:
         expected = case.tendril_generate(model, NEW, 1)(prompt)
         assert torch.equal(step_graph(prompt).clone(), expected)
+
+
+@pytest.mark.parametrize("num_beams", [1, 4])
+def test_compiled_step_is_captured_in_the_loop_graph_and_matches_hf(num_beams):
+    model = tiny_model("gpt2", device="cuda")
+    ids, mask = left_padded([6, 4], device="cuda")
+    expected = hf_generate(model, ids, mask, None, max_new_tokens=NEW, num_beams=num_beams)
+    for _ in range(2):
+        got = generate(model, ids, mask, max_new_tokens=NEW, eos_token_id=[], pad_token_id=0, num_beams=num_beams,
+                       compile_step=True)
+        assert torch.equal(got, expected)
+    (runner,) = graphed_runners(model)
+    assert len(runner.stats.graphs) == 1 and runner.stats.eager_calls == 0, runner.stats.fallback_details

@@ -21,7 +21,7 @@ from tendril.generation.beam import BeamSearch, beam_result
 from tendril.generation.greedy import TokenSearch, greedy_result
 from tendril.generation.noise import draw_key
 from tendril.generation.processors import LogitsProcessing
-from tendril.generation.state import Decoder
+from tendril.generation.state import Decoder, StepForward
 from tendril.graphs.callable import GraphedCallable, graphed
 from tendril.graphs.control import while_loop
 
@@ -76,6 +76,7 @@ def generate(
     early_stopping: bool | str = False,
     num_return_sequences: int = 1,
     seed: int | None = None,
+    compile_step: bool = False,
     unsupported: str = "raise",
     **other: Any,
 ) -> torch.Tensor:
@@ -83,6 +84,8 @@ def generate(
 
     Defaults are HF's. `eos_token_id=None` takes the model's `generation_config` (as HF does); pass `[]`
     to disable stopping on eos. `seed` makes sampling reproducible (torch's default generator otherwise).
+    `compile_step=True` runs the one-token decode forward through `torch.compile` (fused Triton kernels,
+    captured inside the same loop graph; the first call per shape pays the compilation).
     `unsupported='hf'` runs HF's own `generate` eagerly for models tendril has no decode path for.
     """
     if other:
@@ -124,6 +127,7 @@ def generate(
         # HF's fill value for beam outputs is `pad_token_id or eos_token_id[0]`: a pad id of 0 falls through
         beam_fill_token_id=pad if pad else (eos[0] if eos else -1),
         num_beams=num_beams, length_penalty=float(length_penalty), early_stopping=early_stopping,
+        compile_step=compile_step,
     )
     device = input_ids.device
     batch, prompt_len = input_ids.shape
@@ -150,6 +154,7 @@ class Plan:
     num_beams: int
     length_penalty: float
     early_stopping: bool | str
+    compile_step: bool = False
 
 
 class DecodeLoop:
@@ -161,6 +166,7 @@ class DecodeLoop:
         weight = next(model.parameters())
         self.cache_dtype = weight.dtype
         self.eos = torch.tensor(plan.eos, dtype=torch.long, device=weight.device)
+        self.step_forward = compiled_step(arch) if plan.compile_step else None
         self.__qualname__ = f"generate[{type(model).__name__}]"
 
     def __call__(self, prompt: torch.Tensor, mask: torch.Tensor, noise_key: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -173,11 +179,20 @@ class DecodeLoop:
         """The search (cond/body/start over a new decoder and cache) for these inputs."""
         plan = self.plan
         decoder = Decoder.build(self.arch, prompt, mask, plan.max_new_tokens, plan.processing, self.eos, noise_key,
-                                self.cache_dtype)
+                                self.cache_dtype, self.step_forward)
         if plan.num_beams == 1:
             return TokenSearch(decoder, plan.pad_token_id)
         return BeamSearch(decoder, prompt.shape[0] // plan.num_beams, plan.num_beams, plan.length_penalty,
                           plan.early_stopping, plan.beam_fill_token_id)
+
+
+COMPILE_BACKEND = "inductor"
+"""`torch.compile` backend of `compile_step` (tests use "eager" to check tracing without code generation)."""
+
+
+def compiled_step(arch: DecoderArchitecture) -> StepForward:
+    """`arch.forward` compiled for one-token steps: static shapes, one graph (no breaks, so no host code)."""
+    return torch.compile(arch.forward, backend=COMPILE_BACKEND, fullgraph=True, dynamic=False)
 
 
 _RUNNERS: weakref.WeakKeyDictionary[nn.Module, dict[Plan, Callable[..., tuple[torch.Tensor, ...]]]] = (

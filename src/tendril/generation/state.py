@@ -7,6 +7,7 @@ memory and is recomputed by each replay: nothing is decided on the host.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -14,6 +15,8 @@ import torch
 from tendril.generation.architectures import DecoderArchitecture
 from tendril.generation.cache import StaticKVCache
 from tendril.generation.processors import LogitsProcessing, seen_tokens
+
+StepForward = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, StaticKVCache], torch.Tensor]
 
 
 @dataclass
@@ -30,6 +33,8 @@ class Decoder:
     """[E] long, possibly empty (then only max_new_tokens stops a sequence)."""
     noise_key: torch.Tensor
     """0-d int64 key of the counter-based sampler (see noise.py)."""
+    step_forward: StepForward | None = None
+    """What runs the one-token decode forward (e.g. a `torch.compile`d `arch.forward`); `arch.forward` if None."""
 
     @classmethod
     def build(
@@ -42,6 +47,7 @@ class Decoder:
         eos: torch.Tensor,
         noise_key: torch.Tensor,
         cache_dtype: torch.dtype,
+        step_forward: StepForward | None = None,
     ) -> Decoder:
         rows, prompt_len = prompt.shape
         layout = arch.layout()
@@ -49,7 +55,7 @@ class Decoder:
         key_valid = torch.cat([mask != 0, generated], dim=1)
         cache = StaticKVCache(layout.num_layers, rows, layout.kv_heads, prompt_len + max_new_tokens, layout.head_dim,
                               cache_dtype, prompt.device, key_valid)
-        return cls(arch, cache, prompt, mask, max_new_tokens, processing, eos, noise_key)
+        return cls(arch, cache, prompt, mask, max_new_tokens, processing, eos, noise_key, step_forward)
 
     def __post_init__(self) -> None:
         self.real_lengths = self.mask.sum(-1)
@@ -77,7 +83,8 @@ class Decoder:
     def step(self, last_tokens: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
         """Forward one token per row ([rows] long) stored at cache `slot` (0-d long); logits [rows, vocab]."""
         positions = self.real_lengths + (slot - self.prompt_len)
-        return self.arch.forward(last_tokens[:, None], positions[:, None], slot.view(1), self.cache)
+        forward = self.step_forward or self.arch.forward
+        return forward(last_tokens[:, None], positions[:, None], slot.view(1), self.cache)
 
     def process(self, scores: torch.Tensor, tokens: torch.Tensor, length: torch.Tensor) -> torch.Tensor:
         """Apply the logits processors; `tokens` [rows, max_len] holds `length` (0-d) tokens so far."""
