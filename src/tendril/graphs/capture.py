@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.overrides import TorchFunctionMode
 
 from tendril.graphs.memory import device_free_bytes, pool_reserved_bytes
 
@@ -164,8 +164,9 @@ def _abandon(graph: torch.cuda.CUDAGraph, generator: torch.Generator, saved: tor
         generator.graphsafe_set_state(saved)
 
 
-class _PinHostCopies(TorchDispatchMode):
-    """Stage host-to-device copies through pinned buffers, which a graph can copy from on replay."""
+class _PinHostCopies(TorchFunctionMode):
+    """Stage host-to-device copies made from Python (`torch.tensor(..., device=)`, `.to()`, `.cuda()`,
+    `.copy_()`) through pinned buffers, which a graph can copy from on every replay."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -176,20 +177,34 @@ class _PinHostCopies(TorchDispatchMode):
         self.buffers.append(pinned)
         return pinned
 
-    def __torch_dispatch__(
+    def __torch_function__(
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
     ) -> Any:
         kwargs = dict(kwargs or {})
-        if func is torch.ops.aten._to_copy.default:
-            source, target = args[0], kwargs.get("device")
-            if _is_host(source) and target is not None and torch.device(target).type == "cuda":
-                kwargs["non_blocking"] = True
-                return func(self._pinned(source), *args[1:], **kwargs)
-        if func is torch.ops.aten.copy_.default:
-            target, source = args[0], args[1]
-            if _is_host(source) and isinstance(target, torch.Tensor) and target.is_cuda:
-                return func(target, self._pinned(source), True)
+        if func in (torch.tensor, torch.as_tensor) and _is_cuda(kwargs.get("device")):
+            device = kwargs.pop("device")
+            return self._pinned(func(*args, **kwargs)).to(device, non_blocking=True)
+        if _moves_host_to_cuda(func, args, kwargs):
+            kwargs["non_blocking"] = True
+            return func(self._pinned(args[0]), *args[1:], **kwargs)
+        if func is torch.Tensor.copy_ and len(args) >= 2 and _is_host(args[1]) and _is_cuda(args[0]):
+            return func(args[0], self._pinned(args[1]), True)
         return func(*args, **kwargs)
+
+
+def _moves_host_to_cuda(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Whether `func(*args, **kwargs)` is `.to()`/`.cuda()` of a pageable host tensor onto a GPU."""
+    if func not in (torch.Tensor.to, torch.Tensor.cuda) or not args or not _is_host(args[0]) or len(args) >= 4:
+        return False
+    return func is torch.Tensor.cuda or any(_is_cuda(a) for a in (*args[1:], kwargs.get("device")))
+
+
+def _is_cuda(target: Any) -> bool:
+    if isinstance(target, torch.Tensor):
+        return target.is_cuda
+    if isinstance(target, (str, torch.device)):
+        return torch.device(target).type == "cuda"
+    return isinstance(target, int) and not isinstance(target, bool)
 
 
 def _is_host(tensor: Any) -> bool:
