@@ -104,7 +104,7 @@ def generate(
     eos = _eos_ids(model, eos_token_id)
     pad = _pad_id(model, pad_token_id, eos)
     try:
-        arch = decoder_for(model)
+        arch = _architecture(model)
     except UnsupportedModelError:
         if unsupported != "hf":
             raise
@@ -193,6 +193,17 @@ COMPILE_BACKEND = "inductor"
 def compiled_step(arch: DecoderArchitecture) -> StepForward:
     """`arch.forward` compiled for one-token steps: static shapes, one graph (no breaks, so no host code)."""
     return torch.compile(arch.forward, backend=COMPILE_BACKEND, fullgraph=True, dynamic=False)
+
+
+_ARCHITECTURES: weakref.WeakKeyDictionary[nn.Module, DecoderArchitecture] = weakref.WeakKeyDictionary()
+
+
+def _architecture(model: nn.Module) -> DecoderArchitecture:
+    """One decode path per model, so compiled steps and captured graphs see the same object every call."""
+    arch = _ARCHITECTURES.get(model)
+    if arch is None:
+        arch = _ARCHITECTURES[model] = decoder_for(model)
+    return arch
 
 
 _RUNNERS: weakref.WeakKeyDictionary[nn.Module, dict[Plan, Callable[..., tuple[torch.Tensor, ...]]]] = (
