@@ -21,7 +21,8 @@ def _model(device: torch.device) -> Any:
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(0)
-    tiny = dict(n_layer=2, n_embd=64, n_head=4, vocab_size=512, n_positions=128, bos_token_id=0, eos_token_id=1)
+    tiny: dict[str, Any] = dict(n_layer=2, n_embd=64, n_head=4, vocab_size=512, n_positions=128, bos_token_id=0,
+                                eos_token_id=1)
     model: Any = GPT2LMHeadModel(GPT2Config() if device.type == "cuda" else GPT2Config(**tiny))
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = 0
