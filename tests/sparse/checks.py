@@ -107,8 +107,16 @@ def check_conv(case: ConvCase, compress, conv, device: torch.device) -> None:
         assert relative_error(y.cpu(), ref) <= REL_TOL, case
 
 
-def check_linear(features: int, outputs: int, weight_density: float, act_density: float, compress, linear,
-                 device: torch.device, seed: int = 0) -> None:
+def check_linear(
+    features: int,
+    outputs: int,
+    weight_density: float,
+    act_density: float,
+    compress,
+    linear,
+    device: torch.device,
+    seed: int = 0,
+) -> None:
     gen = torch.Generator().manual_seed(seed)
     weight = sparse_tensor((outputs, features), weight_density, gen)
     x = sparse_tensor((features,), act_density, gen, positive=True)

@@ -14,19 +14,19 @@ from tendril.sparse.ops.compress import triton as compress_triton
 from tendril.sparse.ops.conv import triton as conv_triton
 from tendril.sparse.ops.linear import triton as linear_triton
 from tests.sparse.checks import CONV_CASES, REL_TOL, assert_same_compression, check_conv, check_linear, relative_error
-from tests.sparse.models import Bottleneck, ResNetLike, alexnet_like, randomize_batchnorm
+from tests.sparse.models import Bottleneck, ResNetLike, randomize_batchnorm, vgg_like
 
 CPU = torch.device("cpu")
 
 
 def _compress(x: torch.Tensor, layout: ActivationLayout):
-    return compress_triton.compress(x, layout, torch.zeros(1, dtype=torch.int32), block=16, segment_blocks=2)
+    return compress_triton.compress(x, layout, torch.zeros(1, dtype=torch.int32), block=32, segment_blocks=2)
 
 
 def main() -> None:
     assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
     for case in CONV_CASES:
-        check_conv(case, _compress, lambda a, w, i: conv_triton.conv(a, w, i, block_a=32, block_w=8), CPU)
+        check_conv(case, _compress, lambda a, w, i: conv_triton.conv(a, w, i, block_a=64, block_w=32), CPU)
     for wd, ad in ((0.3, 0.5), (1.0, 1.0), (0.0, 0.5), (0.5, 0.0)):
         check_linear(97, 33, wd, ad, _compress, linear_triton.linear, CPU)
 
@@ -38,7 +38,7 @@ def main() -> None:
     assert_same_compression(acts, compress_reference.compress(x, layout))
 
     torch.manual_seed(0)
-    for model, densities, size in ((alexnet_like(), "alexnet", 67), (ResNetLike(Bottleneck, (1, 1)), 0.3, 24)):
+    for model, densities, size in ((vgg_like(width=4), 0.4, 16), (ResNetLike(Bottleneck, (1, 1), width=4), 0.3, 16)):
         model = randomize_batchnorm(model).eval()
         prune(model, densities)
         net = convert(model, torch.randn(1, 3, size, size)).set_backend("triton")

@@ -47,9 +47,7 @@ def vgg_like(num_classes: int = 10, width: int = 4, batch_norm: bool = False) ->
             layers.append(nn.ReLU(inplace=True))
             channels = out
         layers.append(nn.MaxPool2d(kernel_size=2, stride=2))
-    classifier = nn.Sequential(
-        nn.Linear(channels * 4, 24), nn.ReLU(True), nn.Dropout(), nn.Linear(24, num_classes)
-    )
+    classifier = nn.Sequential(nn.Linear(channels * 4, 24), nn.ReLU(True), nn.Dropout(), nn.Linear(24, num_classes))
     return _Classifier(nn.Sequential(*layers), nn.AdaptiveAvgPool2d((2, 2)), classifier)
 
 

@@ -40,8 +40,10 @@ def test_malformed_conv_weights_are_rejected_with_a_reason():
     bad_taps = weights.taps.clone()
     bad_taps[0] = 9 << 16
     with pytest.raises(ValueError, match="out of range"):
-        SparseConvWeights(weights.geometry, weights.values, bad_taps, weights.channel_ptr, weights.dense_numel).validate()
-    with pytest.raises(ValueError, match="1-D torch.int32"):
+        SparseConvWeights(
+            weights.geometry, weights.values, bad_taps, weights.channel_ptr, weights.dense_numel
+        ).validate()
+    with pytest.raises(ValueError, match=r"1-D torch\.int32"):
         SparseConvWeights(
             weights.geometry, weights.values, weights.taps.long(), weights.channel_ptr, weights.dense_numel
         ).validate()

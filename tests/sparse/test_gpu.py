@@ -11,8 +11,8 @@ from tendril.sparse.format import ActivationLayout
 from tendril.sparse.ops.compress import reference as compress_reference
 from tendril.sparse.ops.compress import triton as compress_triton
 from tendril.sparse.ops.conv import cuda as conv_cuda
-from tendril.sparse.ops.conv import triton as conv_triton
 from tendril.sparse.ops.conv import tiling
+from tendril.sparse.ops.conv import triton as conv_triton
 from tendril.sparse.ops.linear import triton as linear_triton
 from tests.sparse.checks import (
     CONV_CASES,
@@ -51,8 +51,16 @@ def _random_conv_cases(n: int, seed: int = 0) -> list[ConvCase]:
         padding = rng.randint(0, kernel // 2 + 1)
         size = (rng.randint(kernel, 40), rng.randint(kernel, 40))
         case = ConvCase(
-            groups * rng.randint(1, 12), groups * rng.randint(1, 24), size, kernel, rng.randint(1, 4), padding,
-            groups, rng.choice([0.0, 0.05, 0.3, 0.7, 1.0]), rng.choice([0.0, 0.1, 0.5, 1.0]), seed=rng.randint(0, 99),
+            groups * rng.randint(1, 12),
+            groups * rng.randint(1, 24),
+            size,
+            kernel,
+            rng.randint(1, 4),
+            padding,
+            groups,
+            rng.choice([0.0, 0.05, 0.3, 0.7, 1.0]),
+            rng.choice([0.0, 0.1, 0.5, 1.0]),
+            seed=rng.randint(0, 99),
         )
         cases.append(case)
     return cases
@@ -77,9 +85,17 @@ def test_cuda_conv_kernel_matches_dense_conv(case, target_blocks):
     check_conv(case, _compress, _cuda_conv(target_blocks), CUDA)
 
 
-@pytest.mark.parametrize(("channels", "size", "kernel", "stride", "padding"), [
-    (64, 224, 3, 1, 1), (256, 56, 3, 1, 1), (512, 14, 3, 1, 1), (3, 224, 11, 4, 2), (1024, 14, 1, 2, 0), (3, 224, 7, 2, 3),
-])
+@pytest.mark.parametrize(
+    ("channels", "size", "kernel", "stride", "padding"),
+    [
+        (64, 224, 3, 1, 1),
+        (256, 56, 3, 1, 1),
+        (512, 14, 3, 1, 1),
+        (3, 224, 11, 4, 2),
+        (1024, 14, 1, 2, 0),
+        (3, 224, 7, 2, 3),
+    ],
+)
 def test_cuda_conv_kernel_on_imagenet_sized_layers(channels, size, kernel, stride, padding):
     case = ConvCase(channels, 64, (size, size), kernel, stride, padding, 1, 0.3, 0.5)
     check_conv(case, _compress, _cuda_conv(264), CUDA)
@@ -99,9 +115,16 @@ def test_conv_kernel_block_sizes_on_a_vgg_sized_layer(block_a, block_w):
     check_conv(case, _compress, lambda a, w, i: conv_triton.conv(a, w, i, block_a=block_a, block_w=block_w), CUDA)
 
 
-@pytest.mark.parametrize(("features", "outputs", "wd", "ad"), [
-    (97, 33, 0.3, 0.5), (4096, 1000, 0.04, 0.5), (9216, 512, 1.0, 1.0), (300, 70, 0.0, 0.5), (300, 70, 0.5, 0.0),
-])
+@pytest.mark.parametrize(
+    ("features", "outputs", "wd", "ad"),
+    [
+        (97, 33, 0.3, 0.5),
+        (4096, 1000, 0.04, 0.5),
+        (9216, 512, 1.0, 1.0),
+        (300, 70, 0.0, 0.5),
+        (300, 70, 0.5, 0.0),
+    ],
+)
 def test_linear_kernel_matches_dense(features, outputs, wd, ad):
     check_linear(features, outputs, wd, ad, _compress, linear_triton.linear, CUDA)
 
@@ -157,7 +180,7 @@ def test_network_overflow_inside_a_graph_is_reported_after_the_replay():
     net = convert(model, x, activation_capacity=0.05)
     graph = torch.cuda.CUDAGraph()
     net(x)
-    net._state.overflow.zero_()
+    net.reset_overflow()
     with torch.cuda.graph(graph):
         net(x)
     graph.replay()

@@ -41,20 +41,29 @@ def test_reference_conv_matches_dense_conv(case):
     act_density=st.sampled_from([0.0, 0.3, 1.0]),
     seed=st.integers(0, 1000),
 )
-def test_cpu_conv_over_random_geometries(channels, groups, size, kernel, stride, padding, weight_density,
-                                         act_density, seed):
+def test_cpu_conv_over_random_geometries(
+    channels, groups, size, kernel, stride, padding, weight_density, act_density, seed
+):
     if min(size) + 2 * padding < kernel:
         return
-    case = ConvCase(channels * groups, 2 * groups, size, kernel, stride, padding, groups, weight_density,
-                    act_density, seed)
+    case = ConvCase(
+        channels * groups, 2 * groups, size, kernel, stride, padding, groups, weight_density, act_density, seed
+    )
     check_conv(case, compress_cpu.compress, lambda a, w, i: conv_cpu.conv(a, w, i, threads=2), CPU)
 
 
 @pytest.mark.parametrize("threads", [1, 4])
 @pytest.mark.parametrize(("weight_density", "act_density"), [(0.3, 0.5), (1.0, 1.0), (0.0, 0.5), (0.5, 0.0)])
 def test_cpu_linear_matches_dense(weight_density, act_density, threads):
-    check_linear(97, 33, weight_density, act_density, compress_cpu.compress,
-                 lambda a, w, i: linear_cpu.linear(a, w, i, threads=threads), CPU)
+    check_linear(
+        97,
+        33,
+        weight_density,
+        act_density,
+        compress_cpu.compress,
+        lambda a, w, i: linear_cpu.linear(a, w, i, threads=threads),
+        CPU,
+    )
     check_linear(97, 33, weight_density, act_density, compress_cpu.compress, linear_reference.linear, CPU)
 
 

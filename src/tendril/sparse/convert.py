@@ -80,9 +80,9 @@ class _SparseBuilder:
                 self.residual is not None,
                 tiled,
             )
-        weights = SparseLinearWeights.from_dense(self.weight)
-        layout = ActivationLayout.for_vector(weights.in_features, capacity)
-        return SparseLinearStep(self.name, [self.input], self.output, weights, self.bias, layout, self.relu)
+        linear = SparseLinearWeights.from_dense(self.weight)
+        layout = ActivationLayout.for_vector(linear.in_features, capacity)
+        return SparseLinearStep(self.name, [self.input], self.output, linear, self.bias, layout, self.relu)
 
 
 def _fold_batchnorm(layer: _SparseBuilder, bn: nn.BatchNorm2d) -> None:
@@ -133,7 +133,7 @@ class _Converter:
 
         def call(*values: Any) -> Any:
             args = list(template)
-            for i, v in zip(slots, values):
+            for i, v in zip(slots, values, strict=True):
                 args[i] = v
             return fn(*args, **kwargs)
 
@@ -189,14 +189,14 @@ class _Converter:
             self.layer_of_tail[node.name] = layer
             self.entries.append((position, layer))
         elif isinstance(module, nn.BatchNorm2d):
-            layer = self.fusable(source)
-            if layer is None or not isinstance(layer.module, nn.Conv2d) or layer.relu or layer.residual:
+            conv = self.fusable(source)
+            if conv is None or not isinstance(conv.module, nn.Conv2d) or conv.relu or conv.residual:
                 raise UnsupportedLayerError(
                     f"BatchNorm2d {node.target} does not directly follow a Conv2d whose output it alone reads; "
                     "only BatchNorm folded into the preceding convolution is supported"
                 )
-            _fold_batchnorm(layer, module)
-            self.absorb(layer, node, position)
+            _fold_batchnorm(conv, module)
+            self.absorb(conv, node, position)
         elif isinstance(module, nn.ReLU):
             self.relu(node, source, position)
         elif isinstance(module, _NO_OPS):
@@ -227,9 +227,11 @@ class _Converter:
         elif target is F.dropout:
             self.alias[node.name] = self.value(node.args[0])
         elif target in _DENSE_FUNCTIONS:
-            self.dense(node, position, target)  # type: ignore[arg-type]
+            self.dense(node, position, target)
         else:
-            raise UnsupportedLayerError(f"function {getattr(target, '__name__', target)} ({node.name}) is not supported")
+            raise UnsupportedLayerError(
+                f"function {getattr(target, '__name__', target)} ({node.name}) is not supported"
+            )
 
     def add(self, node: fx.Node, position: int) -> None:
         a, b = node.args[:2]
@@ -256,22 +258,34 @@ class _Converter:
             raise UnsupportedLayerError(f"tensor method {method!r} ({node.name}) is not supported")
 
 
-def convert(model: nn.Module, example_input: torch.Tensor, *, activation_capacity: float = 1.0) -> SparseNetwork:
+def convert(
+    model: nn.Module, example_input: torch.Tensor, *, activation_capacity: float = 1.0, tune: bool = True
+) -> SparseNetwork:
     """Turn an eval-mode CNN into a `SparseNetwork` for inputs shaped like `example_input` ([N, C, H, W]).
 
     Zero weights (e.g. from `tendril.sparse.prune`) are dropped; the network runs on the device of the
     model's parameters. `activation_capacity` is the fraction of each activation plane the compressed
-    buffers can hold (1.0, the default, can never overflow).
+    buffers can hold (1.0, the default, can never overflow). On a GPU, `tune` times both convolution
+    kernels on every layer with `example_input` and keeps the faster (`SparseNetwork.tune`); an
+    overflow of a reduced capacity while tuning is not reported (it concerns the example only).
     """
     if model.training:
         raise ValueError("convert needs an eval-mode model (dropout and batch norm behave differently in training)")
     if example_input.dim() != 4 or example_input.dtype != torch.float32:
-        raise ValueError(f"example_input: expected a float32 [N, C, H, W] tensor, got {example_input.dtype} "
-                         f"{tuple(example_input.shape)}")
+        raise ValueError(
+            f"example_input: expected a float32 [N, C, H, W] tensor, got {example_input.dtype} "
+            f"{tuple(example_input.shape)}"
+        )
     try:
         gm = fx.symbolic_trace(model)
     except Exception as error:
-        raise UnsupportedLayerError(f"torch.fx could not trace the model ({error}); convert needs a traceable CNN") from error
+        raise UnsupportedLayerError(
+            f"torch.fx could not trace the model ({error}); convert needs a traceable CNN"
+        ) from error
     with torch.no_grad():
         ShapeProp(gm).propagate(example_input)
-    return _Converter(gm, activation_capacity).run()
+    network = _Converter(gm, activation_capacity).run()
+    if tune and network.device.type == "cuda":
+        network.tune(example_input[:1].to(network.device))
+        network.reset_overflow()
+    return network

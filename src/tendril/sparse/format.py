@@ -30,7 +30,8 @@ Layouts (all on one device; int32 indices, fp32 values):
     inside a CUDA graph. The default capacity is the whole plane, which cannot overflow. A smaller
     capacity saves memory; a channel with more nonzeros than that keeps its first `capacity` ones, its
     count records the true number, and the compressor raises the shared overflow flag: kernels read
-    `min(count, capacity)` and `min(row_ptr, capacity)` (never past the buffer) and `SparseNetwork.check_overflow()` raises after the
+    `min(count, capacity)` and `min(row_ptr, capacity)` (never past the buffer) and
+    `SparseNetwork.check_overflow()` raises after the
     run instead of returning a silently wrong answer.
 """
 
@@ -89,17 +90,18 @@ class ConvGeometry:
     @property
     def out_hw(self) -> tuple[int, int]:
         return tuple(  # type: ignore[return-value]
-            (n + 2 * p - k) // s + 1 for n, p, k, s in zip(self.in_hw, self.padding, self.kernel, self.stride)
+            (n + 2 * p - k) // s + 1
+            for n, p, k, s in zip(self.in_hw, self.padding, self.kernel, self.stride, strict=True)
         )
 
     @property
     def plane_hw(self) -> tuple[int, int]:
         """Rows and columns of a phase plane: enough to hold every padded position that holds data."""
-        return tuple((p + n - 1) // s + 1 for n, p, s in zip(self.in_hw, self.padding, self.stride))  # type: ignore[return-value]
+        return tuple((p + n - 1) // s + 1 for n, p, s in zip(self.in_hw, self.padding, self.stride, strict=True))  # type: ignore[return-value]
 
     @property
     def plane_kernel(self) -> tuple[int, int]:
-        return tuple(-(-k // s) for k, s in zip(self.kernel, self.stride))  # type: ignore[return-value]
+        return tuple(-(-k // s) for k, s in zip(self.kernel, self.stride, strict=True))  # type: ignore[return-value]
 
     @classmethod
     def of(cls, conv: torch.nn.Conv2d, in_hw: tuple[int, int]) -> ConvGeometry:
@@ -114,7 +116,7 @@ class ConvGeometry:
             out_channels=conv.out_channels,
             kernel=_pair(conv.kernel_size, "kernel_size"),
             stride=_pair(conv.stride, "stride"),
-            padding=_pair(conv.padding, "padding"),  # type: ignore[arg-type]
+            padding=_pair(conv.padding, "padding"),
             groups=conv.groups,
             in_hw=in_hw,
         )
@@ -277,7 +279,7 @@ class ActivationLayout:
 
     @property
     def plane_hw(self) -> tuple[int, int]:
-        return tuple((p + n - 1) // s + 1 for n, p, s in zip(self.in_hw, self.padding, self.stride))  # type: ignore[return-value]
+        return tuple((p + n - 1) // s + 1 for n, p, s in zip(self.in_hw, self.padding, self.stride, strict=True))  # type: ignore[return-value]
 
     @property
     def plane_size(self) -> int:

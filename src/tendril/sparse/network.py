@@ -7,13 +7,14 @@ starts as bias (+ the residual, when a residual add was fused into it), then app
 when one was fused. Pooling, flatten and unfused ReLU/adds run as dense PyTorch ops: on dense
 tensors they are single cheap passes, while a compressed version would need irregular gathers.
 
-Backends: `"cuda"` (the default on a GPU: convolutions by the shared-memory CUDA C++ kernel, with
-bias, residual and ReLU fused; compression and FC layers by Triton kernels), `"triton"` (every op a
+Backends: `"cuda"` (the default on a GPU: each convolution by the shared-memory CUDA C++ kernel,
+with bias, residual and ReLU fused, or by the Triton kernel, whichever `tune` measured faster for
+that layer; compression and FC layers by Triton kernels), `"triton"` (every op a
 Triton kernel, convolutions accumulating by global atomics; also runs on CPU tensors under
 `TRITON_INTERPRET=1`) and `"cpu"` (the same algorithm vectorized with torch ops, on `threads`
-worker threads). The GPU forwards never sync with the host: every buffer has a static size, nonzero counts stay on the device, overflow of a
-reduced activation capacity raises a device flag that `check_overflow()` turns into an error after
-the run. So a whole network replays inside one CUDA graph.
+worker threads). The GPU forwards never sync with the host: every buffer has a static size, nonzero
+counts stay on the device, overflow of a reduced activation capacity raises a device flag that
+`check_overflow()` turns into an error after the run. So a whole network replays inside one CUDA graph.
 
 A batch is run one sample at a time (the engine is built for batch-1 latency).
 """
@@ -23,7 +24,6 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
@@ -76,6 +76,19 @@ class SparseConvStep:
     """When true, `inputs[1]` is added to the output before the ReLU (a fused residual add)."""
     tiled: TiledWeights | None = None
     """The weights in the CUDA kernel's tile order (GPU networks only)."""
+    conv_kernel: str = "cuda"
+    """Under the `"cuda"` backend, which convolution kernel this layer uses (`SparseNetwork.tune` picks)."""
+
+    def convolve(self, acts: CompressedActivations, init: torch.Tensor, state: RunState) -> torch.Tensor:
+        if state.backend == "cuda" and self.conv_kernel == "cuda":
+            if self.tiled is None:
+                raise ValueError(f"{self.name}: the cuda backend needs a network converted on a GPU")
+            return conv_cuda.conv(acts, self.weights, self.tiled, init, relu=self.relu)
+        if state.backend == "cpu":
+            y = conv_cpu.conv(acts, self.weights, init, threads=state.threads)
+        else:
+            y = conv_triton.conv(acts, self.weights, init)
+        return y.relu_() if self.relu else y
 
     def run(self, values: Sequence[torch.Tensor], state: RunState) -> torch.Tensor:
         x = values[0]
@@ -85,16 +98,7 @@ class SparseConvStep:
             acts = state.compress(self.name, x[b], self.layout)
             init = self.bias.view(-1, 1, 1).expand(g.out_channels, *g.out_hw)
             init = (init + values[1][b]) if self.residual else init.contiguous()
-            if state.backend == "cuda":
-                if self.tiled is None:
-                    raise ValueError(f"{self.name}: the cuda backend needs a network converted on a GPU")
-                outputs.append(conv_cuda.conv(acts, self.weights, self.tiled, init, relu=self.relu))
-                continue
-            if state.backend == "triton":
-                y = conv_triton.conv(acts, self.weights, init)
-            else:
-                y = conv_cpu.conv(acts, self.weights, init, threads=state.threads)
-            outputs.append(y.relu_() if self.relu else y)
+            outputs.append(self.convolve(acts, init, state))
         return torch.stack(outputs)
 
 
@@ -190,23 +194,58 @@ class SparseNetwork:
     def profile(self, x: torch.Tensor) -> list[tuple[str, float]]:
         """One forward timing each step (CUDA events on the GPU, wall clock on the CPU): `(step, ms)`."""
         values = {self.input_name: x}
-        cuda = self.device.type == "cuda"
-        marks: list[tuple[str, Any]] = []
+        if self.device.type != "cuda":
+            timings = []
+            for step in self.steps:
+                start = time.perf_counter()
+                values[step.output] = step.run([values[name] for name in step.inputs], self._state)
+                timings.append((step.name, (time.perf_counter() - start) * 1e3))
+            return timings
+        events = []
         for step in self.steps:
-            start = torch.cuda.Event(enable_timing=True) if cuda else time.perf_counter()
-            if cuda:
-                start.record()
+            begin_event, end_event = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            begin_event.record()
             values[step.output] = step.run([values[name] for name in step.inputs], self._state)
-            if cuda:
-                end = torch.cuda.Event(enable_timing=True)
-                end.record()
-                marks.append((step.name, (start, end)))
-            else:
-                marks.append((step.name, (time.perf_counter() - start) * 1e3))
-        if cuda:
-            torch.cuda.synchronize(self.device)
-            return [(name, s.elapsed_time(e)) for name, (s, e) in marks]
-        return marks
+            end_event.record()
+            events.append((step.name, begin_event, end_event))
+        torch.cuda.synchronize(self.device)
+        return [(name, b.elapsed_time(e)) for name, b, e in events]
+
+    @torch.no_grad()
+    def tune(self, x: torch.Tensor, reps: int = 5) -> dict[str, str]:
+        """Pick each convolution's kernel (shared-memory CUDA or Triton atomics) by timing both on `x`.
+
+        Runs one forward, and for every convolution times both kernels on the activations it really
+        sees (host syncs: call it once, after conversion, never inside a graph capture). Returns
+        `{layer: kernel}`; the choice is used by the `"cuda"` backend.
+        """
+        if self.device.type != "cuda" or self.backend != "cuda":
+            return {}
+        values = {self.input_name: x}
+        choice: dict[str, str] = {}
+        for step in self.steps:
+            inputs = [values[name] for name in step.inputs]
+            if isinstance(step, SparseConvStep) and step.tiled is not None:
+                acts = self._state.compress(step.name, inputs[0][0], step.layout)
+                g = step.weights.geometry
+                init = torch.zeros(g.out_channels, *g.out_hw, device=self.device)
+                times = {}
+                for kernel in ("cuda", "triton"):
+                    step.conv_kernel = kernel
+                    step.convolve(acts, init, self._state)
+                    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    start.record()
+                    for _ in range(reps):
+                        step.convolve(acts, init, self._state)
+                    end.record()
+                    end.synchronize()
+                    times[kernel] = start.elapsed_time(end)
+                step.conv_kernel = choice[step.name] = min(times, key=lambda k: times[k])
+            values[step.output] = step.run(inputs, self._state)
+        return choice
+
+    def reset_overflow(self) -> None:
+        self._state.overflow.zero_()
 
     def check_overflow(self) -> None:
         """Raise if any activation overflowed its capacity since the last check (host sync), then reset."""

@@ -54,13 +54,11 @@ def _targets(
         return {name: float(d) for name, d in densities.items()}
     if len(densities) != len(names):
         raise ValueError(f"{len(densities)} densities given for {len(names)} prunable layers ({names})")
-    return dict(zip(names, map(float, densities)))
+    return dict(zip(names, map(float, densities), strict=True))
 
 
 @torch.no_grad()
-def prune(
-    model: nn.Module, densities: float | str | Sequence[float] | Mapping[str, float]
-) -> list[PrunedLayer]:
+def prune(model: nn.Module, densities: float | str | Sequence[float] | Mapping[str, float]) -> list[PrunedLayer]:
     """Zero all but the largest-magnitude weights of each Conv2d/Linear layer; returns what was kept."""
     layers = prunable_layers(model)
     targets = _targets(layers, densities)
@@ -71,7 +69,7 @@ def prune(
         density = targets[name]
         if not 0.0 <= density <= 1.0:
             raise ValueError(f"layer {name}: density {density} is not in [0, 1]")
-        weight = module.weight
+        weight: torch.Tensor = module.weight  # type: ignore[assignment]
         keep = round(density * weight.numel())
         flat = weight.view(-1)
         if keep < flat.numel():
@@ -79,5 +77,5 @@ def prune(
             mask[torch.topk(flat.abs(), keep, sorted=False).indices] = True
             flat.masked_fill_(~mask, 0.0)
         kind = "conv" if isinstance(module, nn.Conv2d) else "linear"
-        report.append(PrunedLayer(name, kind, density, float((weight != 0).sum()) / weight.numel()))
+        report.append(PrunedLayer(name, kind, density, float(torch.count_nonzero(weight)) / weight.numel()))
     return report

@@ -11,7 +11,8 @@ import torch
 def balanced_ranges(work: Sequence[int], parts: int) -> list[tuple[int, int]]:
     """Split `range(len(work))` into at most `parts` contiguous ranges of about equal total work."""
     total = sum(work)
-    ranges, first, done = [], 0, 0
+    ranges: list[tuple[int, int]] = []
+    first, done = 0, 0
     for i, cost in enumerate(work):
         done += cost
         if done * parts >= total * (len(ranges) + 1) and len(ranges) < parts - 1:

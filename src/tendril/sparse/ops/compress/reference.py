@@ -47,5 +47,9 @@ def decompress(acts: CompressedActivations) -> torch.Tensor:
     valid = slots[None, :] < acts.stored_counts[:, None]
     rows = torch.arange(layout.virtual_channels, device=acts.values.device)[:, None].expand_as(valid)
     planes[rows[valid], acts.positions[valid].long()] = acts.values[valid]
-    padded = planes.reshape(layout.channels, sh, sw, hv, wv).permute(0, 3, 1, 4, 2).reshape(layout.channels, hv * sh, wv * sw)
+    padded = (
+        planes.reshape(layout.channels, sh, sw, hv, wv)
+        .permute(0, 3, 1, 4, 2)
+        .reshape(layout.channels, hv * sh, wv * sw)
+    )
     return padded[:, ph : ph + h, pw : pw + w].contiguous()

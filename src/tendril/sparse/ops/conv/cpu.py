@@ -24,7 +24,9 @@ from tendril.sparse.ops.cpu_threads import balanced_ranges, single_intraop_threa
 MAX_PRODUCTS_PER_STEP = 1 << 22
 
 
-def conv(acts: CompressedActivations, weights: SparseConvWeights, init: torch.Tensor, *, threads: int = 1) -> torch.Tensor:
+def conv(
+    acts: CompressedActivations, weights: SparseConvWeights, init: torch.Tensor, *, threads: int = 1
+) -> torch.Tensor:
     """`init + conv(acts, weights)` (`init` is `[K, OH, OW]`, left unchanged)."""
     g = weights.geometry
     kh, kw = g.plane_kernel

@@ -10,7 +10,8 @@ Inside a block, each warp takes one input channel at a time (channels are indepe
 products meet only in the accumulators); within the warp `act_lanes` lanes walk the band's
 activations (consecutive activations of a row go to consecutive lanes, so their products hit
 consecutive shared-memory words: few bank conflicts) and the remaining `32 / act_lanes` lanes split
-the weights, which lanes of one group read together (one broadcast load). The whole algorithm, tiling and halos included, is mirrored on the CPU
+the weights, which lanes of one group read together (one broadcast load). The whole algorithm,
+tiling and halos included, is mirrored on the CPU
 by `cuda_emulation.py`, which CI checks against the reference.
 """
 
@@ -18,11 +19,15 @@ from __future__ import annotations
 
 import ctypes
 from functools import cache
+from typing import TYPE_CHECKING
 
 import torch
 
 from tendril.sparse.format import CompressedActivations, SparseConvWeights
 from tendril.sparse.ops.conv.tiling import ACC_CAPACITY, THREADS, TiledWeights
+
+if TYPE_CHECKING:
+    from tendril.cuda.nvrtc import Kernel
 
 SOURCE = r"""
 extern "C" __global__ void __launch_bounds__(THREADS)
@@ -106,7 +111,7 @@ scnn_conv_tiled(float* __restrict__ out, const float* __restrict__ act_values,
 
 
 @cache
-def _kernel():  # type: ignore[no-untyped-def]
+def _kernel() -> Kernel:
     from tendril.cuda.nvrtc import compile_kernel
 
     options = (f"-DACC_CAPACITY={ACC_CAPACITY}", f"-DTHREADS={THREADS}")

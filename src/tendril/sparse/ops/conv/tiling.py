@@ -95,6 +95,9 @@ class TiledWeights:
         row_ptr[:, :segments] = starts.view(g.virtual_channels, segments)
         row_ptr[:, segments] = ptr[1:]
         return cls(
-            tile_plan, kernel_h, weights.values[order].contiguous(), weights.taps[order].contiguous(),
+            tile_plan,
+            kernel_h,
+            weights.values[order].contiguous(),
+            weights.taps[order].contiguous(),
             row_ptr.to(torch.int32),
         )

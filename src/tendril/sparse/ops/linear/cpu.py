@@ -16,7 +16,9 @@ from tendril.sparse.format import CompressedActivations, SparseLinearWeights
 from tendril.sparse.ops.cpu_threads import balanced_ranges, single_intraop_thread
 
 
-def linear(acts: CompressedActivations, weights: SparseLinearWeights, init: torch.Tensor, *, threads: int = 1) -> torch.Tensor:
+def linear(
+    acts: CompressedActivations, weights: SparseLinearWeights, init: torch.Tensor, *, threads: int = 1
+) -> torch.Tensor:
     """`init + W @ a` (`init` is `[out_features]`, left unchanged)."""
     count = int(acts.stored_counts[0])
     features = acts.positions[0, :count].long()
