@@ -124,6 +124,15 @@ def test_sampling_draws_from_hfs_processed_distribution(gpt2, options):
     assert chi2 < dof + 5 * (2 * dof) ** 0.5, (chi2, dof)
 
 
+def test_missing_attention_mask_is_inferred_from_the_pad_token_as_hf_does(gpt2):
+    ids, mask = left_padded([6, 3], seed=4)  # padding id 0
+    expected = hf_generate(gpt2, ids, mask, None, max_new_tokens=NEW)
+    assert torch.equal(generate(gpt2, ids, max_new_tokens=NEW, eos_token_id=[], pad_token_id=0), expected)
+    full, _ = left_padded([6, 6], seed=4)
+    expected = hf_generate(gpt2, full, torch.ones_like(full), None, max_new_tokens=4)
+    assert torch.equal(generate(gpt2, full, max_new_tokens=4, eos_token_id=[], pad_token_id=0), expected)
+
+
 def test_options_outside_the_supported_set_are_refused(gpt2):
     ids, mask = left_padded([3])
     with pytest.raises(ValueError, match="does not support no_repeat_ngram_size"):

@@ -58,6 +58,14 @@ def _check_inputs(input_ids: torch.Tensor, attention_mask: torch.Tensor | None, 
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
 
 
+def _default_mask(input_ids: torch.Tensor, pad: int | None, eos: list[int]) -> torch.Tensor:
+    """HF's inferred mask: padding where the pad token occurs, unless the pad token is an eos token."""
+    if pad is None or pad in eos:
+        return torch.ones_like(input_ids)
+    padding = input_ids == pad
+    return torch.where(padding.any(), (~padding).long(), torch.ones_like(input_ids))
+
+
 def generate(
     model: nn.Module,
     input_ids: torch.Tensor,
@@ -131,7 +139,7 @@ def generate(
     )
     device = input_ids.device
     batch, prompt_len = input_ids.shape
-    mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask.to(device=device, dtype=torch.long)
+    mask = _default_mask(input_ids, pad, eos) if attention_mask is None else attention_mask.to(device, torch.long)
     copies = num_beams if num_beams > 1 else num_return_sequences
     prompt, mask = input_ids.repeat_interleave(copies, dim=0), mask.repeat_interleave(copies, dim=0)
     arch.check_length(prompt_len + max_new_tokens)

@@ -2,7 +2,9 @@
 attention and MLP in parallel from one LayerNorm.
 
 The sin/cos table is built once with the modeling module's own `create_sinusoidal_positions` and the
-rotation uses its `apply_rotary_pos_emb`, so the numerics match HF's across its GPT-J versions.
+rotation uses its `rotate_every_two`, with HF's formula `x * cos + rotate_every_two(x) * sin`. The
+per-pair duplication of sin/cos is an `expand` here instead of HF's `repeat_interleave` (same values;
+`repeat_interleave` may compute its output size on the host).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ class GPTJ(DecoderArchitecture):
 
     def check(self, config: Any) -> None:
         modeling = sys.modules[type(self.model).__module__]
-        self.apply_rotary = modeling.apply_rotary_pos_emb
+        self.rotate_every_two = modeling.rotate_every_two
         head_dim = config.n_embd // config.n_head
         self.rotary_dim = config.rotary_dim or config.n_embd
         weight = self.model.transformer.wte.weight
@@ -40,8 +42,9 @@ class GPTJ(DecoderArchitecture):
         return CacheLayout(c.n_layer, c.n_head, c.n_embd // c.n_head)
 
     def _rotate(self, x: torch.Tensor, sin: torch.Tensor, cos: torch.Tensor) -> torch.Tensor:
-        """x: [rows, T, heads, head_dim]; rotates the first `rotary_dim` channels."""
-        rotated = self.apply_rotary(x[..., : self.rotary_dim], sin, cos)
+        """x: [rows, T, heads, head_dim]; sin, cos: [rows, T, 1, rotary_dim] (pairs duplicated)."""
+        part = x[..., : self.rotary_dim]
+        rotated = (part * cos) + (self.rotate_every_two(part) * sin)
         return torch.cat([rotated, x[..., self.rotary_dim :]], dim=-1)
 
     def forward(
@@ -52,7 +55,7 @@ class GPTJ(DecoderArchitecture):
         head_dim = self.layout().head_dim
         hidden = transformer.wte(tokens)
         sincos = self.sincos[positions].to(hidden.dtype)
-        sin, cos = torch.split(sincos, sincos.shape[-1] // 2, dim=-1)
+        sin, cos = (_pairs(t) for t in torch.split(sincos, sincos.shape[-1] // 2, dim=-1))
         mask = cache.attention_mask(query_slots)
         for index, block in enumerate(transformer.h):
             attn = block.attn
@@ -63,3 +66,9 @@ class GPTJ(DecoderArchitecture):
             out = cache.attend(index, query, key, value, query_slots, mask, self.scale)
             hidden = hidden + attn.out_proj(merge_heads(out)) + block.mlp(normed)
         return last_logits(self.model.lm_head, transformer.ln_f(hidden))
+
+
+def _pairs(table: torch.Tensor) -> torch.Tensor:
+    """[rows, T, n] -> [rows, T, 1, 2n] with each value twice in a row (HF's `repeat_interleave(.., 2, 3)`)."""
+    rows, length, n = table.shape
+    return table[:, :, None, :, None].expand(rows, length, 1, n, 2).reshape(rows, length, 1, 2 * n)
