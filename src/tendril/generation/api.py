@@ -180,6 +180,8 @@ class DecodeLoop:
     def __call__(self, prompt: torch.Tensor, mask: torch.Tensor, noise_key: torch.Tensor) -> tuple[torch.Tensor, ...]:
         search = self.search(prompt, mask, noise_key)
         carried = search.start(search.decoder.prefill())
+        if self.step_forward is not None and not _capturing():
+            _warm_compiled_step(search.decoder)
         return while_loop(search.cond, search.body, carried, max_iterations=self.plan.max_new_tokens,
                           name=f"generate ({type(search).__name__})")
 
@@ -192,6 +194,19 @@ class DecodeLoop:
             return TokenSearch(decoder, plan.pad_token_id)
         return BeamSearch(decoder, prompt.shape[0] // plan.num_beams, plan.num_beams, plan.length_penalty,
                           plan.early_stopping, plan.beam_fill_token_id)
+
+
+def _capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def _warm_compiled_step(decoder: Decoder) -> None:
+    """Run the compiled step once for these shapes, so it is never compiled while a graph is being captured
+    (a loop that stops at once would otherwise first call it during capture). It writes the last cache
+    slot, which no step reads: queries only see earlier slots, and the last token is never forwarded."""
+    rows = decoder.prompt.shape[0]
+    last_slot = torch.full((), decoder.max_len - 1, dtype=torch.long, device=decoder.prompt.device)
+    decoder.step(torch.zeros(rows, dtype=torch.long, device=decoder.prompt.device), last_slot)
 
 
 COMPILE_BACKEND = "inductor"
