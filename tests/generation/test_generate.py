@@ -158,3 +158,15 @@ def test_unsupported_models_raise_or_fall_back_to_hf_on_request():
         generate(model, ids, mask, max_new_tokens=3)
     out = generate(model, ids, mask, max_new_tokens=3, eos_token_id=[], unsupported="hf")
     assert torch.equal(out, hf_generate(model, ids, mask, None, max_new_tokens=3))
+    eos = int(out[0, ids.shape[1]])  # stops at the first new token when it is the eos
+    stopped = generate(model, ids, mask, max_new_tokens=3, eos_token_id=eos, unsupported="hf")
+    assert stopped.shape[1] == ids.shape[1] + 1
+    assert model.generation_config.eos_token_id == 3  # the model's own config is left alone
+    sampled = [generate(model, ids, mask, max_new_tokens=3, do_sample=True, seed=4, unsupported="hf") for _ in "ab"]
+    assert torch.equal(sampled[0], sampled[1])
+
+
+def test_inputs_on_another_device_than_the_model_are_refused():
+    ids, _ = left_padded([3])
+    with pytest.raises(ValueError, match="input_ids are on cpu but the model is on meta"):
+        generate(tiny_model("gpt2").to("meta"), ids, max_new_tokens=2)

@@ -8,6 +8,7 @@ defaults; options tendril does not implement are refused by name, never ignored.
 
 from __future__ import annotations
 
+import copy
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -56,6 +57,27 @@ def _check_inputs(input_ids: torch.Tensor, attention_mask: torch.Tensor | None, 
                          f"{tuple(input_ids.shape)}")
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+
+
+def _hf_generate(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    eos: list[int],
+    pad: int | None,
+    seed: int | None,
+    **options: Any,
+) -> torch.Tensor:
+    """HF's own `generate` with the same options (the `unsupported='hf'` path), eos/pad/seed as tendril reads them."""
+    config: Any = copy.deepcopy(model.generation_config)
+    config.eos_token_id = eos or None
+    config.pad_token_id = pad
+    devices = [input_ids.device] if input_ids.is_cuda else []
+    with torch.random.fork_rng(devices=devices, enabled=seed is not None), torch.inference_mode():
+        if seed is not None:
+            torch.manual_seed(seed)
+        return model.generate(input_ids, attention_mask=attention_mask, generation_config=config,  # type: ignore[operator]
+                              **options)
 
 
 def _default_mask(input_ids: torch.Tensor, pad: int | None, eos: list[int]) -> torch.Tensor:
@@ -116,12 +138,14 @@ def generate(
     except UnsupportedModelError:
         if unsupported != "hf":
             raise
-        return model.generate(  # type: ignore[operator]
-            input_ids, attention_mask=attention_mask, max_new_tokens=max_new_tokens, eos_token_id=eos or None,
-            pad_token_id=pad, do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p,
-            repetition_penalty=repetition_penalty, num_beams=num_beams, length_penalty=length_penalty,
-            early_stopping=early_stopping, num_return_sequences=num_return_sequences,
-        )
+        return _hf_generate(model, input_ids, attention_mask, eos, pad, seed, max_new_tokens=max_new_tokens,
+                            do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p,
+                            repetition_penalty=repetition_penalty, num_beams=num_beams, length_penalty=length_penalty,
+                            early_stopping=early_stopping, num_return_sequences=num_return_sequences)
+    weight = next(model.parameters())
+    if input_ids.device != weight.device:
+        raise ValueError(f"input_ids are on {input_ids.device} but the model is on {weight.device}; move them with "
+                         f".to({str(weight.device)!r})")
     processing = LogitsProcessing(
         do_sample=do_sample, temperature=float(temperature), top_k=int(top_k), top_p=float(top_p),
         repetition_penalty=float(repetition_penalty),
