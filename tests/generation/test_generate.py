@@ -170,3 +170,22 @@ def test_inputs_on_another_device_than_the_model_are_refused():
     ids, _ = left_padded([3])
     with pytest.raises(ValueError, match="input_ids are on cpu but the model is on meta"):
         generate(tiny_model("gpt2").to("meta"), ids, max_new_tokens=2)
+
+
+def test_per_model_state_dies_with_the_model():
+    import gc
+    import weakref
+
+    from tendril.generation.api import release_graphs
+
+    model = tiny_model("gpt2")
+    ids, mask = left_padded([3])
+    generate(model, ids, mask, max_new_tokens=2)
+    assert "_tendril_generation" in model.__dict__
+    release_graphs(model)
+    assert "_tendril_generation" not in model.__dict__
+    generate(model, ids, mask, max_new_tokens=2)
+    alive = weakref.ref(model)
+    del model
+    gc.collect()
+    assert alive() is None

@@ -1,7 +1,8 @@
 """`tendril.generate`: Hugging Face `generate` semantics, decoded by a device-side loop.
 
 The prompt runs once through the architecture's graph-safe forward, filling tendril's static KV cache;
-then token choice and, for beams, all bookkeeping run as `while_loop(cond, body, carried)` (loop.py),
+then token choice and, for beams, all bookkeeping run as `tendril.graphs.control.while_loop(cond, body,
+carried)`,
 one iteration per new token, ending as soon as every sequence is done. Options follow HF's meaning and
 defaults; options tendril does not implement are refused by name, never ignored.
 """
@@ -9,7 +10,6 @@ defaults; options tendril does not implement are refused by name, never ignored.
 from __future__ import annotations
 
 import copy
-import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -28,7 +28,8 @@ from tendril.graphs.control import while_loop
 
 _SUPPORTED = (
     "attention_mask, max_new_tokens, eos_token_id, pad_token_id, do_sample, temperature, top_k, top_p, "
-    "repetition_penalty, num_beams, length_penalty, early_stopping, num_return_sequences, seed"
+    "repetition_penalty, num_beams, length_penalty, early_stopping, num_return_sequences, seed, compile_step, "
+    "unsupported"
 )
 
 
@@ -242,34 +243,49 @@ def compiled_step(arch: DecoderArchitecture) -> StepForward:
     return torch.compile(arch.forward, backend=COMPILE_BACKEND, fullgraph=True, dynamic=False)
 
 
-_ARCHITECTURES: weakref.WeakKeyDictionary[nn.Module, DecoderArchitecture] = weakref.WeakKeyDictionary()
+@dataclass
+class _ModelState:
+    """What tendril keeps per model (in the model's `__dict__`, so it lives and dies with the model)."""
+
+    arch: DecoderArchitecture
+    """One decode path per model, so compiled steps and captured graphs see the same object every call."""
+    runners: dict[tuple[Plan, torch.device, torch.dtype], Callable[..., tuple[torch.Tensor, ...]]]
+
+
+_STATE_ATTRIBUTE = "_tendril_generation"
+
+
+def _state(model: nn.Module) -> _ModelState:
+    state = model.__dict__.get(_STATE_ATTRIBUTE)
+    if state is None:
+        state = model.__dict__[_STATE_ATTRIBUTE] = _ModelState(decoder_for(model), {})
+    return state
 
 
 def _architecture(model: nn.Module) -> DecoderArchitecture:
-    """One decode path per model, so compiled steps and captured graphs see the same object every call."""
-    arch = _ARCHITECTURES.get(model)
-    if arch is None:
-        arch = _ARCHITECTURES[model] = decoder_for(model)
-    return arch
-
-
-_RUNNERS: weakref.WeakKeyDictionary[nn.Module, dict[Plan, Callable[..., tuple[torch.Tensor, ...]]]] = (
-    weakref.WeakKeyDictionary()
-)
+    return _state(model).arch
 
 
 def runner(model: nn.Module, arch: DecoderArchitecture, plan: Plan) -> Callable[..., tuple[torch.Tensor, ...]]:
     """The decode loop for (model, plan): on CUDA a `tendril.graphed` callable (one graph per input shape,
-    replayed with one launch), elsewhere the loop itself, run eagerly."""
-    per_model = _RUNNERS.setdefault(model, {})
-    found = per_model.get(plan)
+    replayed with one launch), elsewhere the loop itself, run eagerly. Keyed by the weights' device and
+    dtype too, so moving or casting the model builds new ones."""
+    weight = next(model.parameters())
+    runners = _state(model).runners
+    key = (plan, weight.device, weight.dtype)
+    found = runners.get(key)
     if found is None:
         loop = DecodeLoop(model, arch, plan)
-        found = graphed(loop) if next(model.parameters()).is_cuda else loop
-        per_model[plan] = found
+        found = runners[key] = graphed(loop) if weight.is_cuda else loop
     return found
 
 
 def graphed_runners(model: nn.Module) -> list[GraphedCallable]:
     """The graphed decode loops built for `model` so far (their `.stats` count captures, replays, fallbacks)."""
-    return [r for r in _RUNNERS.get(model, {}).values() if isinstance(r, GraphedCallable)]
+    state = model.__dict__.get(_STATE_ATTRIBUTE)
+    return [r for r in state.runners.values() if isinstance(r, GraphedCallable)] if state is not None else []
+
+
+def release_graphs(model: nn.Module) -> None:
+    """Drop the decode loops (and their graphs and memory) tendril built for `model`."""
+    model.__dict__.pop(_STATE_ATTRIBUTE, None)
