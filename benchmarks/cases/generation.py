@@ -31,7 +31,7 @@ from tendril.generation.api import DecodeLoop, Plan, graphed_runners
 from tendril.generation.architectures import decoder_for
 from tendril.generation.noise import draw_key
 from tendril.generation.processors import LogitsProcessing
-from tendril.graphs.capture import capture
+from tendril.graphs.capture import GRAPH_SDPA_BACKENDS, capture
 from tendril.graphs.control import control_flow_stats
 from tendril.utils.timing import time_callable
 
@@ -108,7 +108,7 @@ class PerStepGraph:
             self.search = DecodeLoop(model, decoder_for(model), plan).search(
                 rows_prompt.clone(), torch.ones_like(rows_prompt), draw_key(prompt.device, 0))
             self.state = [t.clone() for t in self.search.start(self.search.decoder.prefill())]
-            self.graph = capture(self._step)
+            self.graph = capture(self._step, sdpa_backends=GRAPH_SDPA_BACKENDS)  # tendril's attention kernels
 
     def _step(self) -> None:
         for buffer, value in zip(self.state, self.search.body(*self.state), strict=True):
