@@ -20,7 +20,7 @@ def _emulated(target_blocks: int, relu: bool = False):
     return conv
 
 
-@pytest.mark.parametrize("target_blocks", [1, 6, 10_000])
+@pytest.mark.parametrize("target_blocks", [1, 10_000])
 @pytest.mark.parametrize("case", CONV_CASES)
 def test_emulated_cuda_conv_matches_dense_conv(case, target_blocks):
     check_conv(case, compress_cpu.compress, _emulated(target_blocks), CPU)
