@@ -42,6 +42,8 @@ def _write_column(tensor: torch.Tensor, column: torch.Tensor, values: torch.Tens
 
 
 class BeamSearch:
+    """cond/body/start of beam search (or beam sampling) over one `Decoder`; rows are batch-major, K per item."""
+
     def __init__(
         self,
         decoder: Decoder,

@@ -22,6 +22,8 @@ Carried = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 
 class TokenSearch:
+    """cond/body/start of greedy decoding or sampling over one `Decoder` (its cache, prompt and options)."""
+
     def __init__(self, decoder: Decoder, pad_token_id: int) -> None:
         self.decoder = decoder
         self.pad_token_id = pad_token_id
@@ -58,7 +60,6 @@ class TokenSearch:
             unfinished = unfinished & ~decoder.is_eos(tokens)
         sequences = sequences.scatter(1, length.expand(sequences.shape[0], 1), tokens[:, None])
         return step + 1, sequences, unfinished
-
 
 
 def greedy_result(carried: tuple[torch.Tensor, ...], prompt_len: int) -> torch.Tensor:
