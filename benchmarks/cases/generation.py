@@ -21,6 +21,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -51,7 +52,7 @@ def tokens_per_second(new_tokens: int, ms: float) -> float:
     return new_tokens / (ms / 1000.0)
 
 
-def gpt2(device: torch.device, dtype: torch.dtype = torch.float16, **config: int) -> nn.Module:
+def gpt2(device: torch.device, dtype: torch.dtype = torch.float16, **config: Any) -> nn.Module:
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(0)
