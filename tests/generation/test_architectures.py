@@ -70,3 +70,14 @@ def test_lengths_beyond_the_model_or_window_are_refused():
     mistral.config.sliding_window = 16
     with pytest.raises(UnsupportedModelError, match="sliding window"):
         decoder_for(mistral).check_length(17)
+
+
+def test_gpt2_scale_is_derived_from_the_config_where_hf_has_no_scaling_attribute():
+    model = tiny_model("gpt2")
+    model.config.scale_attn_by_inverse_layer_idx = True
+    arch = decoder_for(model)
+    from_hf = [arch._scale(layer) for layer in range(2)]
+    for block in model.transformer.h:
+        del block.attn.scaling
+    assert [arch._scale(layer) for layer in range(2)] == pytest.approx([(16**-0.5), (16**-0.5) / 2])
+    assert from_hf == pytest.approx([16**-0.5, 16**-0.5])  # HF computed its scaling when the model was built

@@ -31,6 +31,15 @@ class GPT2(DecoderArchitecture):
         c = self.config
         return CacheLayout(c.n_layer, c.n_head, c.n_embd // c.n_head)
 
+    def _scale(self, layer: int) -> float:
+        """HF's attention scale (`GPT2Attention.scaling` in recent versions, derived from the config before)."""
+        scaling = getattr(self.model.transformer.h[layer].attn, "scaling", None)
+        if scaling is not None:
+            return float(scaling)
+        c = self.config
+        scale = (c.n_embd // c.n_head) ** -0.5 if c.scale_attn_weights else 1.0
+        return scale / (layer + 1) if c.scale_attn_by_inverse_layer_idx else scale
+
     def forward(
         self, tokens: torch.Tensor, positions: torch.Tensor, query_slots: torch.Tensor, cache: StaticKVCache
     ) -> torch.Tensor:
@@ -42,7 +51,7 @@ class GPT2(DecoderArchitecture):
             attn = block.attn
             query, key, value = attn.c_attn(block.ln_1(hidden)).split(attn.split_size, dim=2)
             out = cache.attend(index, split_heads(query, head_dim), split_heads(key, head_dim),
-                               split_heads(value, head_dim), query_slots, mask, attn.scaling)
+                               split_heads(value, head_dim), query_slots, mask, self._scale(index))
             hidden = hidden + attn.c_proj(merge_heads(out))
             hidden = hidden + block.mlp(block.ln_2(hidden))
         return last_logits(self.model.lm_head, transformer.ln_f(hidden))
