@@ -1,8 +1,8 @@
 """tendril: fast inference of irregular neural networks on NVIDIA GPUs.
 
 Two halves: graphed execution of dynamic DNNs (shape-keyed CUDA graphs sharing one memory pool,
-zero-copy inputs, device-side control flow) and sparse CNN inference (compressed weights and
-activations, sparse x sparse convolution).
+device-side control flow, whole decode loops in one launch) and sparse CNN inference (compressed
+weights and activations, sparse x sparse convolution).
 
 Importing tendril is cheap and never initialises CUDA: the public names below are resolved lazily,
 on first use, from the module that implements them.
@@ -10,8 +10,7 @@ on first use, from the module that implements them.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from tendril._lazy import lazy_attributes
 
 __version__ = "0.1.0"
 
@@ -19,18 +18,26 @@ __version__ = "0.1.0"
 _LAZY: dict[str, str] = {
     "Config": "tendril.config",
     "settings": "tendril.config",
+    "graphed": "tendril.graphs.callable",
+    "GraphedCallable": "tendril.graphs.callable",
+    "GraphFallbackWarning": "tendril.graphs.callable",
+    "sequence_buckets": "tendril.graphs.buckets",
+    "pow2_sizes": "tendril.graphs.buckets",
+    "Buckets": "tendril.graphs.buckets",
+    "Pad": "tendril.graphs.buckets",
+    "StaleOutputError": "tendril.graphs.outputs",
+    "cond": "tendril.graphs.control",
+    "while_loop": "tendril.graphs.control",
+    "check_loop_bounds": "tendril.graphs.control",
+    "LoopBoundExceeded": "tendril.graphs.control",
+    "HostSyncInGraphError": "tendril.graphs.control",
+    "generate": "tendril.generation",
+    "sparse": "tendril.sparse",
 }
 
 __all__ = ["__version__", *_LAZY]
 
-
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'tendril' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_attributes(__name__, _LAZY, globals())
 
 
 def __dir__() -> list[str]:

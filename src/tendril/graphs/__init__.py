@@ -7,8 +7,7 @@ Public names resolve lazily so importing a submodule stays cheap: `graphed`, `Gr
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from tendril._lazy import lazy_attributes
 
 _LAZY: dict[str, str] = {
     "graphed": "tendril.graphs.callable",
@@ -28,11 +27,4 @@ _LAZY: dict[str, str] = {
 
 __all__ = list(_LAZY)
 
-
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'tendril.graphs' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_attributes(__name__, _LAZY, globals())
