@@ -13,7 +13,6 @@ graphs. Per-call times are CUDA-event medians over rotating inputs, measured sid
 
 from __future__ import annotations
 
-import gc
 import statistics
 import time
 
@@ -24,6 +23,7 @@ from benchmarks.registry import Context, Goal, register
 from tendril.graphs.callable import GraphedCallable, graphed
 from tendril.graphs.capture import GRAPH_SDPA_BACKENDS
 from tendril.graphs.key import GraphKey
+from tendril.utils.device_memory import device_memory_in_use
 from tendril.utils.timing import time_callable
 
 MIB = 1 << 20
@@ -35,14 +35,6 @@ def _gpt2(device: torch.device) -> torch.nn.Module:
 
     model = GPT2LMHeadModel(GPT2Config(use_cache=False))
     return model.to(device=device, dtype=torch.float16).eval()
-
-
-def _device_used(device: torch.device) -> int:
-    torch.cuda.synchronize(device)
-    gc.collect()
-    torch.cuda.empty_cache()
-    free, total = torch.cuda.mem_get_info(device)
-    return total - free
 
 
 class SeparatePools:
@@ -81,20 +73,20 @@ def run(ctx: Context) -> None:
         inputs = {n: [(torch.randint(0, VOCAB, (1, n), device=device),) for _ in range(4)] for n in lengths}
         model(inputs[lengths[-1]][0][0])
 
-        base = _device_used(device)
+        base = device_memory_in_use(device)
         fast = graphed(model, max_graphs=len(lengths))
         start = time.perf_counter()
         fast.capture([inputs[n][0] for n in lengths], progress=False)
         torch.cuda.synchronize(device)
         tendril_capture_s = time.perf_counter() - start
-        tendril_bytes = _device_used(device) - base
+        tendril_bytes = device_memory_in_use(device) - base
 
-        base = _device_used(device)
+        base = device_memory_in_use(device)
         start = time.perf_counter()
         separate = SeparatePools(model, lengths, device)
         torch.cuda.synchronize(device)
         separate_capture_s = time.perf_counter() - start
-        separate_bytes = _device_used(device) - base
+        separate_bytes = device_memory_in_use(device) - base
 
         first_launch = _first_launch_bytes(fast, inputs, lengths, device)
         speedups = {}
@@ -155,7 +147,7 @@ def _first_launch_bytes(
     fast: GraphedCallable, inputs: dict[int, list[tuple[torch.Tensor]]], lengths: list[int], device: torch.device
 ) -> int:
     """Device memory taken by the first replay of each graph (a driver may defer work to the first launch)."""
-    before = _device_used(device)
+    before = device_memory_in_use(device)
     for n in lengths:
         fast(*inputs[n][0])
-    return max(_device_used(device) - before, 0)
+    return max(device_memory_in_use(device) - before, 0)

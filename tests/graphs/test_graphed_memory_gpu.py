@@ -1,24 +1,15 @@
 """Memory on the GPU: smaller graphs reuse the largest one's pool, outputs included; failed captures free."""
 
-import gc
-
 import pytest
 import torch
 
 from tendril.graphs.stats import Fallback
+from tendril.utils.device_memory import device_memory_in_use
 from tests.graphs.gpu_models import fast, gpt2
 
 pytestmark = pytest.mark.gpu
 
 MIB = 1 << 20
-
-
-def _device_used() -> int:
-    torch.cuda.synchronize()
-    gc.collect()
-    torch.cuda.empty_cache()
-    free, total = torch.cuda.mem_get_info()
-    return total - free
 
 
 def test_smaller_graphs_reuse_the_largest_graphs_memory():
@@ -40,7 +31,7 @@ def test_one_pool_is_much_smaller_than_a_pool_per_shape():
     model = gpt2(torch.float16, vocab=50257)  # GPT-2's vocabulary: logits are the large tensors
     lengths = range(8, 40)
     with torch.inference_mode():
-        before = _device_used()
+        before = device_memory_in_use()
         graphs = []
         for n in lengths:
             ids = torch.randint(0, 50257, (1, n), device="cuda")
@@ -49,12 +40,12 @@ def test_one_pool_is_much_smaller_than_a_pool_per_shape():
             with torch.cuda.graph(graph):
                 out = model(ids)
             graphs.append((graph, ids, out))
-        separate = _device_used() - before
+        separate = device_memory_in_use() - before
         del graphs, out
-        before = _device_used()
+        before = device_memory_in_use()
         graphed_model = fast(model)
         graphed_model.capture([(torch.randint(0, 50257, (1, n), device="cuda"),) for n in lengths], progress=False)
-        shared = _device_used() - before
+        shared = device_memory_in_use() - before
     print(f"separate pools {separate / MIB:.0f} MiB, tendril {shared / MIB:.0f} MiB")
     assert shared * 4 < separate
 
@@ -72,7 +63,7 @@ def test_outputs_released_to_the_pool_still_hold_the_results():
 
 def _private_pools() -> set[tuple[int, int]]:
     """Ids of the graph pools that hold device memory now (the allocator's own pool is (0, 0))."""
-    _device_used()
+    device_memory_in_use()
     segments = torch.cuda.memory_snapshot()
     assert all("segment_pool_id" in s for s in segments), "this torch's memory snapshot does not name pools"
     return {tuple(s["segment_pool_id"]) for s in segments if tuple(s.get("segment_pool_id", (0, 0))) != (0, 0)}

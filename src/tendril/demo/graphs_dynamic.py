@@ -7,7 +7,6 @@ captures one graph per length into a single shared pool, largest first, and disp
 
 from __future__ import annotations
 
-import gc
 import random
 import warnings
 
@@ -17,6 +16,7 @@ from torch.nn.attention import sdpa_kernel
 from tendril.demo import DemoSection, Row, SectionResult
 from tendril.graphs.callable import GraphFallbackWarning, graphed
 from tendril.graphs.capture import GRAPH_SDPA_BACKENDS
+from tendril.utils.device_memory import device_memory_in_use
 from tendril.utils.timing import time_callable
 
 MIB = 1 << 20
@@ -33,14 +33,6 @@ def _gpt2(device: torch.device, quick: bool) -> tuple[torch.nn.Module, int]:
         dtype = torch.float32
     model: torch.nn.Module = GPT2LMHeadModel(config)
     return model.to(device=device, dtype=dtype).eval(), config.vocab_size
-
-
-def _device_used(device: torch.device) -> int:
-    torch.cuda.synchronize(device)
-    gc.collect()
-    torch.cuda.empty_cache()
-    free, total = torch.cuda.mem_get_info(device)
-    return total - free
 
 
 def run(device: torch.device, quick: bool) -> SectionResult:
@@ -75,7 +67,7 @@ def _graphed_rows(
     device: torch.device,
     reps: int,
 ) -> list[Row]:
-    base = _device_used(device)
+    base = device_memory_in_use(device)
     per_length = {}
     for n in lengths:
         placeholder = torch.randint(0, vocab, (1, n), device=device)
@@ -85,7 +77,7 @@ def _graphed_rows(
             with torch.cuda.graph(graph):
                 logits = model(placeholder).logits
         per_length[n] = (graph, placeholder, logits)
-    separate_mib = (_device_used(device) - base) / MIB
+    separate_mib = (device_memory_in_use(device) - base) / MIB
 
     def replay_own_pool(ids: torch.Tensor) -> torch.Tensor:
         graph, placeholder, logits = per_length[ids.shape[1]]
@@ -95,10 +87,10 @@ def _graphed_rows(
 
     own = time_callable(replay_own_pool, inputs, device=device, warmup=2, reps=reps)
     per_length.clear()
-    base = _device_used(device)
+    base = device_memory_in_use(device)
     fast = graphed(model, max_graphs=len(lengths))
     fast.capture([(torch.zeros(1, n, dtype=torch.long, device=device),) for n in lengths])
-    tendril_mib = (_device_used(device) - base) / MIB
+    tendril_mib = (device_memory_in_use(device) - base) / MIB
     timing = time_callable(fast, inputs, device=device, warmup=2, reps=reps)
     err = max((fast(*x).logits.float() - model(*x).logits.float()).abs().max().item() for x in inputs[:8])
     return [
