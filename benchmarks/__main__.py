@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     console = Console()
     if args.command == "list":
         for case in sorted(registry.discover().values(), key=lambda c: c.name):
-            console.print(f"{case.name:28s} {'GPU' if case.needs_gpu else 'any'}  {case.description}")
+            console.print(f"{case.name:28s} {'GPU' if case.needs_gpu else 'any'}  {case.description}", soft_wrap=True)
         return 0
     command = "python -m benchmarks " + shlex.join(argv)
     result = run_case(args.name, args.quick, args.out, command, args.device)
