@@ -2,8 +2,7 @@
 
 The prompt runs once through the architecture's graph-safe forward, filling tendril's static KV cache;
 then token choice and, for beams, all bookkeeping run as `tendril.graphs.control.while_loop(cond, body,
-carried)`,
-one iteration per new token, ending as soon as every sequence is done. Options follow HF's meaning and
+carried)`, one iteration per new token, ending as soon as every sequence is done. Options follow HF's meaning and
 defaults; options tendril does not implement are refused by name, never ignored.
 """
 
