@@ -97,3 +97,56 @@ def device_free_bytes(device: torch.device) -> int:
     """Free device memory as the driver reports it (cudaMemGetInfo); deltas give the driver's own allocations."""
     free, _ = torch.cuda.mem_get_info(device)
     return int(free)
+
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "kib": 1 << 10,
+    "mib": 1 << 20,
+    "gib": 1 << 30,
+}
+
+
+def parse_bytes(value: int | str | None) -> int | None:
+    """A byte count from an int or a string such as "256MiB", "1.5 GiB" or "512MB" (None stays None)."""
+    if value is None:
+        return None
+    if isinstance(value, bool):
+        raise TypeError("a memory size must be an int or a string such as '256MiB', not a bool")
+    if isinstance(value, int):
+        if value < 0:
+            raise ValueError(f"a memory size must be >= 0 bytes, got {value}")
+        return value
+    if not isinstance(value, str):
+        raise TypeError(f"a memory size must be an int or a string such as '256MiB', got {type(value).__name__}")
+    text = value.strip().lower().replace(" ", "")
+    digits = text.rstrip("abcdefghijklmnopqrstuvwxyz")
+    unit = text[len(digits) :]
+    if unit not in _UNITS or not digits:
+        raise ValueError(f"cannot read {value!r} as a memory size: write e.g. '256MiB', '1.5GiB', '512MB' or an int")
+    try:
+        amount = float(digits)
+    except ValueError:
+        raise ValueError(f"cannot read {value!r} as a memory size: write e.g. '256MiB' or an int") from None
+    if amount < 0:
+        raise ValueError(f"a memory size must be >= 0 bytes, got {value!r}")
+    return int(amount * _UNITS[unit])
+
+
+def host_resident_bytes() -> int | None:
+    """This process's resident host memory (Linux /proc/self/statm), or None where it cannot be read.
+
+    Deltas around a capture bound the host memory a kept CUDA graph holds (from above: they also
+    count whatever else Python allocated meanwhile)."""
+    try:
+        with open("/proc/self/statm") as statm:
+            resident_pages = int(statm.read().split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
+    import os
+
+    return resident_pages * os.sysconf("SC_PAGE_SIZE")

@@ -1,0 +1,133 @@
+"""Executable CUDA graphs managed through cuda-python: instantiate, update, launch, destroy, topology.
+
+torch's `CUDAGraph(keep_graph=True)` keeps the captured `cudaGraph_t` (`raw_cuda_graph()`) without
+instantiating it; these calls turn such a graph into executables whose lifetime tendril controls, so
+the driver memory each executable holds can be given back (destroy) or shared between graphs of
+one topology (update) while the captured graphs stay on the host.
+
+What CUDA guarantees about executables that are still running (and why no host wait is needed):
+
+- `cudaGraphExecUpdate` and the per-node `cudaGraphExec*SetParams` calls change only *future*
+  launches: "Already enqueued or running launches of hGraphExec are not affected by this call"
+  (CUDA runtime API reference). Updating an executable whose previous launch is still on the GPU is
+  therefore allowed and does not disturb that launch.
+- `cuGraphExecDestroy`: "If the executable graph is in-flight, it will not be terminated, but rather
+  freed asynchronously on completion" (CUDA driver API reference).
+
+So the host may update or destroy an executable right after launching it. What the host must order
+is the *memory* the graphs share (pool, placeholders, outputs): that is stream ordering, handled by
+the caller (`tendril.graphs.executables`). Launches go to the stream given, normally torch's current
+stream. A failed update is reported, never raised: the caller destroys that executable and
+instantiates a fresh one (the pattern the CUDA programming guide recommends).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import Any
+
+from tendril.cuda.runtime import check
+
+INSTANTIATE_FLAGS = 1
+"""`cudaGraphInstantiateFlagAutoFreeOnLaunch`, as torch instantiates its graphs (matters only for graphs with
+memory-allocation nodes, which torch's captures do not make)."""
+
+
+@dataclass(frozen=True)
+class UpdateOutcome:
+    """Whether `update` switched the executable to the new graph, and if not, CUDA's reason."""
+
+    ok: bool
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class Topology:
+    """A captured graph's shape: node count and a digest of node types in creation order plus edges.
+
+    Graphs with equal digests are candidates for `update`; CUDA's answer to the update is final."""
+
+    nodes: int
+    digest: str
+
+
+def _graph(raw: int) -> Any:
+    from cuda.bindings import runtime
+
+    return runtime.cudaGraph_t(init_value=raw)
+
+
+def _exec(raw: int) -> Any:
+    from cuda.bindings import runtime
+
+    return runtime.cudaGraphExec_t(init_value=raw)
+
+
+def instantiate(graph: int) -> int:
+    """Instantiate the captured graph `graph` (an int handle, e.g. `CUDAGraph.raw_cuda_graph()`); return the
+    executable's handle."""
+    from cuda.bindings import runtime
+
+    executable = check(
+        runtime.cudaGraphInstantiateWithFlags(_graph(graph), INSTANTIATE_FLAGS), "cudaGraphInstantiateWithFlags"
+    )
+    return int(executable)
+
+
+def update(executable: int, graph: int) -> UpdateOutcome:
+    """Make `executable` run `graph` (same topology) from its next launch on; launches already enqueued keep
+    the parameters they were launched with. A refused update leaves an outcome with CUDA's reason."""
+    from cuda.bindings import runtime
+
+    err, info = runtime.cudaGraphExecUpdate(_exec(executable), _graph(graph))
+    if int(err) == 0:
+        return UpdateOutcome(True)
+    runtime.cudaGetLastError()  # a refused update is expected; do not leave it as the thread's last error
+    result = getattr(getattr(info, "result", None), "name", None) or getattr(err, "name", str(err))
+    return UpdateOutcome(False, str(result))
+
+
+def launch(executable: int, stream: int) -> None:
+    """Enqueue `executable` on `stream` (a `torch.cuda.Stream.cuda_stream` handle)."""
+    from cuda.bindings import runtime
+
+    check(runtime.cudaGraphLaunch(_exec(executable), stream), "cudaGraphLaunch")
+
+
+def destroy(executable: int) -> None:
+    """Destroy `executable`; a launch of it still running completes first (the driver frees it afterwards)."""
+    from cuda.bindings import runtime
+
+    check(runtime.cudaGraphExecDestroy(_exec(executable)), "cudaGraphExecDestroy")
+
+
+def topology(graph: int) -> Topology:
+    """The node count and topology digest of the captured graph `graph` (host calls only)."""
+    from cuda.bindings import runtime
+
+    handle = _graph(graph)
+    _, count = check(runtime.cudaGraphGetNodes(handle, 0), "cudaGraphGetNodes")
+    nodes, count = check(runtime.cudaGraphGetNodes(handle, count), "cudaGraphGetNodes")
+    nodes = list(nodes)[:count]
+    index = {int(node): position for position, node in enumerate(nodes)}
+    digest = hashlib.sha1()
+    for node in nodes:
+        kind = check(runtime.cudaGraphNodeGetType(node), "cudaGraphNodeGetType")
+        digest.update(f"{int(kind)},".encode())
+    for source, target in _edges(handle):
+        digest.update(f"{index.get(int(source), -1)}>{index.get(int(target), -1)};".encode())
+    return Topology(int(count), digest.hexdigest()[:16])
+
+
+def _edges(handle: Any) -> list[tuple[Any, Any]]:
+    """The graph's edges as (from, to) node pairs (CUDA 13 bindings also return edge data, ignored here)."""
+    from cuda.bindings import runtime
+
+    values = check(runtime.cudaGraphGetEdges(handle, 0), "cudaGraphGetEdges")
+    count = values[-1]
+    if not count:
+        return []
+    values = check(runtime.cudaGraphGetEdges(handle, count), "cudaGraphGetEdges")
+    sources, targets, count = values[0], values[1], values[-1]
+    return list(zip(list(sources)[:count], list(targets)[:count], strict=True))
