@@ -11,10 +11,12 @@ Backends: `"cuda"` (the default on a GPU: each convolution by the shared-memory 
 with bias, residual and ReLU fused, or by the Triton kernel, whichever `tune` measured faster for
 that layer; compression and FC layers by Triton kernels), `"triton"` (every op a
 Triton kernel, convolutions accumulating by global atomics; also runs on CPU tensors under
-`TRITON_INTERPRET=1`) and `"cpu"` (the same algorithm vectorized with torch ops, on `threads`
-worker threads). The GPU forwards never sync with the host: every buffer has a static size, nonzero
-counts stay on the device, overflow of a reduced activation capacity raises a device flag that
-`check_overflow()` turns into an error after the run. So a whole network replays inside one CUDA graph.
+`TRITON_INTERPRET=1`) and `"cpu"` (compiled numba loops, `ops/conv/cpu.py`: per layer SCNN's
+Cartesian product or the output-stationary sparse-weight dataflow, whichever its cost model
+predicts faster, on `threads` threads of numba's pool). The GPU forwards never sync with the host:
+every buffer has a static size, nonzero counts stay on the device, overflow of a reduced activation
+capacity raises a device flag that `check_overflow()` turns into an error after the run. So a whole
+network replays inside one CUDA graph.
 
 A batch is run one sample at a time (the engine is built for batch-1 latency).
 """
@@ -57,7 +59,7 @@ class RunState:
         if self.backend in ("cuda", "triton"):
             acts = compress_triton.compress(x, layout, self.overflow)
         else:
-            acts = compress_cpu.compress(x, layout)
+            acts = compress_cpu.compress(x, layout, threads=self.threads)
             self.overflow |= (acts.counts > layout.capacity).any().to(torch.int32)
         self.last_counts[step] = acts.counts
         return acts
@@ -78,6 +80,8 @@ class SparseConvStep:
     """The weights in the CUDA kernel's tile order (GPU networks only)."""
     conv_kernel: str = "cuda"
     """Under the `"cuda"` backend, which convolution kernel this layer uses (`SparseNetwork.tune` picks)."""
+    cpu_plan: conv_cpu.CpuConvPlan | None = None
+    """The weights re-ordered for the CPU kernels (built on the first CPU forward)."""
 
     def convolve(self, acts: CompressedActivations, init: torch.Tensor, state: RunState) -> torch.Tensor:
         if state.backend == "cuda" and self.conv_kernel == "cuda":
@@ -85,7 +89,9 @@ class SparseConvStep:
                 raise ValueError(f"{self.name}: the cuda backend needs a network converted on a GPU")
             return conv_cuda.conv(acts, self.weights, self.tiled, init, relu=self.relu)
         if state.backend == "cpu":
-            y = conv_cpu.conv(acts, self.weights, init, threads=state.threads)
+            if self.cpu_plan is None:
+                self.cpu_plan = conv_cpu.CpuConvPlan.prepare(self.weights)
+            y = conv_cpu.conv(acts, self.weights, init, threads=state.threads, plan=self.cpu_plan)
         else:
             y = conv_triton.conv(acts, self.weights, init)
         return y.relu_() if self.relu else y

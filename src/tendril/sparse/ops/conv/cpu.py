@@ -1,66 +1,176 @@
-"""Sparse×sparse convolution on the CPU: the same Cartesian-product dataflow, vectorized with torch ops.
+"""Sparse×sparse convolution on the CPU: two compiled dataflows, chosen per call by a cost model.
 
-For each virtual input channel, the outer product of its nonzero weights and nonzero activations is
-formed in one go, and the products are scattered with `index_add_` into a dense accumulator that
-carries a halo of `r' - 1` rows and `s' - 1` columns on the top-left (SCNN's halo accumulators):
-every address `weight part + activation part` lands inside the buffer, so no product needs a bounds
-check, and the halo is cropped off at the end. Large channels are processed in chunks of activations
-to bound temporary memory.
+`cartesian` is SCNN's dataflow, as on the GPU: within each virtual input channel, every nonzero
+weight meets every stored activation, and the product is added at `weight base + activation
+address` in an accumulator with a top-left halo of `r' - 1` rows and `s' - 1` columns (so no
+product needs a bounds check; the halo is cropped at the end). Output channels are processed in
+blocks whose accumulators fit in `CARTESIAN_ACC_FLOATS` (the L2 cache), one block per thread.
 
-Multi-threaded: virtual channels are split into contiguous ranges of about equal product count, one
-per worker thread, each with its own accumulator (torch ops release the GIL); the accumulators are
-summed at the end, as SCNN's processing elements exchange partial sums.
+`direct` is output-stationary over the same compressed weights: the stored activations are
+scattered back into zero-padded phase planes of row width `R = max(plane_w, out_w + s' - 1)`, and
+for every output channel and tile of `DIRECT_TILE` output pixels (on a grid of row width R, whose
+extra columns are cropped) each nonzero weight `(v, r', s')` adds `w × planes[v, r'R + s' + tile]`,
+a contiguous vectorized FMA stream; channels with no nonzero activation are dropped first.
+
+Work: cartesian does `nnz(w) × nnz(a)` products, but each is a scalar read-modify-write at a
+scattered address (~1 ns on one core here); direct does `nnz(w) × output pixels` multiply-adds at
+~0.06 ns (vectorized, tile in L1), so it wins unless activations are sparser than ~6%. `conv` with
+`method="auto"` (the default) computes both work counts from the true nonzero counts and takes the
+cheaper by `NS_PER_PRODUCT`, measured on one core (benchmarks/results/sparse-cpu.md).
+Multi-threaded: numba's pool over output channels (direct) or output-channel blocks (cartesian).
 """
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 import torch
 
 from tendril.sparse.format import CompressedActivations, SparseConvWeights
-from tendril.sparse.ops.cpu_threads import balanced_ranges, single_intraop_thread
+from tendril.sparse.ops.cpu_threads import kernel_threads, kernels
 
-MAX_PRODUCTS_PER_STEP = 1 << 22
+CARTESIAN_ACC_FLOATS = 1 << 16
+DIRECT_TILE = 2048
+NS_PER_PRODUCT = {"cartesian": 1.0, "direct": 0.06}
+METHODS = ("auto", "cartesian", "direct")
+
+
+@dataclass(frozen=True)
+class CpuConvPlan:
+    """One layer's weights re-ordered for both dataflows (built once per layer by `prepare`)."""
+
+    weights: SparseConvWeights
+    row: int
+    """Row width R of the direct dataflow's planes and output grid."""
+    plane_rows: int
+    direct_values: torch.Tensor
+    direct_channels: torch.Tensor
+    direct_offsets: torch.Tensor
+    direct_out_channel: torch.Tensor
+    k_ptr: torch.Tensor
+    acc_hw: tuple[int, int]
+    k_block: int
+    cartesian_values: torch.Tensor
+    cartesian_base: torch.Tensor
+    block_ptr: torch.Tensor
+    weights_per_channel: torch.Tensor
+
+    @classmethod
+    def prepare(cls, weights: SparseConvWeights) -> CpuConvPlan:
+        g = weights.geometry
+        (kh, kw), (hv, wv), (oh, ow) = g.plane_kernel, g.plane_hw, g.out_hw
+        channels = g.virtual_channels
+        ptr = weights.channel_ptr.long()
+        per_channel = ptr[1:] - ptr[:-1]
+        v = torch.repeat_interleave(torch.arange(channels), per_channel)
+        taps = weights.taps.long()
+        k, rp, sp = taps >> 16, (taps >> 8) & 0xFF, taps & 0xFF
+
+        row = max(wv, ow + kw - 1)
+        direct = torch.argsort((k * channels + v) * (1 << 16) + (taps & 0xFFFF))
+        k_ptr = torch.zeros(g.out_channels + 1, dtype=torch.int64)
+        k_ptr[1:] = torch.cumsum(torch.bincount(k, minlength=g.out_channels), 0)
+
+        acc_h, acc_w = kh - 1 + max(hv, oh), kw - 1 + max(wv, ow)
+        plane = acc_h * acc_w
+        k_block = max(1, min(g.out_channels, CARTESIAN_ACC_FLOATS // plane))
+        blocks = -(-g.out_channels // k_block)
+        block_key = (k // k_block) * channels + v
+        cartesian = torch.argsort(block_key, stable=True)
+        block_ptr = torch.zeros(blocks * channels + 1, dtype=torch.int64)
+        block_ptr[1:] = torch.cumsum(torch.bincount(block_key, minlength=blocks * channels), 0)
+        block_ptr = torch.cat([block_ptr[:-1].view(blocks, channels), block_ptr[channels::channels, None]], 1)
+        base = (k % k_block) * plane - rp * acc_w - sp + (kh - 1) * acc_w + (kw - 1)
+        return cls(
+            weights,
+            row,
+            max(hv, oh + kh - 1),
+            weights.values[direct].contiguous(),
+            v[direct].contiguous(),
+            (rp * row + sp)[direct].contiguous(),
+            k[direct].contiguous(),
+            k_ptr,
+            (acc_h, acc_w),
+            k_block,
+            weights.values[cartesian].contiguous(),
+            base[cartesian].contiguous(),
+            block_ptr.contiguous(),
+            per_channel,
+        )
+
+    def work(self, counts: torch.Tensor) -> dict[str, float]:
+        """Estimated nanoseconds on one core of each dataflow for activations with these stored counts."""
+        g = self.weights.geometry
+        products = float((counts.long() * self.weights_per_channel).sum())
+        live = float(self.weights_per_channel[counts > 0].sum())
+        macs = live * g.out_hw[0] * self.row
+        return {"cartesian": products * NS_PER_PRODUCT["cartesian"], "direct": macs * NS_PER_PRODUCT["direct"]}
 
 
 def conv(
-    acts: CompressedActivations, weights: SparseConvWeights, init: torch.Tensor, *, threads: int = 1
+    acts: CompressedActivations,
+    weights: SparseConvWeights,
+    init: torch.Tensor,
+    *,
+    threads: int = 1,
+    plan: CpuConvPlan | None = None,
+    method: str = "auto",
 ) -> torch.Tensor:
-    """`init + conv(acts, weights)` (`init` is `[K, OH, OW]`, left unchanged)."""
-    g = weights.geometry
-    kh, kw = g.plane_kernel
-    hv, wv = acts.layout.plane_hw
-    oh, ow = g.out_hw
-    acc_h, acc_w = kh - 1 + max(hv, oh), kw - 1 + max(wv, ow)
-    plane = acc_h * acc_w
-    taps = weights.taps.long()
-    weight_part = (taps >> 16) * plane - ((taps >> 8) & 0xFF) * acc_w - (taps & 0xFF) + (kh - 1) * acc_w + (kw - 1)
-    counts = acts.stored_counts.tolist()
-    ptr = weights.channel_ptr.tolist()
-    work = [counts[v] * (ptr[v + 1] - ptr[v]) for v in range(g.virtual_channels)]
+    """`init + conv(acts, weights)` (`init` is `[K, OH, OW]`, left unchanged).
 
-    def run(first: int, last: int) -> torch.Tensor:
-        acc = torch.zeros(g.out_channels * plane)
-        for v in range(first, last):
-            if work[v] == 0:
-                continue
-            w = weights.values[ptr[v] : ptr[v + 1]]
-            wp = weight_part[ptr[v] : ptr[v + 1]]
-            flat = acts.positions[v, : counts[v]].long()
-            act_part = (flat // wv) * acc_w + flat % wv
-            a = acts.values[v, : counts[v]]
-            step = max(1, MAX_PRODUCTS_PER_STEP // w.numel())
-            for start in range(0, counts[v], step):
-                address = wp[:, None] + act_part[None, start : start + step]
-                acc.index_add_(0, address.flatten(), (w[:, None] * a[None, start : start + step]).flatten())
-        return acc
+    `plan` (from `CpuConvPlan.prepare(weights)`) saves re-ordering the weights on every call;
+    `method` is `"auto"`, `"cartesian"` or `"direct"` (see the module docstring).
+    """
+    if method not in METHODS:
+        raise ValueError(f"method {method!r}: expected one of {METHODS}")
+    if plan is None:
+        plan = CpuConvPlan.prepare(weights)
+    elif plan.weights is not weights:
+        raise ValueError("the plan was prepared for other weights; pass CpuConvPlan.prepare(weights)")
+    counts = acts.stored_counts
+    if method == "auto":
+        cost = plan.work(counts)
+        method = min(cost, key=lambda m: cost[m])
+    with kernel_threads(threads):
+        y = _direct(acts, plan, counts) if method == "direct" else _cartesian(acts, plan, counts)
+    return init + y
 
-    if threads <= 1:
-        acc = run(0, g.virtual_channels)
-    else:
-        with single_intraop_thread(), ThreadPoolExecutor(threads) as pool:
-            parts = list(pool.map(lambda r: run(*r), balanced_ranges(work, threads)))
-        acc = torch.stack(parts).sum(0) if len(parts) > 1 else parts[0]
-    acc = acc.view(g.out_channels, acc_h, acc_w)[:, kh - 1 : kh - 1 + oh, kw - 1 : kw - 1 + ow]
-    return init + acc
+
+def _direct(acts: CompressedActivations, plan: CpuConvPlan, counts: torch.Tensor) -> torch.Tensor:
+    g = plan.weights.geometry
+    kw, (oh, ow), wv = g.plane_kernel[1], g.out_hw, g.plane_hw[1]
+    planes = torch.zeros(g.virtual_channels, plan.plane_rows * plan.row + kw - 1)
+    kernels().scatter_planes(planes.numpy(), acts.values.numpy(), acts.positions.numpy(), counts.numpy(), wv, plan.row)
+    values, channels, offsets, k_ptr = plan.direct_values, plan.direct_channels, plan.direct_offsets, plan.k_ptr
+    live = counts[channels] > 0
+    if not bool(live.all()):
+        values, channels, offsets = values[live], channels[live], offsets[live]
+        k_ptr = torch.zeros_like(k_ptr)
+        k_ptr[1:] = torch.cumsum(torch.bincount(plan.direct_out_channel[live], minlength=g.out_channels), 0)
+    out = torch.zeros(g.out_channels, oh * plan.row)
+    kernels().conv_direct(
+        out.numpy(), values.numpy(), channels.numpy(), offsets.numpy(), k_ptr.numpy(), planes.numpy(), DIRECT_TILE
+    )
+    return out.view(g.out_channels, oh, plan.row)[:, :, :ow]
+
+
+def _cartesian(acts: CompressedActivations, plan: CpuConvPlan, counts: torch.Tensor) -> torch.Tensor:
+    g = plan.weights.geometry
+    (kh, kw), (oh, ow), wv = g.plane_kernel, g.out_hw, g.plane_hw[1]
+    acc_h, acc_w = plan.acc_hw
+    blocks = plan.block_ptr.shape[0]
+    stored = torch.arange(acts.layout.capacity)[None, :] < counts[:, None]
+    positions = acts.positions.long().where(stored, 0)
+    address = (positions // wv) * acc_w + positions % wv
+    acc = torch.zeros(blocks, plan.k_block * acc_h * acc_w)
+    kernels().conv_cartesian(
+        acc.numpy(),
+        plan.cartesian_values.numpy(),
+        plan.cartesian_base.numpy(),
+        plan.block_ptr.numpy(),
+        acts.values.numpy(),
+        address.numpy(),
+        counts.numpy(),
+    )
+    acc = acc.view(blocks * plan.k_block, acc_h, acc_w)
+    return acc[: g.out_channels, kh - 1 : kh - 1 + oh, kw - 1 : kw - 1 + ow]

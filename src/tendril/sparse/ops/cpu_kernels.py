@@ -1,0 +1,106 @@
+"""Compiled (numba) loops of the CPU backend; the operators in `ops/*/cpu.py` prepare their operands.
+
+Why compiled: the sparse dataflows are loops over irregular lists, which torch ops can only express
+as `index_add_` scatters or sparse-CSR products, 5-40× slower than these loops on one VGG-16 layer
+(benchmarks/results/sparse-cpu.md). Every kernel is parallel over disjoint outputs (`prange`), so
+there are no atomics and no partial sums to merge; the thread count is numba's (`cpu_threads.kernel_threads`).
+
+- `compress_planes`: one branch-free pass per virtual channel over its phase plane, writing values,
+  positions, row pointers and the true count (the `CompressedActivations` layout); every element is
+  written to the next free slot, which only a nonzero claims.
+- `scatter_planes`: the inverse into zero-padded planes of row width `row`.
+- `conv_cartesian`: SCNN's dataflow. For each block of output channels (its halo accumulators stay in
+  the L2 cache) and each virtual input channel, every nonzero weight meets every stored activation and
+  the product is added at `weight base + activation address`: work = nonzero weights × nonzero
+  activations, but each product is a scalar read-modify-write at a scattered address.
+- `conv_direct`: the output-stationary sparse-weight dataflow. For each output channel and tile of
+  output pixels (in L1), every nonzero weight adds `w × (a contiguous slice of its channel's plane)`:
+  a vectorized FMA stream, four weights per pass over the tile. Work = nonzero weights × output
+  pixels (channels with no nonzero activation are skipped by the caller).
+- `linear_columns`: the sparse FC layer: each stored activation meets the nonzero column of its input
+  feature (CSC), products added into the output; the activations are split into parts, one
+  accumulator each, summed by the caller.
+"""
+
+from __future__ import annotations
+
+from numba import njit, prange
+
+
+@njit(parallel=True, cache=True)
+def compress_planes(planes, plane_w, capacity, values, positions, row_ptr, counts):
+    channels, size = planes.shape
+    for v in prange(channels):
+        n = 0
+        row_ptr[v, 0] = 0
+        for y in range(size // plane_w):
+            for p in range(y * plane_w, (y + 1) * plane_w):
+                x = planes[v, p]
+                if n < capacity:
+                    values[v, n] = x
+                    positions[v, n] = p
+                n += x != 0
+            row_ptr[v, y + 1] = n
+        counts[v] = n
+
+
+@njit(parallel=True, cache=True)
+def scatter_planes(out, values, positions, counts, plane_w, row):
+    for v in prange(out.shape[0]):
+        for j in range(counts[v]):
+            p = positions[v, j]
+            out[v, (p // plane_w) * row + p % plane_w] = values[v, j]
+
+
+@njit(parallel=True, cache=True)
+def conv_cartesian(acc, values, base, block_ptr, act_values, act_address, counts):
+    channels = counts.shape[0]
+    for block in prange(acc.shape[0]):
+        out = acc[block]
+        for v in range(channels):
+            n = counts[v]
+            for i in range(block_ptr[block, v], block_ptr[block, v + 1]):
+                w = values[i]
+                b = base[i]
+                for j in range(n):
+                    out[b + act_address[v, j]] += w * act_values[v, j]
+
+
+@njit(parallel=True, cache=True, fastmath=True)
+def conv_direct(out, values, channels, offsets, k_ptr, planes, tile):
+    pixels = out.shape[1]
+    for k in prange(out.shape[0]):
+        row = out[k]
+        first, last = k_ptr[k], k_ptr[k + 1]
+        for t0 in range(0, pixels, tile):
+            m = min(pixels - t0, tile)
+            acc = row[t0 : t0 + m]
+            i = first
+            while i + 4 <= last:
+                s0, s1, s2, s3 = offsets[i] + t0, offsets[i + 1] + t0, offsets[i + 2] + t0, offsets[i + 3] + t0
+                a0 = planes[channels[i], s0 : s0 + m]
+                a1 = planes[channels[i + 1], s1 : s1 + m]
+                a2 = planes[channels[i + 2], s2 : s2 + m]
+                a3 = planes[channels[i + 3], s3 : s3 + m]
+                w0, w1, w2, w3 = values[i], values[i + 1], values[i + 2], values[i + 3]
+                for q in range(m):
+                    acc[q] += w0 * a0[q] + w1 * a1[q] + w2 * a2[q] + w3 * a3[q]
+                i += 4
+            while i < last:
+                s0 = offsets[i] + t0
+                a0 = planes[channels[i], s0 : s0 + m]
+                w0 = values[i]
+                for q in range(m):
+                    acc[q] += w0 * a0[q]
+                i += 1
+
+
+@njit(parallel=True, cache=True)
+def linear_columns(parts, values, rows, col_ptr, features, act_values, bounds):
+    for part in prange(parts.shape[0]):
+        acc = parts[part]
+        for j in range(bounds[part], bounds[part + 1]):
+            f = features[j]
+            a = act_values[j]
+            for e in range(col_ptr[f], col_ptr[f + 1]):
+                acc[rows[e]] += values[e] * a
