@@ -27,7 +27,7 @@ import hashlib
 from dataclasses import dataclass
 from typing import Any
 
-from tendril.cuda.runtime import check
+from tendril.cuda.runtime import CudaError, check
 
 INSTANTIATE_FLAGS = 1
 """`cudaGraphInstantiateFlagAutoFreeOnLaunch`, as torch instantiates its graphs (matters only for graphs with
@@ -92,7 +92,7 @@ def launch(executable: int, stream: int) -> None:
     """Enqueue `executable` on `stream` (a `torch.cuda.Stream.cuda_stream` handle)."""
     from cuda.bindings import runtime
 
-    check(runtime.cudaGraphLaunch(_exec(executable), stream), "cudaGraphLaunch")
+    check(runtime.cudaGraphLaunch(_exec(executable), runtime.cudaStream_t(init_value=stream)), "cudaGraphLaunch")
 
 
 def destroy(executable: int) -> None:
@@ -103,7 +103,11 @@ def destroy(executable: int) -> None:
 
 
 def topology(graph: int) -> Topology:
-    """The node count and topology digest of the captured graph `graph` (host calls only)."""
+    """The node count and topology digest of the captured graph `graph` (host calls only).
+
+    The digest covers node types in creation order and the edges. Where the bindings cannot read a part
+    (edges with data this query cannot return losslessly, say), the digest says so and covers the rest: a
+    coarser digest only makes more updates fail their check and re-instantiate, never changes results."""
     from cuda.bindings import runtime
 
     handle = _graph(graph)
@@ -111,12 +115,17 @@ def topology(graph: int) -> Topology:
     nodes, count = check(runtime.cudaGraphGetNodes(handle, count), "cudaGraphGetNodes")
     nodes = list(nodes)[:count]
     index = {int(node): position for position, node in enumerate(nodes)}
-    digest = hashlib.sha1()
+    digest = hashlib.sha1(f"{count};".encode())
     for node in nodes:
-        kind = check(runtime.cudaGraphNodeGetType(node), "cudaGraphNodeGetType")
-        digest.update(f"{int(kind)},".encode())
-    for source, target in _edges(handle):
-        digest.update(f"{index.get(int(source), -1)}>{index.get(int(target), -1)};".encode())
+        err, kind = runtime.cudaGraphNodeGetType(node)
+        digest.update(f"{getattr(kind, 'name', kind) if int(err) == 0 else '?'},".encode())
+    try:
+        edges = _edges(handle)
+    except CudaError as error:
+        digest.update(f"edges unread: {error}".encode())
+    else:
+        for source, target in edges:
+            digest.update(f"{index.get(int(source), -1)}>{index.get(int(target), -1)};".encode())
     return Topology(int(count), digest.hexdigest()[:16])
 
 

@@ -16,7 +16,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from tendril.graphs.key import GraphKey
-from tendril.graphs.stats import Fallback
+from tendril.graphs.stats import Fallback, GraphMemory
 
 
 class CaptureFailed(Exception):
@@ -41,6 +41,8 @@ class Captured:
     driver_bytes: int | None
     phases_ms: dict[str, float] = field(default_factory=dict)
     """Host time of each capture phase (warmup, record, instantiate) where measured."""
+    memory: GraphMemory | None = None
+    """The graph's executable memory and switching, kept up to date by the backend (None: not tracked)."""
 
 
 class Backend(Protocol):

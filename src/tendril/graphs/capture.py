@@ -77,6 +77,7 @@ def capture(
     stream: torch.cuda.Stream | None = None,
     pin_host_copies: bool = False,
     sdpa_backends: Sequence[SDPBackend] | None = None,
+    instantiate: bool = True,
     **kwargs: Any,
 ) -> CapturedGraph:
     """Run `fn(*args, **kwargs)` `warmup` times, then capture it as a CUDA graph and instantiate it.
@@ -86,7 +87,9 @@ def capture(
     current stream; the current stream then waits for the capture. A function that fails while
     capturing ends the capture and re-raises; its tensors return to the pool when the exception is
     dropped. `sdpa_backends` restricts `scaled_dot_product_attention` during warm-up and capture
-    (see `GRAPH_SDPA_BACKENDS`); None keeps PyTorch's choice.
+    (see `GRAPH_SDPA_BACKENDS`); None keeps PyTorch's choice. `instantiate=False` leaves the captured
+    graph uninstantiated (`graph.raw_cuda_graph()`) for the caller to make executables from; `driver_bytes`
+    is then 0.
     """
     device = torch.device("cuda", torch.cuda.current_device())
     start = time.perf_counter()
@@ -126,9 +129,11 @@ def capture(
     current.wait_stream(stream)
     recorded = time.perf_counter()
     pool_growth = pool_reserved_bytes(device) - reserved_before
-    free_before = device_free_bytes(device)
-    graph.instantiate()
-    driver = free_before - device_free_bytes(device)
+    driver = 0
+    if instantiate:
+        free_before = device_free_bytes(device)
+        graph.instantiate()
+        driver = free_before - device_free_bytes(device)
     done = time.perf_counter()
     phases = {
         "warmup": (warmed - start) * 1e3,

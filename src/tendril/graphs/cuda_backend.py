@@ -4,34 +4,65 @@ Capture goes through `tendril.graphs.capture.capture` on one capture stream per 
 capture the outputs are released to the pool (`memory.release_outputs`) so the next capture reuses
 their memory too. A failed capture leaves its blocks free in the pool for the next capture; if no
 graph holds the pool yet, the pool itself is dropped and its memory returned to the device.
+
+Executables. Without a graph-memory budget (strategy `dedicated`) each graph is instantiated by torch at
+capture and replayed with `CUDAGraph.replay`. Under a budget (`tendril.graphs.executables`) the captured
+graph stays on the host (`keep_graph`) and an `ExecutableCache` per device gives it an executable on
+demand, instantiating, updating (`cudaGraphExecUpdate`) or evicting through `tendril.cuda.graph_exec`;
+replays launch that executable on torch's current stream. Graphs that draw random numbers keep torch's
+dedicated executable, because torch's replay advances the generator's seed and offset before each
+launch (a plain launch would repeat the same numbers); they are counted against the budget.
+
+Ordering of switches. All graphs of a callable share pool memory, placeholders and outputs, so a
+launch must not overlap the previous one. Launches on one stream are ordered by the stream; when a
+call comes on another stream than the previous launch, that stream first waits (on the device, through
+an event) for the previous one. Updating or destroying an executable is a host call that CUDA applies
+to later launches only, so it needs no wait (see `tendril.cuda.graph_exec`).
 """
 
 from __future__ import annotations
 
 import gc
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from torch.nn.attention import SDPBackend
 
-from tendril.graphs.backend import Captured, classify_capture_error
-from tendril.graphs.capture import GRAPH_SDPA_BACKENDS, HOST_COPY_ERROR, capture
+from tendril.cuda import graph_exec
+from tendril.cuda.graph_exec import UpdateOutcome
+from tendril.graphs.backend import Captured, CaptureFailed, classify_capture_error
+from tendril.graphs.capture import GRAPH_SDPA_BACKENDS, HOST_COPY_ERROR, CapturedGraph, capture
+from tendril.graphs.executables import ExecutableCache, MemoryStrategy, resolve_strategy
 from tendril.graphs.key import GraphKey
-from tendril.graphs.memory import release_outputs
-from tendril.graphs.stats import Fallback
+from tendril.graphs.memory import device_free_bytes, host_resident_bytes, parse_bytes, release_outputs
+from tendril.graphs.stats import Fallback, GraphMemory
 
 
 class CudaBackend:
     """Captures on CUDA. `sdpa_backends`: attention kernels to capture with (`capture.GRAPH_SDPA_BACKENDS` by
-    default, leaving out cuDNN attention's per-shape host planning; None keeps PyTorch's choice)."""
+    default, leaving out cuDNN attention's per-shape host planning; None keeps PyTorch's choice).
 
-    def __init__(self, sdpa_backends: Sequence[SDPBackend] | None = GRAPH_SDPA_BACKENDS) -> None:
+    `graph_memory_budget` (bytes or a string such as "256MiB") bounds the driver memory of the executables;
+    `graph_memory_strategy` is "auto", "dedicated", "lru" or "update" (`tendril.graphs.executables`)."""
+
+    def __init__(
+        self,
+        sdpa_backends: Sequence[SDPBackend] | None = GRAPH_SDPA_BACKENDS,
+        *,
+        graph_memory_budget: int | str | None = None,
+        graph_memory_strategy: MemoryStrategy | str = MemoryStrategy.AUTO,
+    ) -> None:
         self.sdpa_backends = sdpa_backends
+        self.graph_memory_budget = parse_bytes(graph_memory_budget)
+        self.strategy = resolve_strategy(graph_memory_strategy, self.graph_memory_budget)
         self._pools: dict[torch.device, Any] = {}
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
         self._graphs_per_device: dict[torch.device, int] = {}
         self._pool_growth: dict[torch.device, int] = {}
+        self._caches: dict[torch.device, ExecutableCache] = {}
+        self._last_stream: dict[torch.device, torch.cuda.Stream] = {}
 
     def unavailable(self) -> tuple[Fallback, str] | None:
         if not torch.cuda.is_available():
@@ -41,6 +72,11 @@ class CudaBackend:
     def accepts(self, device: torch.device) -> bool:
         return device.type == "cuda"
 
+    @property
+    def managed(self) -> bool:
+        """Whether executables are managed under a budget/strategy rather than kept one per graph by torch."""
+        return self.strategy is not MemoryStrategy.DEDICATED
+
     def capture(
         self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], key: GraphKey, warmup: int
     ) -> Captured:
@@ -49,6 +85,8 @@ class CudaBackend:
         if device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
         with torch.cuda.device(device):
+            host_before = host_resident_bytes()
+            random_use = _RandomUse(fn, device) if self.managed else None
             graph = None
             failure = None
             for pin_host_copies in (False, True):
@@ -57,13 +95,14 @@ class CudaBackend:
                     self._streams.setdefault(device, torch.cuda.Stream(device))
                 try:
                     graph = capture(
-                        fn,
+                        random_use if random_use is not None else fn,
                         *args,
                         pool=self._pools[device],
                         warmup=warmup,
                         stream=self._streams[device],
                         pin_host_copies=pin_host_copies,
                         sdpa_backends=self.sdpa_backends,
+                        instantiate=not self.managed,
                         **kwargs,
                     )
                     break
@@ -76,21 +115,79 @@ class CudaBackend:
             if graph is None:
                 assert failure is not None
                 raise failure
+            host_after = host_resident_bytes()
+            memory = GraphMemory()
+            if host_before is not None and host_after is not None:
+                memory.host_bytes = max(host_after - host_before, 0)
+            replay: Callable[[], None] = _torch_replay(graph)
+            if random_use is not None:
+                try:
+                    replay = self._manage(graph, key, device, random_use, memory)
+                except Exception as error:
+                    self._discard(key, device)
+                    del graph
+                    self._after_failure(device)
+                    raise classify_capture_error(error) from None
         outputs = release_outputs(graph.outputs)
         graph.outputs = None
         self._graphs_per_device[device] = self._graphs_per_device.get(device, 0) + 1
         self._pool_growth[device] = self._pool_growth.get(device, 0) + graph.pool_growth_bytes
-        host_buffers = graph.host_buffers
-        replay = graph.graph.replay
-        if host_buffers:
-
-            def replay() -> None:  # keeps the pinned host buffers alive as long as the graph
-                assert host_buffers
-                graph.graph.replay()
-
         return Captured(
-            replay, outputs, graph.capture_ms, graph.pool_growth_bytes, graph.driver_bytes, graph.phases_ms
+            replay, outputs, graph.capture_ms, graph.pool_growth_bytes, graph.driver_bytes, graph.phases_ms, memory
         )
+
+    def _manage(
+        self, graph: CapturedGraph, key: GraphKey, device: torch.device, random_use: _RandomUse, memory: GraphMemory
+    ) -> Callable[[], None]:
+        """Hand a graph captured without an executable to the device's cache (or to torch if it draws random
+        numbers); return its replay. Instantiation time is added to the capture's phases."""
+        cache = self._cache(device)
+        if random_use.draws_random_numbers:
+            memory.strategy = (
+                "dedicated: draws random numbers (torch's replay advances the generator)"
+                if random_use.checked
+                else "dedicated: warmup=0 leaves no eager run to tell whether it draws random numbers"
+            )
+            free_before = device_free_bytes(device)
+            graph.graph.instantiate()
+            graph.driver_bytes = max(free_before - device_free_bytes(device), 0)
+            cache.reserve(graph.driver_bytes)
+            memory.executable_bytes = graph.driver_bytes
+            memory.instantiations = 1
+            return _OrderedReplay(self, device, _torch_replay(graph))
+        driver = cache.driver
+        assert isinstance(driver, CudaExecutables)
+        topology = graph_exec.topology(graph.graph.raw_cuda_graph())
+        cache.add(key, graph.graph, topology, memory)
+        measured_before = driver.measured_total
+        cache.acquire(key)  # instantiates (or switches a family executable) now: a graph that cannot run fails here
+        graph.driver_bytes = driver.measured_total - measured_before
+        graph.phases_ms["instantiate"] = memory.switch_ms
+        memory.switch_ms = 0.0
+        graph.capture_ms += graph.phases_ms["instantiate"]
+        return _ManagedReplay(self, cache, key, device, graph)
+
+    def _cache(self, device: torch.device) -> ExecutableCache:
+        cache = self._caches.get(device)
+        if cache is None:
+            cache = ExecutableCache(CudaExecutables(device), self.strategy, self.graph_memory_budget)
+            self._caches[device] = cache
+            finalizer = weakref.finalize(self, cache.close)
+            finalizer.atexit = False  # at interpreter exit the CUDA context goes away with the executables
+        return cache
+
+    def _discard(self, key: GraphKey, device: torch.device) -> None:
+        cache = self._caches.get(device)
+        if cache is not None:
+            cache.discard(key)
+
+    def order_after_previous_launch(self, device: torch.device, stream: torch.cuda.Stream) -> None:
+        """Make `stream` wait (on the device) for the previous launch of this backend's graphs on `device` when
+        that went to another stream: graphs share pool memory, placeholders and outputs."""
+        previous = self._last_stream.get(device)
+        if previous is not None and previous != stream:
+            stream.wait_stream(previous)
+        self._last_stream[device] = stream
 
     def _after_failure(self, device: torch.device) -> None:
         """Return a failed capture's memory: to the pool if graphs hold it, else to the device."""
@@ -103,3 +200,110 @@ class CudaBackend:
     def pool_bytes(self) -> int:
         return sum(self._pool_growth.values())
 
+    def executable_caches(self) -> dict[torch.device, ExecutableCache]:
+        """The executable cache of each device (empty under the dedicated strategy)."""
+        return dict(self._caches)
+
+
+class CudaExecutables:
+    """`ExecutableDriver` over cuda-python for torch `CUDAGraph`s of one device, measuring driver memory around
+    each instantiation (cudaMemGetInfo)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.measured_total = 0
+
+    def instantiate(self, graph: torch.cuda.CUDAGraph) -> tuple[int, int | None]:
+        with torch.cuda.device(self.device):
+            free_before = device_free_bytes(self.device)
+            handle = graph_exec.instantiate(graph.raw_cuda_graph())
+            measured = max(free_before - device_free_bytes(self.device), 0)
+        self.measured_total += measured
+        return handle, measured
+
+    def update(self, executable: int, graph: torch.cuda.CUDAGraph) -> UpdateOutcome:
+        with torch.cuda.device(self.device):
+            return graph_exec.update(executable, graph.raw_cuda_graph())
+
+    def destroy(self, executable: int) -> None:
+        with torch.cuda.device(self.device):
+            graph_exec.destroy(executable)
+
+
+class _ManagedReplay:
+    """Replay of a graph whose executable the cache manages: acquire it, order after the previous launch,
+    launch it on torch's current stream. Holds the captured graph (and its pinned host buffers) alive."""
+
+    def __init__(
+        self, backend: CudaBackend, cache: ExecutableCache, key: GraphKey, device: torch.device, graph: CapturedGraph
+    ) -> None:
+        self._backend = backend
+        self._cache = cache
+        self._key = key
+        self._device = device
+        self._graph = graph
+
+    def __call__(self) -> None:
+        if torch.cuda.current_device() != self._device.index:
+            with torch.cuda.device(self._device):
+                self()
+            return
+        handle = self._cache.acquire(self._key)
+        stream = torch.cuda.current_stream(self._device)
+        self._backend.order_after_previous_launch(self._device, stream)
+        graph_exec.launch(handle, stream.cuda_stream)
+
+
+class _OrderedReplay:
+    """torch's replay of a graph kept dedicated under a budget, ordered after the previous launch like the rest."""
+
+    def __init__(self, backend: CudaBackend, device: torch.device, replay: Callable[[], None]) -> None:
+        self._backend = backend
+        self._device = device
+        self._replay = replay
+
+    def __call__(self) -> None:
+        self._backend.order_after_previous_launch(self._device, torch.cuda.current_stream(self._device))
+        self._replay()
+
+
+def _torch_replay(graph: CapturedGraph) -> Callable[[], None]:
+    """torch's replay of a graph it instantiated; keeps pinned host buffers alive as long as the graph."""
+    host_buffers = graph.host_buffers
+    if not host_buffers:
+        return graph.graph.replay
+
+    def replay() -> None:
+        assert host_buffers
+        graph.graph.replay()
+
+    return replay
+
+
+class _RandomUse:
+    """`fn`, noting whether its eager (warm-up) runs advance the device's default random-number generator."""
+
+    def __init__(self, fn: Callable[..., Any], device: torch.device) -> None:
+        self.fn = fn
+        self.generator = torch.cuda.default_generators[device.index if device.index is not None else 0]
+        self.readable = hasattr(self.generator, "get_offset")
+        self.checked = False
+        self.used = False
+
+    @property
+    def draws_random_numbers(self) -> bool:
+        """True if a warm-up run drew random numbers, or if there was no warm-up run to tell (warmup=0)."""
+        return self.used or not self.checked
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if not self.readable or torch.cuda.is_current_stream_capturing():
+            return self.fn(*args, **kwargs)
+        before = self.generator.get_offset()
+        try:
+            return self.fn(*args, **kwargs)
+        finally:
+            self.used |= self.generator.get_offset() != before
+            self.checked = True
+
+
+__all__ = ["CaptureFailed", "CudaBackend", "CudaExecutables"]

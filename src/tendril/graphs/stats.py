@@ -28,17 +28,28 @@ class Fallback(enum.Enum):
     CAPTURE_ERROR = "capturing raised an error (an operation that cannot be captured)"
 
 
-class Misprediction(enum.Enum):
-    """Why an argument was copied into its placeholder although zero-copy inputs were on (`tendril.graphs.alias`)."""
+@dataclass
+class GraphMemory:
+    """Memory and switching of one graph's executable (see `tendril.graphs.executables`).
 
-    NO_OUT_FORM = "its producer has no out= form (a view, a factory, a multi-output op), so it cannot be redirected"
-    SIGNATURE = "the producer ran with other argument dtypes, devices or constants than when it was learned"
-    REFERENCED = "the placeholder slot still holds a tensor the program references"
-    READS_PLACEHOLDER = "the producer reads the buffer it would write"
-    TOO_LARGE = "the output did not fit the placeholder buffer"
-    NOT_PASSED = "a redirected output was not passed where predicted (another producer, or not passed at all)"
-    MOVED = "the call's graph reads another placeholder buffer or layout than the redirect wrote"
-    CARRY_COPY = "a carried output's producer could not write into the next placeholder; copied inside the graph"
+    Under the dedicated strategy each graph keeps the executable made at capture; under a budget the
+    captured graph stays on the host and an executable is instantiated, updated or evicted on demand."""
+
+    strategy: str = "dedicated"
+    family: str | None = None
+    """Digest of the graph's topology; graphs of one family can share an executable through updates."""
+    nodes: int | None = None
+    host_bytes: int | None = None
+    """Host memory taken while capturing (process RSS growth: the kept CUDA graph, bounded from above)."""
+    executable_bytes: int = 0
+    """Driver memory charged to the executable holding this graph now (0 while it has none)."""
+    instantiations: int = 0
+    updates: int = 0
+    """Switches of another graph's executable to this graph by `cudaGraphExecUpdate`."""
+    update_failures: int = 0
+    evictions: int = 0
+    switch_ms: float = 0.0
+    """Host time spent giving this graph an executable (instantiations and updates after capture)."""
 
 
 @dataclass
@@ -56,6 +67,7 @@ class GraphRecord:
     replays: int = 0
     phases_ms: dict[str, float] = field(default_factory=dict)
     """Host time of each capture phase: warmup, record, instantiate."""
+    memory: GraphMemory = field(default_factory=GraphMemory)
 
 
 @dataclass
@@ -79,16 +91,6 @@ class GraphStats:
     """Bytes reserved by the callable's shared graph pool(s)."""
     placeholder_bytes: int = 0
     """Bytes of the placeholder buffers shared by all graphs."""
-    input_bytes_copied: int = 0
-    """Bytes copied into placeholders before replays (and carried outputs copied inside graphs)."""
-    input_copies_avoided: int = 0
-    """Tensor arguments already in their placeholder (a redirected producer, carried state, `inputs_for`)."""
-    input_bytes_avoided: int = 0
-    redirects: int = 0
-    """Producers that wrote straight into a placeholder under `zero_copy()`."""
-    mispredictions: Counter[Misprediction] = field(default_factory=Counter)
-    misprediction_details: dict[Misprediction, str] = field(default_factory=dict)
-    """The first detailed message seen for each misprediction reason."""
 
     @property
     def captures(self) -> int:
@@ -99,13 +101,14 @@ class GraphStats:
         return sum(record.driver_bytes or 0 for record in self.graphs.values())
 
     @property
-    def bytes_copied_per_call(self) -> float:
-        """Mean bytes copied into placeholders per replay."""
-        return self.input_bytes_copied / self.replays if self.replays else 0.0
+    def executable_bytes(self) -> int:
+        """Driver memory charged to the executables alive now (under a graph-memory budget)."""
+        return sum(record.memory.executable_bytes for record in self.graphs.values())
 
-    def record_misprediction(self, reason: Misprediction, detail: str) -> None:
-        self.mispredictions[reason] += 1
-        self.misprediction_details.setdefault(reason, detail)
+    @property
+    def switch_ms(self) -> float:
+        """Host time spent instantiating and updating executables after capture."""
+        return sum(record.memory.switch_ms for record in self.graphs.values())
 
     def record_fallback(self, reason: Fallback, detail: str) -> None:
         """Count an eager call and why it was eager."""
@@ -127,6 +130,14 @@ class GraphStats:
             driver = "n/a" if record.driver_bytes is None else f"{record.driver_bytes / mib:.2f} MiB"
             lines.append(
                 f"  graph {record.key}: capture {record.capture_ms:.1f} ms, pool +{record.pool_growth_bytes / mib:.1f}"
-                f" MiB, driver {driver}, replays {record.replays}"
+                f" MiB, driver {driver}, replays {record.replays}{_switching(record.memory)}"
             )
         return "\n".join(lines)
+
+def _switching(memory: GraphMemory) -> str:
+    if memory.strategy == "dedicated":
+        return ""
+    return (
+        f", {memory.strategy}: family {memory.family}, {memory.instantiations} instantiations, {memory.updates} "
+        f"updates, {memory.evictions} evictions, switching {memory.switch_ms:.2f} ms"
+    )

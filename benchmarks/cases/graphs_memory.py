@@ -1,0 +1,329 @@
+"""Case `graphs-memory`: device memory of one graph per shape, and what keeping it small costs per call.
+
+Models (batch 1, fp16, random weights): GPT-2 124M forward with one graph per length 1..1024 (Grape's
+setup), and a Wav2Vec2-base-sized encoder (12 layers, hidden 768) at audio lengths spread over 1-16 s.
+Each is graphed three ways, one after the other in one process:
+
+- (a) one `torch.cuda.graph` per length with its own pool (what a user of PyTorch's graphs gets),
+  captured in order of length until free device memory falls to `RESERVE_BYTES`; the memory of the
+  remaining lengths is extrapolated linearly from the bytes per graph measured over the last half of
+  the captured lengths (reported in the notes and in `extra`);
+- (b) one graph per length in one shared pool with a dedicated executable each: `tendril.graphed`
+  without a budget (shared pool, outputs released to it, the dedicated strategy);
+- (c) `tendril.graphed(..., graph_memory_budget=BUDGET)`: the same graphs, executables instantiated,
+  switched within topology families (`cudaGraphExecUpdate`) or evicted under the budget.
+
+Memory is the device memory in use (cudaMemGetInfo after emptying the allocator's cache) after
+capturing all lengths, relative to before. `driver_mib_per_extra_graph` is (c)'s device memory outside
+its pool and placeholders, from after its first graph to after all of them, per extra graph.
+
+Latency: per-call wall time with a synchronisation after every call (as a generation loop reading
+its next token has), (c) against (b) (same dispatch, dedicated executables), in alternating passes:
+lengths growing by one per call, and a random order of the lengths. The overhead is the median over
+passes of total (c) time / total (b) time.
+"""
+
+from __future__ import annotations
+
+import gc
+import random
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch.nn.attention import sdpa_kernel
+
+from benchmarks.registry import Context, Goal, register
+from tendril.graphs.callable import GraphedCallable, graphed
+from tendril.graphs.capture import GRAPH_SDPA_BACKENDS
+
+MIB = 1 << 20
+VOCAB = 50257
+SAMPLE_RATE = 16_000
+BUDGET = "64MiB"
+RESERVE_BYTES = 8 << 30
+"""Free device memory left when capturing (a) stops."""
+PASSES = 3
+
+
+# -- pure helpers (tested on the CPU) -----------------------------------------------------------------
+
+
+def spread(low: int, high: int, count: int) -> list[int]:
+    """`count` distinct integers spread evenly over [low, high], both ends included."""
+    if count < 1 or high < low:
+        raise ValueError(f"cannot spread {count} values over [{low}, {high}]")
+    if count == 1:
+        return [high]
+    values = sorted({round(low + (high - low) * i / (count - 1)) for i in range(count)})
+    return values
+
+
+def extrapolate_linear(measured: dict[int, int], lengths: Sequence[int]) -> tuple[float, int]:
+    """Total bytes of one graph per length in `lengths`: measured values where present, the others from a
+    least-squares line of bytes against length fitted to the last half of the measured lengths.
+
+    Returns the total and how many lengths were extrapolated."""
+    missing = [n for n in lengths if n not in measured]
+    total = float(sum(measured[n] for n in lengths if n in measured))
+    if not missing:
+        return total, 0
+    points = sorted(measured.items())[len(measured) // 2 :]
+    if len(points) < 2:
+        raise ValueError("need at least 4 measured lengths to extrapolate")
+    xs = [float(n) for n, _ in points]
+    ys = [float(b) for _, b in points]
+    mean_x, mean_y = statistics.fmean(xs), statistics.fmean(ys)
+    spread_x = sum((x - mean_x) ** 2 for x in xs)
+    slope = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys, strict=True)) / spread_x if spread_x else 0.0
+    intercept = mean_y - slope * mean_x
+    total += sum(max(intercept + slope * n, 0.0) for n in missing)
+    return total, len(missing)
+
+
+def overhead(candidate_ms: Sequence[Sequence[float]], reference_ms: Sequence[Sequence[float]]) -> float:
+    """Median over passes of total candidate time / total reference time (passes paired in order)."""
+    ratios = [sum(c) / sum(r) for c, r in zip(candidate_ms, reference_ms, strict=True)]
+    return statistics.median(ratios)
+
+
+def per_extra_graph(after_first: int, after_all: int, graphs: int) -> float:
+    """Bytes per graph added after the first (0 when there is only one)."""
+    return (after_all - after_first) / (graphs - 1) if graphs > 1 else 0.0
+
+
+# -- models and variants ------------------------------------------------------------------------------
+
+
+def _gpt2(device: torch.device) -> torch.nn.Module:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    model = GPT2LMHeadModel(GPT2Config(use_cache=False, n_positions=1024))
+    return model.to(device=device, dtype=torch.float16).eval()
+
+
+def _wav2vec2(device: torch.device) -> torch.nn.Module:
+    from transformers import Wav2Vec2Config, Wav2Vec2Model
+
+    return Wav2Vec2Model(Wav2Vec2Config()).to(device=device, dtype=torch.float16).eval()
+
+
+def _device_used(device: torch.device) -> int:
+    torch.cuda.synchronize(device)
+    gc.collect()
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info(device)
+    return total - free
+
+
+def _outside_pool(fast: GraphedCallable, device: torch.device, base: int) -> int:
+    return _device_used(device) - base - fast.stats.pool_bytes - fast.stats.placeholder_bytes
+
+
+def _separate_pools(
+    model: torch.nn.Module, examples: dict[int, torch.Tensor], device: torch.device
+) -> tuple[dict[int, int], float]:
+    """(a): a graph with its own pool per length, in order of length, until free memory runs low.
+    Returns the bytes each captured length took and the capture time per graph (ms)."""
+    measured: dict[int, int] = {}
+    graphs: list[Any] = []
+    start = time.perf_counter()
+    used = _in_use(device)
+    for n, placeholder in sorted(examples.items()):
+        free, _ = torch.cuda.mem_get_info(device)
+        if free < RESERVE_BYTES:
+            break
+        with sdpa_kernel(list(GRAPH_SDPA_BACKENDS)):
+            stream = torch.cuda.Stream(device)
+            stream.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(stream):
+                model(placeholder)
+            torch.cuda.current_stream(device).wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                out = model(placeholder)
+        graphs.append((graph, out))
+        now = _in_use(device)
+        measured[n] = now - used
+        used = now
+    capture_ms = (time.perf_counter() - start) * 1e3 / max(len(measured), 1)
+    del graphs
+    return measured, capture_ms
+
+
+def _in_use(device: torch.device) -> int:
+    """Device memory in use after emptying the allocator's cache (without a garbage collection: fast enough
+    to call after each of 1024 captures; the pools of live graphs stay)."""
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info(device)
+    return total - free
+
+
+def _tendril(
+    model: torch.nn.Module, examples: dict[int, torch.Tensor], device: torch.device, budget: str | None
+) -> tuple[GraphedCallable, int, int, float]:
+    """(b) or (c): capture every length (largest first). Returns the callable, device bytes after all graphs,
+    bytes outside pool and placeholders from after the first graph to after all, capture ms per graph."""
+    base = _device_used(device)
+    fast = graphed(model, max_graphs=len(examples), graph_memory_budget=budget)
+    order = sorted(examples, reverse=True)
+    start = time.perf_counter()
+    fast.capture([(examples[order[0]],)], progress=False)
+    after_first = _outside_pool(fast, device, base)
+    fast.capture([(examples[n],) for n in order[1:]], progress=False)
+    torch.cuda.synchronize(device)
+    capture_ms = (time.perf_counter() - start) * 1e3 / len(order)
+    after_all = _outside_pool(fast, device, base)
+    return fast, _device_used(device) - base, after_all - after_first, capture_ms
+
+
+def _call_ms(fn: Callable[..., Any], sequence: Sequence[torch.Tensor], device: torch.device) -> list[float]:
+    """Wall time of each call, synchronising after each (as a generation loop reading its next token)."""
+    times = []
+    torch.cuda.synchronize(device)
+    for example in sequence:
+        start = time.perf_counter()
+        fn(example)
+        torch.cuda.synchronize(device)
+        times.append((time.perf_counter() - start) * 1e3)
+    return times
+
+
+def _latency(
+    budgeted: GraphedCallable,
+    dedicated: GraphedCallable,
+    sequence: Sequence[torch.Tensor],
+    device: torch.device,
+    passes: int,
+) -> tuple[float, list[list[float]], list[list[float]]]:
+    _call_ms(dedicated, sequence, device)  # warm: every graph replayed once
+    _call_ms(budgeted, sequence, device)
+    ours, theirs = [], []
+    for _ in range(passes):
+        theirs.append(_call_ms(dedicated, sequence, device))
+        ours.append(_call_ms(budgeted, sequence, device))
+    return overhead(ours, theirs), ours, theirs
+
+
+def _measure_model(
+    ctx: Context,
+    label: str,
+    model: torch.nn.Module,
+    examples: dict[int, torch.Tensor],
+    passes: int,
+) -> dict[str, float]:
+    device = ctx.device
+    lengths = sorted(examples)
+    with torch.inference_mode():
+        budgeted, c_bytes, c_extra, c_capture_ms = _tendril(model, examples, device, BUDGET)
+        dedicated, b_bytes, b_extra, b_capture_ms = _tendril(model, examples, device, None)
+        before = _switching(budgeted)
+        growing, growing_ours, growing_theirs = _latency(
+            budgeted, dedicated, [examples[n] for n in lengths], device, passes
+        )
+        shuffled = list(lengths)
+        random.Random(0).shuffle(shuffled)
+        randomly, random_ours, random_theirs = _latency(
+            budgeted, dedicated, [examples[n] for n in shuffled], device, passes
+        )
+        after = _switching(budgeted)
+        got = budgeted(examples[lengths[len(lengths) // 2]])
+        expected = dedicated(examples[lengths[len(lengths) // 2]])
+        if not all(torch.equal(g, e) for g, e in zip(_tensors(got), _tensors(expected), strict=True)):
+            ctx.note(f"{label}: budgeted and dedicated executables disagree (they must be identical)")
+        records = list(budgeted.stats.graphs.values())
+        families = {r.memory.family for r in records}
+        nodes = [r.memory.nodes or 0 for r in records]
+        hosts = [r.memory.host_bytes or 0 for r in records]
+        cache = next(iter(budgeted._backend.executable_caches().values()))
+        executables = {"alive": cache.executables, "charged": cache.live_bytes, "per_node": cache.bytes_per_node}
+        stats_line = budgeted.stats.table().splitlines()[0]
+        del budgeted, dedicated, got, expected, cache
+        _device_used(device)
+        measured, a_capture_ms = _separate_pools(model, examples, device)
+    a_bytes, extrapolated = extrapolate_linear(measured, lengths)
+    if extrapolated:
+        ctx.note(
+            f"{label}: (a) one pool per length fit {len(measured)} of {len(lengths)} lengths (up to "
+            f"{max(measured)}) before free memory fell to {RESERVE_BYTES >> 30} GiB; the other {extrapolated} "
+            "are extrapolated linearly from the bytes per graph of the last half measured"
+        )
+    variant = {"a": f"{label} (a) pool per length", "b": f"{label} (b) shared pool", "c": f"{label} (c) tendril"}
+    ctx.add_value(variant["a"], "device_MiB", a_bytes / MIB)
+    ctx.add_value(variant["b"], "device_MiB", b_bytes / MIB)
+    ctx.add_value(variant["c"], "device_MiB", c_bytes / MIB)
+    ctx.add_value(variant["b"], "outside_pool_MiB_per_extra_graph", per_extra_graph(0, b_extra, len(lengths)) / MIB)
+    ctx.add_value(variant["c"], "outside_pool_MiB_per_extra_graph", per_extra_graph(0, c_extra, len(lengths)) / MIB)
+    ctx.add_value(variant["a"], "capture_ms_per_graph", a_capture_ms)
+    ctx.add_value(variant["b"], "capture_ms_per_graph", b_capture_ms)
+    ctx.add_value(variant["c"], "capture_ms_per_graph", c_capture_ms)
+    ctx.add_value(variant["c"], "executables_alive", executables["alive"])
+    ctx.add_value(variant["c"], "executables_charged_MiB", executables["charged"] / MIB)
+    ctx.add_value(variant["c"], "driver_bytes_per_node_learnt", executables["per_node"])
+    ctx.add_value(variant["c"], "topology_families", len(families))
+    ctx.add_value(variant["c"], "nodes_per_graph_median", statistics.median(nodes))
+    ctx.add_value(variant["c"], "host_MiB_per_graph_median", statistics.median(hosts) / MIB)
+    for name, ours, theirs in (("growing", growing_ours, growing_theirs), ("random", random_ours, random_theirs)):
+        ctx.add_value(variant["c"], f"ms_per_call_{name}_median", statistics.median(x for p in ours for x in p))
+        ctx.add_value(variant["b"], f"ms_per_call_{name}_median", statistics.median(x for p in theirs for x in p))
+    for what in ("instantiations", "updates", "update_failures", "evictions", "switch_ms"):
+        ctx.add_value(variant["c"], f"latency_runs_{what}", after[what] - before[what])
+    ctx.extra[label] = {
+        "separate_pool_bytes_measured": {str(n): b for n, b in measured.items()},
+        "tendril_stats": stats_line,
+        "families": sorted(f for f in families if f),
+    }
+    return {
+        "a": a_bytes,
+        "c": c_bytes,
+        "c_extra_per_graph": per_extra_graph(0, c_extra, len(lengths)),
+        "growing": growing,
+        "random": randomly,
+    }
+
+
+def _switching(fast: GraphedCallable) -> dict[str, float]:
+    memory = [r.memory for r in fast.stats.graphs.values()]
+    return {
+        "instantiations": sum(m.instantiations for m in memory),
+        "updates": sum(m.updates for m in memory),
+        "update_failures": sum(m.update_failures for m in memory),
+        "evictions": sum(m.evictions for m in memory),
+        "switch_ms": sum(m.switch_ms for m in memory),
+    }
+
+
+def _tensors(tree: Any) -> list[torch.Tensor]:
+    from torch.utils import _pytree as pytree
+
+    return [leaf for leaf in pytree.tree_leaves(tree) if isinstance(leaf, torch.Tensor)]
+
+
+@register("graphs-memory", "device memory of one graph per length (GPT-2 1..1024, Wav2Vec2-base) and switching cost")
+def run(ctx: Context) -> None:
+    device = ctx.device
+    torch.manual_seed(0)
+    passes = 1 if ctx.quick else PASSES
+    gpt2_lengths = spread(1, 1024, 48) if ctx.quick else list(range(1, 1025))
+    model = _gpt2(device)
+    ids = {n: torch.randint(0, VOCAB, (1, n), device=device) for n in gpt2_lengths}
+    gpt2 = _measure_model(ctx, "GPT-2", model, ids, passes)
+    del model, ids
+    _device_used(device)
+
+    seconds = spread(1 * SAMPLE_RATE, 16 * SAMPLE_RATE, 12 if ctx.quick else 64)
+    encoder = _wav2vec2(device)
+    audio = {n: torch.randn(1, n, device=device, dtype=torch.float16) for n in seconds}
+    wav = _measure_model(ctx, "Wav2Vec2-base", encoder, audio, passes)
+    ctx.add_value("Wav2Vec2-base", "memory_ratio_vs_separate_pools", wav["a"] / wav["c"])
+    ctx.add_value("Wav2Vec2-base", "latency_overhead_random_len", wav["random"])
+
+    ctx.note(f"(c) is tendril.graphed(model, graph_memory_budget={BUDGET!r}) with the automatic strategy")
+    ctx.note("latency: wall time per call with a synchronisation after each call; (b) is tendril without a budget")
+    ctx.target("memory_ratio_vs_separate_pools", gpt2["a"] / gpt2["c"], Goal(">=", 36.43))
+    ctx.target("driver_mib_per_extra_graph", gpt2["c_extra_per_graph"] / MIB, Goal("<=", 0.1))
+    ctx.target("latency_overhead_growing_len", gpt2["growing"], Goal("<=", 1.05))
+    ctx.target("latency_overhead_random_len", gpt2["random"], Goal("<=", 1.15))

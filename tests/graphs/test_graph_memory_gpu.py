@@ -1,0 +1,190 @@
+"""Graph memory on the GPU: budgeted executables give the results of dedicated ones, hold the budget, and
+switch an executable only in stream order (never disturbing a replay still running)."""
+
+from __future__ import annotations
+
+import gc
+import random
+
+import pytest
+import torch
+
+from tests.graphs.gpu_models import fast, gpt2, tensors, tight, wav2vec2
+
+pytestmark = pytest.mark.gpu
+
+MIB = 1 << 20
+SLEEP_CYCLES = 50_000_000  # ~25 ms of torch.cuda._sleep on an H200: long enough to still run when the host moves on
+
+
+def _device_used() -> int:
+    torch.cuda.synchronize()
+    gc.collect()
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info()
+    return total - free
+
+
+@pytest.mark.parametrize("strategy", ["lru", "update", "auto"])
+def test_budgeted_executables_equal_dedicated_ones_under_random_call_orders(strategy):
+    model = gpt2()
+    dedicated = fast(model, max_graphs=64)
+    budgeted = fast(model, max_graphs=64, graph_memory_budget="2MiB", graph_memory_strategy=strategy)
+    rng = random.Random(7)
+    with torch.inference_mode():
+        for _ in range(150):
+            n = rng.randint(1, 40)
+            ids = torch.randint(0, 1000, (1, n), device="cuda")
+            expected = dedicated(ids).logits.clone()
+            got = budgeted(ids).logits
+            assert torch.equal(got, expected), f"length {n}: budgeted executable differs from a dedicated one"
+            tight(got, model(ids).logits)
+            got.fill_(float("nan"))  # the next replay must overwrite the graph's outputs
+    memory = [record.memory for record in budgeted.stats.graphs.values()]
+    switches = sum(m.updates for m in memory) + sum(m.instantiations for m in memory)
+    print(
+        f"{strategy}: {budgeted.stats.captures} graphs, {sum(m.instantiations for m in memory)} instantiations, "
+        f"{sum(m.updates for m in memory)} updates, {sum(m.update_failures for m in memory)} refused, "
+        f"{sum(m.evictions for m in memory)} evictions, switching {budgeted.stats.switch_ms:.1f} ms"
+    )
+    assert switches > budgeted.stats.captures, "the budget never forced a switch: the test exercised nothing"
+    if strategy != "lru":
+        assert sum(m.updates for m in memory) > 0
+
+
+def test_wav2vec2_under_a_budget_matches_eager():
+    model = wav2vec2()
+    budgeted = fast(model, graph_memory_budget="1MiB", graph_memory_strategy="auto")
+    rng = random.Random(3)
+    with torch.inference_mode():
+        for _ in range(40):
+            samples = rng.choice([4000, 5600, 8000, 12000, 16000])
+            audio = torch.randn(1, samples, device="cuda")
+            got = tensors(budgeted(audio))[0]
+            tight(got, tensors(model(audio))[0])
+            got.fill_(float("nan"))
+
+
+def test_the_budget_holds_in_device_memory():
+    model = gpt2(torch.float16)
+    lengths = list(range(1, 49))
+    budget = 8 * MIB
+    examples = [(torch.randint(0, 1000, (1, n), device="cuda"),) for n in lengths]
+    with torch.inference_mode():
+        before = _device_used()
+        budgeted = fast(model, max_graphs=64, graph_memory_budget=budget)
+        budgeted.capture(examples, progress=False)
+        rng = random.Random(1)
+        for _ in range(200):
+            budgeted(examples[rng.randrange(len(examples))][0])
+        used = _device_used() - before
+    stats = budgeted.stats
+    outside_pool = used - stats.pool_bytes - stats.placeholder_bytes
+    caches = budgeted._backend.executable_caches()  # type: ignore[attr-defined]
+    (cache,) = caches.values()
+    print(
+        f"48 graphs under {budget / MIB:.0f} MiB: device {used / MIB:.1f} MiB, pool {stats.pool_bytes / MIB:.1f} MiB, "
+        f"outside the pool {outside_pool / MIB:.1f} MiB, {cache.executables} executables charged "
+        f"{cache.live_bytes / MIB:.2f} MiB at {cache.bytes_per_node:.0f} B/node"
+    )
+    assert cache.over_budget == 0 and cache.live_bytes <= budget
+    assert outside_pool <= budget + 4 * MIB, "executables (and kept graphs) use more device memory than the budget"
+
+
+def _slow_scale(x: torch.Tensor, scale: float) -> torch.Tensor:
+    torch.cuda._sleep(SLEEP_CYCLES)  # the replay is still running when the host issues the next call
+    return x * scale + 1
+
+
+def test_an_update_does_not_disturb_the_replay_still_running():
+    budgeted = fast(_slow_scale, graph_memory_budget="1MiB", graph_memory_strategy="update")
+    x = torch.randn(1 << 16, device="cuda")
+    with torch.inference_mode():
+        budgeted.capture([(x, 2.0), (x, 3.0)], progress=False)
+        torch.cuda.synchronize()
+        for _ in range(5):
+            first = budgeted(x, 2.0).clone()  # enqueued; the graph sleeps ~25 ms on the GPU
+            second = budgeted(x, 3.0)  # the host updates the same executable at once, then launches it
+            torch.cuda.synchronize()
+            torch.testing.assert_close(first, x * 2.0 + 1)
+            torch.testing.assert_close(second, x * 3.0 + 1)
+    memory = [record.memory for record in budgeted.stats.graphs.values()]
+    assert sum(m.instantiations for m in memory) == 1, "both graphs should share one executable"
+    assert sum(m.updates for m in memory) >= 10
+
+
+def _slow_when_doubling(x: torch.Tensor, scale: float) -> torch.Tensor:
+    if scale == 2.0:  # a constant of the key: the doubling graph sleeps, the other does not
+        torch.cuda._sleep(SLEEP_CYCLES)
+    return x * scale + 1
+
+
+def test_a_call_on_another_stream_waits_for_the_previous_launch():
+    budgeted = fast(_slow_when_doubling, graph_memory_budget="1MiB", graph_memory_strategy="update")
+    x = torch.randn(1 << 16, device="cuda")
+    side = torch.cuda.Stream()
+    with torch.inference_mode():
+        budgeted.capture([(x, 2.0), (x, 3.0)], progress=False)
+        probe_a = budgeted(x, 2.0)
+        probe_b = budgeted(x, 3.0)
+        assert probe_a.data_ptr() == probe_b.data_ptr(), "precondition: both graphs write the same output memory"
+        torch.cuda.synchronize()
+        for _ in range(5):
+            budgeted(x, 2.0)  # slow, on the default stream
+            side.wait_stream(torch.cuda.current_stream())  # x is ready for the side stream
+            with torch.cuda.stream(side):
+                second = budgeted(x, 3.0)  # fast; were it not ordered after the slow one, that would write last
+            torch.cuda.synchronize()
+            torch.testing.assert_close(second, x * 3.0 + 1)
+
+
+def test_graphs_drawing_random_numbers_keep_dedicated_executables():
+    def noisy(x: torch.Tensor) -> torch.Tensor:
+        return x + torch.rand_like(x)
+
+    budgeted = fast(noisy, graph_memory_budget="1MiB", graph_memory_strategy="update")
+    x = torch.zeros(1024, device="cuda")
+    with torch.inference_mode():
+        first = budgeted(x).clone()
+        second = budgeted(x).clone()
+    (record,) = budgeted.stats.graphs.values()
+    assert record.memory.strategy.startswith("dedicated")
+    assert not torch.equal(first, second), "replays repeated the same random numbers"
+    assert float(first.min()) >= 0 and float(first.max()) < 1
+
+
+def _kept_graph(fn, *args):
+    """`fn(*args)` captured with torch, kept uninstantiated; returns the graph and its outputs."""
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph(keep_graph=True)
+    with torch.cuda.graph(graph):
+        out = fn(*args)
+    return graph, out
+
+
+def test_graph_exec_instantiates_updates_and_refuses_other_topologies():
+    from tendril.cuda import graph_exec
+
+    x = torch.randn(4096, device="cuda")
+    doubled, out_doubled = _kept_graph(lambda t: t * 2 + 1, x)
+    tripled, out_tripled = _kept_graph(lambda t: t * 3 + 1, x)
+    other, out_other = _kept_graph(lambda t: (t * 2).sin().cos(), x)
+    same = graph_exec.topology(doubled.raw_cuda_graph())
+    assert same == graph_exec.topology(tripled.raw_cuda_graph()) and same.nodes >= 2
+    assert same.digest != graph_exec.topology(other.raw_cuda_graph()).digest
+    stream = torch.cuda.current_stream().cuda_stream
+    executable = graph_exec.instantiate(doubled.raw_cuda_graph())
+    try:
+        graph_exec.launch(executable, stream)
+        torch.cuda.synchronize()
+        torch.testing.assert_close(out_doubled, x * 2 + 1)
+        assert graph_exec.update(executable, tripled.raw_cuda_graph()).ok
+        graph_exec.launch(executable, stream)
+        torch.cuda.synchronize()
+        torch.testing.assert_close(out_tripled, x * 3 + 1)
+        refused = graph_exec.update(executable, other.raw_cuda_graph())
+        assert not refused.ok and refused.reason, "an update across topologies must be refused with a reason"
+        torch.ones(1, device="cuda").sum().item()  # the refusal left no error behind for torch to trip on
+    finally:
+        graph_exec.destroy(executable)
+    del out_other
