@@ -28,16 +28,19 @@ callable's graphs and are overwritten by its next call. Clone what you keep, pas
 
 from __future__ import annotations
 
+import contextlib
 import warnings
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from tendril.config import Config
+from tendril.graphs.alias import Lanes, ZeroCopyMode, ZeroCopyPredictor, lane_of, stage_inputs
 from tendril.graphs.backend import Backend, Captured, CaptureFailed
 from tendril.graphs.buckets import Buckets, parameter_positions
+from tendril.graphs.carry import CarryPlan
 from tendril.graphs.key import Flattened, GraphKey, Unkeyable, flatten_call, key_of
 from tendril.graphs.memory import PlaceholderArena
 from tendril.graphs.outputs import Generation, clone_outputs, guard_outputs
@@ -112,6 +115,9 @@ class GraphedCallable:
         self._backend = backend
         self._entries: dict[GraphKey, _Entry] = {}
         self._arena = PlaceholderArena()
+        self._lanes = Lanes(self._arena)
+        self._predictor = ZeroCopyPredictor(self._lanes, self.stats)
+        self._carry = CarryPlan(self._lanes, self.stats)
         self._generation = Generation()
         self._warned: set[Fallback] = set()
         self._positions = parameter_positions(fn) if buckets is not None else {}
@@ -128,6 +134,12 @@ class GraphedCallable:
         return list(self._entries)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self._predictor.active:
+            with self._predictor.calling():
+                return self._call(args, kwargs)
+        return self._call(args, kwargs)
+
+    def _call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         self.stats.calls += 1
         if self._unavailable is not None:
             return self._eager(args, kwargs, *self._unavailable)
@@ -136,6 +148,8 @@ class GraphedCallable:
         padded = self.buckets.pad(args, kwargs, self._positions) if self.buckets is not None else None
         flat = flatten_call(padded.args, padded.kwargs) if padded is not None else flatten_call(args, kwargs)
         key = key_of(flat)
+        if self._lanes.active and isinstance(key, GraphKey):
+            key = self._lanes.key_for(key, flat, self.stats)
         entry = self._entries.get(key) if isinstance(key, GraphKey) else None
         if entry is None:
             admitted = self._admit(key, flat)
@@ -211,6 +225,49 @@ class GraphedCallable:
             leaves[index] = placeholder
         return flat.unflatten(leaves)
 
+    def inputs_for(self, *args: Any, **kwargs: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """Writable views of the placeholders the graph for this call reads, in the call's structure.
+
+        Write the next call's inputs into them (`torch.index_select(..., out=view)`, `view.copy_(...)`)
+        and pass them: the call copies nothing. They are the placeholders of the copy lane, shared by
+        all shapes of each argument, so a call with other inputs overwrites them.
+        """
+        return self.static_inputs(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def zero_copy(self) -> Iterator[None]:
+        """Within this block, ops producing this callable's inputs write them straight into its placeholders.
+
+        Learned from the copies calls make, verified at every call, and counted in `stats` (bytes copied,
+        copies avoided, redirects, mispredictions); a wrong prediction costs a copy, never a wrong
+        result (see `tendril.graphs.alias`).
+        """
+        self._lanes.active = True
+        self._predictor.active += 1
+        try:
+            with ZeroCopyMode(self._predictor):
+                yield
+        finally:
+            self._predictor.active -= 1
+            self._predictor.end_interval(count=False)
+
+    def carry(self, output: int | str | tuple[int | str, ...], input: int | str) -> GraphedCallable:
+        """Declare loop-carried state: the tensors at `output` of call t are the argument `input` of call t+1.
+
+        `output` indexes the function's result (an index or key, or a tuple of them for nested results);
+        `input` is a positional index or a keyword name; both sides may be containers of tensors (a KV
+        cache), matched leaf by leaf. Graphs then write those outputs straight into the next call's
+        placeholders (double-buffered, see `tendril.graphs.carry`), so passing them back copies nothing.
+        Declare carries before the first call; returns the callable.
+        """
+        if self._entries:
+            raise RuntimeError(
+                f"{self.name}: declare carry(...) before the first call or capture (graphs already captured "
+                "would not write the carried outputs where the next call reads them)"
+            )
+        self._carry.declare(output, input)
+        return self
+
     # -- policy --------------------------------------------------------------------------------------
 
     def _refusal(self, key: GraphKey | Unkeyable) -> tuple[Fallback, str] | None:
@@ -236,17 +293,20 @@ class GraphedCallable:
             return refusal
         assert isinstance(key, GraphKey)
         indices = flat.tensor_indices()
+        arena = self._lanes.arena(lane_of(key))
         placeholders = [
-            self._arena.placeholder(index, spec, flat.leaves[index])
-            for index, spec in zip(indices, key.tensors, strict=True)
+            arena.placeholder(index, spec, flat.leaves[index]) for index, spec in zip(indices, key.tensors, strict=True)
         ]
         leaves = list(flat.leaves)
         for index, placeholder in zip(indices, placeholders, strict=True):
             leaves[index] = placeholder
         args, kwargs = flat.unflatten(leaves)
         versions = [placeholder._version for placeholder in placeholders]
+        fn = _no_grad(self.fn)
+        if self._carry.carries:
+            fn = self._carry.prepare(fn, args, kwargs, key, indices, placeholders)
         try:
-            captured = self._backend.capture(_no_grad(self.fn), args, kwargs, key, self.warmup)
+            captured = self._backend.capture(fn, args, kwargs, key, self.warmup)
         except CaptureFailed as failure:
             self.stats.failed_keys[key] = failure.reason
             self._sync_memory_stats()
@@ -261,6 +321,8 @@ class GraphedCallable:
         )
         if captured.memory is not None:
             record.memory = captured.memory
+        captured.outputs = self._carry.rebind(key, captured.outputs)
+        self._lanes.pin_aliased_outputs(indices, placeholders, captured.outputs)
         entry = _Entry(key, indices, placeholders, captured, record)
         self._entries[key] = entry
         self.stats.graphs[key] = record
@@ -270,18 +332,9 @@ class GraphedCallable:
     # -- execution -----------------------------------------------------------------------------------
 
     def _replay(self, entry: _Entry, flat: Flattened) -> Any:
-        targets = []
-        sources = []
-        leaves = flat.leaves
-        for index, placeholder in zip(entry.leaf_indices, entry.placeholders, strict=True):
-            source = leaves[index]
-            if source.data_ptr() == placeholder.data_ptr() and source.stride() == placeholder.stride():
-                continue
-            targets.append(placeholder)
-            sources.append(source)
-        if targets:
-            torch._foreach_copy_(targets, sources)
-            self.stats.input_copies += len(targets)
+        predictor = self._predictor if self._predictor.active else None
+        stage_inputs(entry.leaf_indices, entry.placeholders, flat.leaves, self.stats, predictor)
+        self.stats.input_bytes_copied += self._carry.in_graph_bytes.get(entry.key, 0)
         self._generation.value += 1
         entry.captured.replay()
         entry.record.replays += 1

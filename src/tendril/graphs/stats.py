@@ -28,6 +28,19 @@ class Fallback(enum.Enum):
     CAPTURE_ERROR = "capturing raised an error (an operation that cannot be captured)"
 
 
+class Misprediction(enum.Enum):
+    """Why an argument was copied into its placeholder although zero-copy inputs were on (`tendril.graphs.alias`)."""
+
+    NO_OUT_FORM = "its producer has no out= form (a view, a factory, a multi-output op), so it cannot be redirected"
+    SIGNATURE = "the producer ran with other argument dtypes, devices or constants than when it was learned"
+    REFERENCED = "the placeholder slot still holds a tensor the program references"
+    READS_PLACEHOLDER = "the producer reads the buffer it would write"
+    TOO_LARGE = "the output did not fit the placeholder buffer"
+    NOT_PASSED = "a redirected output was not passed where predicted (another producer, or not passed at all)"
+    MOVED = "the call's graph reads another placeholder buffer or layout than the redirect wrote"
+    CARRY_COPY = "a carried output's producer could not write into the next placeholder; copied inside the graph"
+
+
 @dataclass
 class GraphMemory:
     """Memory and switching of one graph's executable (see `tendril.graphs.executables`).
@@ -91,6 +104,16 @@ class GraphStats:
     """Bytes reserved by the callable's shared graph pool(s)."""
     placeholder_bytes: int = 0
     """Bytes of the placeholder buffers shared by all graphs."""
+    input_bytes_copied: int = 0
+    """Bytes copied into placeholders before replays (and carried outputs copied inside graphs)."""
+    input_copies_avoided: int = 0
+    """Tensor arguments already in their placeholder (a redirected producer, carried state, `inputs_for`)."""
+    input_bytes_avoided: int = 0
+    redirects: int = 0
+    """Producers that wrote straight into a placeholder under `zero_copy()`."""
+    mispredictions: Counter[Misprediction] = field(default_factory=Counter)
+    misprediction_details: dict[Misprediction, str] = field(default_factory=dict)
+    """The first detailed message seen for each misprediction reason."""
 
     @property
     def captures(self) -> int:
@@ -109,6 +132,15 @@ class GraphStats:
     def switch_ms(self) -> float:
         """Host time spent instantiating and updating executables after capture."""
         return sum(record.memory.switch_ms for record in self.graphs.values())
+
+    @property
+    def bytes_copied_per_call(self) -> float:
+        """Mean bytes copied into placeholders per replay."""
+        return self.input_bytes_copied / self.replays if self.replays else 0.0
+
+    def record_misprediction(self, reason: Misprediction, detail: str) -> None:
+        self.mispredictions[reason] += 1
+        self.misprediction_details.setdefault(reason, detail)
 
     def record_fallback(self, reason: Fallback, detail: str) -> None:
         """Count an eager call and why it was eager."""
@@ -133,6 +165,7 @@ class GraphStats:
                 f" MiB, driver {driver}, replays {record.replays}{_switching(record.memory)}"
             )
         return "\n".join(lines)
+
 
 def _switching(memory: GraphMemory) -> str:
     if memory.strategy == "dedicated":
