@@ -17,6 +17,10 @@ the allocator sees the blocks as free, the next capture reuses them, and all gra
 memory. The price is the lifetime rule documented on `GraphedCallable`: outputs stay valid until the
 callable's next call. Pool blocks are never returned to the device while any graph of the pool is
 alive, so the non-owning outputs never dangle while the callable lives.
+
+Executables. Each instantiated graph also holds driver memory outside the pool; under a
+`graph_memory_budget` (`parse_bytes` reads "256MiB") that memory is managed by
+`tendril.graphs.executables`. `host_resident_bytes` bounds the host memory the kept graphs take.
 """
 
 from __future__ import annotations
