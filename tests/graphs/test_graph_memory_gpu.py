@@ -188,3 +188,30 @@ def test_graph_exec_instantiates_updates_and_refuses_other_topologies():
     finally:
         graph_exec.destroy(executable)
     del out_other
+
+
+@pytest.mark.parametrize("strategy", ["update", "lru"])
+def test_graphs_with_device_side_loops_switch_under_a_budget(strategy):
+    from tendril.graphs.control import while_loop
+
+    weights = [torch.randn(16, 16, device="cuda") / 4 for _ in range(2)]
+
+    def fn(limit: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        def body(i: torch.Tensor, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            for w in weights:
+                h = torch.tanh(h @ w)
+            return i + 1, h
+
+        i, h = while_loop(lambda i, h: i < limit, body, (torch.zeros((), dtype=torch.long, device="cuda"), v))
+        return i, h * 1.0
+
+    budgeted = fast(fn, clone_outputs=True, graph_memory_budget="1KiB", graph_memory_strategy=strategy)
+    rng = random.Random(5)
+    for _ in range(30):
+        limit = torch.tensor(rng.choice([0, 3, 5]), device="cuda")
+        v = torch.randn(rng.choice([1, 4, 9]), 16, device="cuda")
+        for got, expected in zip(budgeted(limit, v), fn(limit, v), strict=True):
+            torch.testing.assert_close(got, expected)
+    assert not budgeted.stats.fallbacks, budgeted.stats.fallback_details
+    memory = [record.memory for record in budgeted.stats.graphs.values()]
+    assert sum(m.updates + m.instantiations for m in memory) > len(memory), "no switch happened"
