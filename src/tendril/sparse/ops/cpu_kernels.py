@@ -14,9 +14,11 @@ there are no atomics and no partial sums to merge; the thread count is numba's (
   the product is added at `weight base + activation address`: work = nonzero weights × nonzero
   activations, but each product is a scalar read-modify-write at a scattered address.
 - `conv_direct`: the output-stationary sparse-weight dataflow. For each output channel and tile of
-  output pixels (in L1), every nonzero weight adds `w × (a contiguous slice of its channel's plane)`:
-  a vectorized FMA stream, four weights per pass over the tile. Work = nonzero weights × output
-  pixels (channels with no nonzero activation are skipped by the caller).
+  output pixels, every nonzero weight adds `w × (a contiguous slice of its channel's plane)`, the
+  slice starting at the weight's precomputed `base` in the flat planes: a vectorized FMA stream,
+  eight weights per pass over the tile (one load and store of the accumulators per eight FMAs).
+  Work = nonzero weights × output pixels (channels with no nonzero activation are skipped by the
+  caller).
 - `linear_columns`: the sparse FC layer: each stored activation meets the nonzero column of its input
   feature (CSC), products added into the output; the activations are split into parts, one
   accumulator each, summed by the caller.
@@ -67,7 +69,7 @@ def conv_cartesian(acc, values, base, block_ptr, act_values, act_address, counts
 
 
 @njit(parallel=True, cache=True, fastmath=True)
-def conv_direct(out, values, channels, offsets, k_ptr, planes, tile):
+def conv_direct(out, values, base, k_ptr, planes, tile):
     pixels = out.shape[1]
     for k in prange(out.shape[0]):
         row = out[k]
@@ -76,19 +78,24 @@ def conv_direct(out, values, channels, offsets, k_ptr, planes, tile):
             m = min(pixels - t0, tile)
             acc = row[t0 : t0 + m]
             i = first
-            while i + 4 <= last:
-                s0, s1, s2, s3 = offsets[i] + t0, offsets[i + 1] + t0, offsets[i + 2] + t0, offsets[i + 3] + t0
-                a0 = planes[channels[i], s0 : s0 + m]
-                a1 = planes[channels[i + 1], s1 : s1 + m]
-                a2 = planes[channels[i + 2], s2 : s2 + m]
-                a3 = planes[channels[i + 3], s3 : s3 + m]
+            while i + 8 <= last:
+                a0 = planes[base[i] + t0 : base[i] + t0 + m]
+                a1 = planes[base[i + 1] + t0 : base[i + 1] + t0 + m]
+                a2 = planes[base[i + 2] + t0 : base[i + 2] + t0 + m]
+                a3 = planes[base[i + 3] + t0 : base[i + 3] + t0 + m]
+                a4 = planes[base[i + 4] + t0 : base[i + 4] + t0 + m]
+                a5 = planes[base[i + 5] + t0 : base[i + 5] + t0 + m]
+                a6 = planes[base[i + 6] + t0 : base[i + 6] + t0 + m]
+                a7 = planes[base[i + 7] + t0 : base[i + 7] + t0 + m]
                 w0, w1, w2, w3 = values[i], values[i + 1], values[i + 2], values[i + 3]
+                w4, w5, w6, w7 = values[i + 4], values[i + 5], values[i + 6], values[i + 7]
                 for q in range(m):
-                    acc[q] += w0 * a0[q] + w1 * a1[q] + w2 * a2[q] + w3 * a3[q]
-                i += 4
+                    acc[q] += (w0 * a0[q] + w1 * a1[q] + w2 * a2[q] + w3 * a3[q]) + (
+                        w4 * a4[q] + w5 * a5[q] + w6 * a6[q] + w7 * a7[q]
+                    )
+                i += 8
             while i < last:
-                s0 = offsets[i] + t0
-                a0 = planes[channels[i], s0 : s0 + m]
+                a0 = planes[base[i] + t0 : base[i] + t0 + m]
                 w0 = values[i]
                 for q in range(m):
                     acc[q] += w0 * a0[q]

@@ -10,7 +10,8 @@ blocks whose accumulators fit in `CARTESIAN_ACC_FLOATS` (the L2 cache), one bloc
 scattered back into zero-padded phase planes of row width `R = max(plane_w, out_w + s' - 1)`, and
 for every output channel and tile of `DIRECT_TILE` output pixels (on a grid of row width R, whose
 extra columns are cropped) each nonzero weight `(v, r', s')` adds `w × planes[v, r'R + s' + tile]`,
-a contiguous vectorized FMA stream; channels with no nonzero activation are dropped first.
+a contiguous vectorized FMA stream, eight weights per pass; the weights of channels with no nonzero
+activation are dropped first.
 
 Work: cartesian does `nnz(w) × nnz(a)` products, but each is a scalar read-modify-write at a
 scattered address (~1 ns on one core here); direct does `nnz(w) × output pixels` multiply-adds at
@@ -30,7 +31,7 @@ from tendril.sparse.format import CompressedActivations, SparseConvWeights
 from tendril.sparse.ops.cpu_threads import kernel_threads, kernels
 
 CARTESIAN_ACC_FLOATS = 1 << 16
-DIRECT_TILE = 2048
+DIRECT_TILE = 4096
 NS_PER_PRODUCT = {"cartesian": 1.0, "direct": 0.06}
 METHODS = ("auto", "cartesian", "direct")
 
@@ -43,9 +44,12 @@ class CpuConvPlan:
     row: int
     """Row width R of the direct dataflow's planes and output grid."""
     plane_rows: int
+    plane_stride: int
+    """Floats per plane in the direct dataflow's flat planes (rows × R plus the last row's overhang)."""
     direct_values: torch.Tensor
     direct_channels: torch.Tensor
-    direct_offsets: torch.Tensor
+    direct_base: torch.Tensor
+    """Where each weight's slice starts in the flat planes: `v × plane_stride + r' × R + s'`."""
     direct_out_channel: torch.Tensor
     k_ptr: torch.Tensor
     acc_hw: tuple[int, int]
@@ -67,6 +71,8 @@ class CpuConvPlan:
         k, rp, sp = taps >> 16, (taps >> 8) & 0xFF, taps & 0xFF
 
         row = max(wv, ow + kw - 1)
+        plane_rows = max(hv, oh + kh - 1)
+        plane_stride = plane_rows * row + kw - 1
         direct = torch.argsort((k * channels + v) * (1 << 16) + (taps & 0xFFFF))
         k_ptr = torch.zeros(g.out_channels + 1, dtype=torch.int64)
         k_ptr[1:] = torch.cumsum(torch.bincount(k, minlength=g.out_channels), 0)
@@ -84,10 +90,11 @@ class CpuConvPlan:
         return cls(
             weights,
             row,
-            max(hv, oh + kh - 1),
+            plane_rows,
+            plane_stride,
             weights.values[direct].contiguous(),
             v[direct].contiguous(),
-            (rp * row + sp)[direct].contiguous(),
+            (v * plane_stride + rp * row + sp)[direct].contiguous(),
             k[direct].contiguous(),
             k_ptr,
             (acc_h, acc_w),
@@ -138,19 +145,18 @@ def conv(
 
 def _direct(acts: CompressedActivations, plan: CpuConvPlan, counts: torch.Tensor) -> torch.Tensor:
     g = plan.weights.geometry
-    kw, (oh, ow), wv = g.plane_kernel[1], g.out_hw, g.plane_hw[1]
-    planes = torch.zeros(g.virtual_channels, plan.plane_rows * plan.row + kw - 1)
+    (oh, ow), wv = g.out_hw, g.plane_hw[1]
+    planes = torch.zeros(g.virtual_channels, plan.plane_stride)
     kernels().scatter_planes(planes.numpy(), acts.values.numpy(), acts.positions.numpy(), counts.numpy(), wv, plan.row)
-    values, channels, offsets, k_ptr = plan.direct_values, plan.direct_channels, plan.direct_offsets, plan.k_ptr
-    live = counts[channels] > 0
+    values, base, k_ptr = plan.direct_values, plan.direct_base, plan.k_ptr
+    live = counts[plan.direct_channels] > 0
     if not bool(live.all()):
-        values, channels, offsets = values[live], channels[live], offsets[live]
+        values, base = values[live], base[live]
         k_ptr = torch.zeros_like(k_ptr)
         k_ptr[1:] = torch.cumsum(torch.bincount(plan.direct_out_channel[live], minlength=g.out_channels), 0)
     out = torch.zeros(g.out_channels, oh * plan.row)
-    kernels().conv_direct(
-        out.numpy(), values.numpy(), channels.numpy(), offsets.numpy(), k_ptr.numpy(), planes.numpy(), DIRECT_TILE
-    )
+    flat_planes = planes.view(-1).numpy()
+    kernels().conv_direct(out.numpy(), values.numpy(), base.numpy(), k_ptr.numpy(), flat_planes, DIRECT_TILE)
     return out.view(g.out_channels, oh, plan.row)[:, :, :ow]
 
 
