@@ -43,6 +43,9 @@ class Captured:
     """Host time of each capture phase (warmup, record, instantiate) where measured."""
     memory: GraphMemory | None = None
     """The graph's executable memory and switching, kept up to date by the backend (None: not tracked)."""
+    before_inputs: Callable[[], None] | None = None
+    """Called before a call's inputs are copied into the placeholders (e.g. to order the call's stream after
+    the previous launch, which may still read them)."""
 
 
 class Backend(Protocol):

@@ -332,6 +332,8 @@ class GraphedCallable:
     # -- execution -----------------------------------------------------------------------------------
 
     def _replay(self, entry: _Entry, flat: Flattened) -> Any:
+        if entry.captured.before_inputs is not None:
+            entry.captured.before_inputs()
         predictor = self._predictor if self._predictor.active else None
         stage_inputs(entry.leaf_indices, entry.placeholders, flat.leaves, self.stats, predictor)
         self.stats.input_bytes_copied += self._carry.in_graph_bytes.get(entry.key, 0)

@@ -16,8 +16,9 @@ launch (a plain launch would repeat the same numbers); they are counted against 
 Ordering of switches. All graphs of a callable share pool memory, placeholders and outputs, so a
 launch must not overlap the previous one. Launches on one stream are ordered by the stream; when a
 call comes on another stream than the previous launch, that stream first waits (on the device, through
-an event) for the previous one. Updating or destroying an executable is a host call that CUDA applies
-to later launches only, so it needs no wait (see `tendril.cuda.graph_exec`).
+an event) for the previous one, before the call copies its inputs into the placeholders. Updating or
+destroying an executable is a host call that CUDA applies to later launches only, so it needs no wait
+(see `tendril.cuda.graph_exec`).
 """
 
 from __future__ import annotations
@@ -120,7 +121,9 @@ class CudaBackend:
             if host_before is not None and host_after is not None:
                 memory.host_bytes = max(host_after - host_before, 0)
             replay: Callable[[], None] = _torch_replay(graph)
+            before_inputs = None
             if random_use is not None:
+                before_inputs = _OrderAfterPrevious(self, device)
                 try:
                     replay = self._manage(graph, key, device, random_use, memory)
                 except Exception as error:
@@ -133,7 +136,14 @@ class CudaBackend:
         self._graphs_per_device[device] = self._graphs_per_device.get(device, 0) + 1
         self._pool_growth[device] = self._pool_growth.get(device, 0) + graph.pool_growth_bytes
         return Captured(
-            replay, outputs, graph.capture_ms, graph.pool_growth_bytes, graph.driver_bytes, graph.phases_ms, memory
+            replay,
+            outputs,
+            graph.capture_ms,
+            graph.pool_growth_bytes,
+            graph.driver_bytes,
+            graph.phases_ms,
+            memory,
+            before_inputs,
         )
 
     def _manage(
@@ -154,7 +164,7 @@ class CudaBackend:
             cache.reserve(graph.driver_bytes)
             memory.executable_bytes = graph.driver_bytes
             memory.instantiations = 1
-            return _OrderedReplay(self, device, _torch_replay(graph))
+            return _torch_replay(graph)
         driver = cache.driver
         assert isinstance(driver, CudaExecutables)
         topology = graph_exec.topology(graph.graph.raw_cuda_graph())
@@ -231,8 +241,9 @@ class CudaExecutables:
 
 
 class _ManagedReplay:
-    """Replay of a graph whose executable the cache manages: acquire it, order after the previous launch,
-    launch it on torch's current stream. Holds the captured graph (and its pinned host buffers) alive."""
+    """Replay of a graph whose executable the cache manages: acquire it and launch it on torch's current
+    stream (already ordered after the previous launch by `_OrderAfterPrevious`). Holds the captured graph
+    (and its pinned host buffers) alive."""
 
     def __init__(
         self, backend: CudaBackend, cache: ExecutableCache, key: GraphKey, device: torch.device, graph: CapturedGraph
@@ -249,22 +260,18 @@ class _ManagedReplay:
                 self()
             return
         handle = self._cache.acquire(self._key)
-        stream = torch.cuda.current_stream(self._device)
-        self._backend.order_after_previous_launch(self._device, stream)
-        graph_exec.launch(handle, stream.cuda_stream)
+        graph_exec.launch(handle, torch.cuda.current_stream(self._device).cuda_stream)
 
 
-class _OrderedReplay:
-    """torch's replay of a graph kept dedicated under a budget, ordered after the previous launch like the rest."""
+class _OrderAfterPrevious:
+    """Run before a call's inputs are copied: the call's stream waits for the previous launch's stream."""
 
-    def __init__(self, backend: CudaBackend, device: torch.device, replay: Callable[[], None]) -> None:
+    def __init__(self, backend: CudaBackend, device: torch.device) -> None:
         self._backend = backend
         self._device = device
-        self._replay = replay
 
     def __call__(self) -> None:
         self._backend.order_after_previous_launch(self._device, torch.cuda.current_stream(self._device))
-        self._replay()
 
 
 def _torch_replay(graph: CapturedGraph) -> Callable[[], None]:
