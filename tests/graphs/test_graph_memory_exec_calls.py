@@ -1,0 +1,126 @@
+"""`tendril.cuda.graph_exec` against a fake cuda-python runtime: how results are unpacked, what the topology
+digest covers, how a refused update is reported (the real calls run in the GPU tests)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+from cuda.bindings import runtime
+
+from tendril.cuda import graph_exec
+from tendril.cuda.runtime import CudaError
+
+OK = runtime.cudaError_t.cudaSuccess
+KERNEL = runtime.cudaGraphNodeType.cudaGraphNodeTypeKernel
+MEMSET = runtime.cudaGraphNodeType.cudaGraphNodeTypeMemset
+
+
+class FakeGraphs:
+    """Graphs as node-type lists and edge lists, keyed by handle."""
+
+    def __init__(self) -> None:
+        self.graphs = {
+            1: ([KERNEL, KERNEL, MEMSET], [(0, 1), (1, 2)]),
+            2: ([KERNEL, KERNEL, MEMSET], [(0, 1), (1, 2)]),
+            3: ([KERNEL, MEMSET, KERNEL], [(0, 1), (1, 2)]),
+            4: ([KERNEL, KERNEL, MEMSET], [(0, 2), (1, 2)]),
+        }
+        self.lossy_edges = False
+        self.launched: list[tuple[int, int]] = []
+        self.destroyed: list[int] = []
+        self.last_error_cleared = False
+
+    @staticmethod
+    def node(graph: int, index: int) -> int:
+        return graph * 100 + index
+
+    def get_nodes(self, graph, count=0):
+        types, _ = self.graphs[int(graph)]
+        if count == 0:
+            return OK, None, len(types)
+        return OK, [self.node(int(graph), i) for i in range(len(types))], len(types)
+
+    def node_type(self, node):
+        types, _ = self.graphs[int(node) // 100]
+        return OK, types[int(node) % 100]
+
+    def get_edges(self, graph, count=0):
+        _, edges = self.graphs[int(graph)]
+        if self.lossy_edges:
+            return runtime.cudaError_t.cudaErrorLossyQuery, None, None, None, None
+        if count == 0:
+            return OK, None, None, None, len(edges)
+        g = int(graph)
+        return OK, [self.node(g, a) for a, _ in edges], [self.node(g, b) for _, b in edges], [None] * len(edges), count
+
+    def instantiate(self, graph, flags):
+        assert flags == graph_exec.INSTANTIATE_FLAGS
+        return OK, runtime.cudaGraphExec_t(init_value=1000 + int(graph))
+
+    def update(self, executable, graph):
+        source = int(executable) - 1000
+        if self.graphs[source] == self.graphs[int(graph)]:
+            return OK, SimpleNamespace(result=runtime.cudaGraphExecUpdateResult.cudaGraphExecUpdateSuccess)
+        failed = runtime.cudaGraphExecUpdateResult.cudaGraphExecUpdateErrorTopologyChanged
+        return runtime.cudaError_t.cudaErrorGraphExecUpdateFailure, SimpleNamespace(result=failed)
+
+    def launch(self, executable, stream):
+        self.launched.append((int(executable), int(stream)))
+        return (OK,)
+
+    def destroy(self, executable):
+        self.destroyed.append(int(executable))
+        return (OK,)
+
+    def get_last_error(self):
+        self.last_error_cleared = True
+        return (OK,)
+
+
+@pytest.fixture
+def fake(monkeypatch: pytest.MonkeyPatch) -> FakeGraphs:
+    graphs = FakeGraphs()
+    for name, fn in {
+        "cudaGraphGetNodes": graphs.get_nodes,
+        "cudaGraphNodeGetType": graphs.node_type,
+        "cudaGraphGetEdges": graphs.get_edges,
+        "cudaGraphInstantiateWithFlags": graphs.instantiate,
+        "cudaGraphExecUpdate": graphs.update,
+        "cudaGraphLaunch": graphs.launch,
+        "cudaGraphExecDestroy": graphs.destroy,
+        "cudaGetLastError": graphs.get_last_error,
+    }.items():
+        monkeypatch.setattr(runtime, name, fn)
+    return graphs
+
+
+def test_topology_digest_tells_node_kinds_order_and_edges_apart(fake: FakeGraphs):
+    first, same, reordered, rewired = (graph_exec.topology(g) for g in (1, 2, 3, 4))
+    assert first == same and first.nodes == 3
+    assert len({first.digest, reordered.digest, rewired.digest}) == 3
+
+
+def test_unreadable_edges_give_a_coarser_digest_not_an_error(fake: FakeGraphs):
+    fake.lossy_edges = True
+    digest = graph_exec.topology(1).digest
+    assert digest == graph_exec.topology(4).digest  # only node kinds are compared now; CUDA's update decides
+    assert digest != graph_exec.topology(3).digest
+
+
+def test_instantiate_update_launch_destroy(fake: FakeGraphs):
+    executable = graph_exec.instantiate(1)
+    assert executable == 1001
+    assert graph_exec.update(executable, 2) == graph_exec.UpdateOutcome(True)
+    refused = graph_exec.update(executable, 3)
+    assert not refused.ok and refused.reason == "cudaGraphExecUpdateErrorTopologyChanged"
+    assert fake.last_error_cleared
+    graph_exec.launch(executable, 77)
+    graph_exec.destroy(executable)
+    assert fake.launched == [(1001, 77)] and fake.destroyed == [1001]
+
+
+def test_errors_name_the_call(fake: FakeGraphs, monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setattr(runtime, "cudaGraphLaunch", lambda e, s: (runtime.cudaError_t.cudaErrorInvalidValue,))
+    with pytest.raises(CudaError, match="cudaGraphLaunch failed: cudaErrorInvalidValue"):
+        graph_exec.launch(1001, 0)
