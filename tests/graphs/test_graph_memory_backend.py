@@ -1,0 +1,245 @@
+"""`CudaBackend` under a graph-memory budget, end to end through `tendril.graphed`, on a simulated CUDA.
+
+Capture, the cuda-python executable calls and torch's CUDA stream/device calls are replaced by fakes
+that run the function on the CPU: a fake executable "runs" whichever captured graph it was last
+instantiated or updated with. Everything else is the real code: the callable, the backend's managed
+path (random-number check, topology families, the cache, ordering across streams, failure cleanup)
+and the policy. Results must equal the function's under random call orders; the real CUDA calls run
+in the GPU tests.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import random
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+from torch.utils import _pytree as pytree
+
+from tendril.config import Config
+from tendril.cuda.graph_exec import Topology, UpdateOutcome
+from tendril.graphs import cuda_backend
+from tendril.graphs.callable import graphed
+from tendril.graphs.capture import CapturedGraph
+from tendril.graphs.stats import Fallback
+
+
+class FakeStream:
+    def __init__(self, handle: int) -> None:
+        self.cuda_stream = handle
+        self.waited_for: list[int] = []
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, FakeStream) and other.cuda_stream == self.cuda_stream
+
+    def __hash__(self) -> int:
+        return self.cuda_stream
+
+    def wait_stream(self, other: FakeStream) -> None:
+        self.waited_for.append(other.cuda_stream)
+
+
+class FakeGenerator:
+    offset = 0
+
+    def get_offset(self) -> int:
+        return self.offset
+
+
+class FakeCuda:
+    """The simulated device: captured graphs by raw handle, executables by handle."""
+
+    def __init__(self) -> None:
+        self.graphs: dict[int, FakeGraph] = {}
+        self.executables: dict[int, int] = {}
+        self.launches: list[tuple[int, int]] = []
+        self.fail_instantiate = False
+        self.generator = FakeGenerator()
+        self.streams = {0: FakeStream(0)}
+        self.current = 0
+        self._next = 1
+
+    def handle(self) -> int:
+        self._next += 1
+        return self._next
+
+    # graph_exec
+    def instantiate(self, raw: int) -> int:
+        if self.fail_instantiate:
+            raise RuntimeError("cudaGraphInstantiateWithFlags failed: cudaErrorInvalidValue (1)")
+        executable = self.handle()
+        self.executables[executable] = raw
+        return executable
+
+    def update(self, executable: int, raw: int) -> UpdateOutcome:
+        old, new = self.graphs[self.executables[executable]], self.graphs[raw]
+        if old.topology != new.topology or new.refuse_updates:
+            return UpdateOutcome(False, "cudaGraphExecUpdateErrorParametersChanged")
+        self.executables[executable] = raw
+        return UpdateOutcome(True)
+
+    def launch(self, executable: int, stream: int) -> None:
+        self.launches.append((executable, stream))
+        self.graphs[self.executables[executable]].run()
+
+    def destroy(self, executable: int) -> None:
+        del self.executables[executable]
+
+    def topology(self, raw: int) -> Topology:
+        return self.graphs[raw].topology
+
+
+class FakeGraph:
+    """A "captured graph": reruns the function on its placeholders into its outputs' storage."""
+
+    def __init__(self, cuda: FakeCuda, fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        self.cuda, self.fn, self.args, self.kwargs = cuda, fn, args, kwargs
+        self.raw = cuda.handle()
+        cuda.graphs[self.raw] = self
+        self.outputs = pytree.tree_map_only(torch.Tensor, torch.clone, fn(*args, **kwargs))
+        first = next(leaf for leaf in pytree.tree_leaves(args) if isinstance(leaf, torch.Tensor))
+        self.topology = Topology(10 * first.dim(), f"rank{first.dim()}")
+        self.refuse_updates = first.shape[0] == 7
+        self.torch_instantiated = False
+
+    def raw_cuda_graph(self) -> int:
+        return self.raw
+
+    def instantiate(self) -> None:
+        self.torch_instantiated = True
+
+    def replay(self) -> None:
+        assert self.torch_instantiated
+        self.run()
+
+    def run(self) -> None:
+        results = [leaf for leaf in pytree.tree_leaves(self.fn(*self.args, **self.kwargs)) if torch.is_tensor(leaf)]
+        targets = [leaf for leaf in pytree.tree_leaves(self.outputs) if torch.is_tensor(leaf)]
+        torch._foreach_copy_(targets, results)
+
+
+@pytest.fixture
+def cuda(monkeypatch: pytest.MonkeyPatch) -> FakeCuda:
+    fake = FakeCuda()
+
+    def capture(fn: Any, *args: Any, warmup: int = 1, instantiate: bool = True, **kwargs: Any) -> CapturedGraph:
+        for name in ("pool", "stream", "pin_host_copies", "sdpa_backends"):
+            kwargs.pop(name, None)
+        for _ in range(warmup):
+            fn(*args, **kwargs)
+        graph = FakeGraph(fake, fn, args, kwargs)
+        if instantiate:
+            graph.instantiate()
+        return CapturedGraph(graph, graph.outputs, 1.0, 0, 0, {"warmup": 0.5, "record": 0.5})  # type: ignore[arg-type]
+
+    monkeypatch.setattr(cuda_backend, "capture", capture)
+    monkeypatch.setattr(
+        cuda_backend,
+        "graph_exec",
+        SimpleNamespace(
+            instantiate=fake.instantiate,
+            update=fake.update,
+            launch=fake.launch,
+            destroy=fake.destroy,
+            topology=fake.topology,
+        ),
+    )
+    monkeypatch.setattr(cuda_backend, "device_free_bytes", lambda device: 1 << 40)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: fake.streams[fake.current])
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: FakeStream(99))
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: (0, 1))
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(torch.cuda, "default_generators", (fake.generator,))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    return fake
+
+
+class CpuAsCuda(cuda_backend.CudaBackend):
+    """The CUDA backend, taking CPU tensors as graph inputs (the device calls are simulated)."""
+
+    def accepts(self, device: torch.device) -> bool:
+        return device.type == "cpu"
+
+
+def _graphed(fn: Any, budget: str | None, strategy: str = "auto") -> Any:
+    backend = CpuAsCuda(graph_memory_budget=budget, graph_memory_strategy=strategy)
+    return graphed(fn, backend=backend, config=Config(), max_graphs=64)
+
+
+def _scale(x: torch.Tensor, factor: float) -> torch.Tensor:
+    return x * factor + 1
+
+
+@pytest.mark.parametrize("strategy", ["auto", "lru", "update"])
+def test_random_call_orders_match_the_function(cuda: FakeCuda, strategy: str):
+    fast = _graphed(_scale, "2KiB", strategy)  # at most a few executables: switching all the time
+    rng = random.Random(0)
+    for _ in range(120):
+        shape = rng.choice([(3,), (5,), (7,), (2, 3), (4, 3)])
+        factor = rng.choice([2.0, 3.0])
+        x = torch.randn(shape)
+        got = fast(x, factor)
+        torch.testing.assert_close(got, _scale(x, factor))
+        got.fill_(float("nan"))
+    memory = [record.memory for record in fast.stats.graphs.values()]
+    assert fast.stats.captures == 10 and not fast.stats.fallbacks
+    assert all(m.strategy == strategy for m in memory)
+    assert sum(m.instantiations + m.updates for m in memory) > 10, "no switching happened"
+    cache = next(iter(fast._backend.executable_caches().values()))
+    assert len(cuda.executables) == cache.executables
+    if strategy != "lru":
+        assert sum(m.updates for m in memory) > 0
+        assert sum(m.update_failures for m in memory) > 0  # shape (7,) refuses updates: counted, re-instantiated
+
+
+def test_without_a_budget_graphs_stay_dedicated_and_torch_replays_them(cuda: FakeCuda):
+    fast = _graphed(_scale, None)
+    x = torch.randn(4)
+    torch.testing.assert_close(fast(x, 2.0), _scale(x, 2.0))
+    torch.testing.assert_close(fast(x, 2.0), _scale(x, 2.0))
+    assert not cuda.executables and not cuda.launches
+    (record,) = fast.stats.graphs.values()
+    assert record.memory.strategy == "dedicated"
+
+
+def test_a_call_on_another_stream_waits_for_the_previous_launch(cuda: FakeCuda):
+    fast = _graphed(_scale, "1MiB", "update")
+    x = torch.randn(4)
+    fast(x, 2.0)
+    cuda.streams[5] = FakeStream(5)
+    cuda.current = 5
+    fast(x, 3.0)
+    fast(x, 2.0)
+    assert cuda.streams[5].waited_for == [0]  # once, when the stream changed
+    assert [stream for _, stream in cuda.launches][-2:] == [5, 5]
+
+
+def test_graphs_drawing_random_numbers_keep_torchs_replay(cuda: FakeCuda):
+    def noisy(x: torch.Tensor) -> torch.Tensor:
+        cuda.generator.offset += 4  # what a random op does to the generator when run eagerly
+        return x + 1
+
+    fast = _graphed(noisy, "1MiB", "update")
+    x = torch.randn(4)
+    torch.testing.assert_close(fast(x), x + 1)
+    (record,) = fast.stats.graphs.values()
+    assert record.memory.strategy.startswith("dedicated: draws random numbers")
+    assert not cuda.executables and not cuda.launches
+
+
+def test_a_graph_that_cannot_be_instantiated_runs_eagerly(cuda: FakeCuda):
+    fast = _graphed(_scale, "1MiB", "lru")
+    cuda.fail_instantiate = True
+    x = torch.randn(4)
+    with pytest.warns(UserWarning, match="capturing raised an error"):
+        torch.testing.assert_close(fast(x, 2.0), _scale(x, 2.0))
+    assert fast.stats.fallbacks[Fallback.CAPTURE_ERROR] == 1 and not fast.stats.graphs
+    cache = next(iter(fast._backend.executable_caches().values()))
+    assert cache.executables == 0 and not cache._sources
