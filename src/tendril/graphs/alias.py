@@ -105,22 +105,30 @@ class Link:
     dtype: torch.dtype
     device: torch.device
     numel: int
+    confirmations: int = 1
+    """Calls that met this producer's output at `position`; redirects start at `CONFIRMATIONS`."""
+
+
+CONFIRMATIONS = 2
+"""A link redirects once two calls agree on it, so an op that fed an argument once (a setup `clone`)
+does not start writing into a placeholder the program then keeps elsewhere."""
 
 
 @functools.cache
 def out_form(op: torch._ops.OpOverload) -> torch._ops.OpOverload | None:
     """The `out=` overload of a functional op with one tensor output, or None."""
-    name = "out" if op._overloadname == "default" else f"{op._overloadname}_out"
-    if name not in op.overloadpacket.overloads():
-        return None
     if len(op._schema.returns) != 1 or op._schema.is_mutable:
         return None
-    out_op = getattr(op.overloadpacket, name)
-    outs = [argument for argument in out_op._schema.arguments if argument.is_out]
-    inputs = [argument.name for argument in out_op._schema.arguments if not argument.is_out]
-    if len(outs) != 1 or outs[0].name != "out" or inputs != [argument.name for argument in op._schema.arguments]:
-        return None
-    return out_op
+    wanted = [(argument.name, str(argument.type)) for argument in op._schema.arguments]
+    for name in op.overloadpacket.overloads():
+        candidate = getattr(op.overloadpacket, name)
+        outs = [argument for argument in candidate._schema.arguments if argument.is_out]
+        inputs = [
+            (argument.name, str(argument.type)) for argument in candidate._schema.arguments if not argument.is_out
+        ]
+        if len(outs) == 1 and outs[0].name == "out" and inputs == wanted:
+            return candidate
+    return None
 
 
 def signature(args: Sequence[Any], kwargs: dict[str, Any]) -> tuple[Any, ...]:
@@ -283,6 +291,9 @@ class ZeroCopyPredictor:
         self.produced: WeakIdKeyDictionary = WeakIdKeyDictionary()
         self.redirected: WeakIdKeyDictionary = WeakIdKeyDictionary()
         """Tensors written by redirects since the last call -> (producer, position)."""
+        self.ran: set[ProducerKey] = set()
+        """Linked producers that ran since the last call; those whose output the call did not meet are unlinked."""
+        self.met: set[ProducerKey] = set()
         self.suspended = 0
         self.active = 0
         """Open `zero_copy()` blocks."""
@@ -295,7 +306,10 @@ class ZeroCopyPredictor:
         producer = ProducerKey(op, self.occurrences[op])
         self.occurrences[op] += 1
         link = self.links.get(producer)
-        result = self._redirect(producer, link, args, kwargs) if link is not None else None
+        confirmed = link is not None and link.confirmations >= CONFIRMATIONS
+        if link is not None:
+            self.ran.add(producer)
+        result = self._redirect(producer, link, args, kwargs) if link is not None and confirmed else None
         if result is None:
             result = op(*args, **kwargs)
         if isinstance(result, torch.Tensor) and out_form(op) is not None:
@@ -349,6 +363,7 @@ class ZeroCopyPredictor:
         redirected = self.redirected.pop(source, None)
         if redirected is not None:
             producer, predicted = redirected
+            self.met.add(producer)
             if in_place:
                 return
             if predicted != position:
@@ -361,13 +376,18 @@ class ZeroCopyPredictor:
         if in_place:
             return
         produced = self.produced.get(source)
+        if produced is not None:
+            self.met.add(produced[0])
         if produced is None or position in self.lanes.carried or position in self.lanes.pinned:
             return
         producer, learned = produced
         if learned is None:
             self._miss(Misprediction.NO_OUT_FORM, f"leaf {position} comes from {producer.op}, which has no out= form")
             return
-        self.links[producer] = Link(position, learned, source.dtype, source.device, source.numel())
+        known = self.links.get(producer)
+        same = known is not None and (known.position, known.signature) == (position, learned)
+        confirmations = known.confirmations + 1 if known is not None and same else 1
+        self.links[producer] = Link(position, learned, source.dtype, source.device, source.numel(), confirmations)
 
     def end_interval(self, *, count: bool = True) -> None:
         """The call has read its arguments: redirected tensors it did not read were wasted predictions.
@@ -379,6 +399,11 @@ class ZeroCopyPredictor:
                 self._miss(Misprediction.NOT_PASSED, f"{producer} was predicted for leaf {position}, not passed")
                 self.links.pop(producer, None)
         self.redirected = WeakIdKeyDictionary()
+        if count:
+            for producer in self.ran - self.met:
+                self.links.pop(producer, None)
+        self.ran.clear()
+        self.met.clear()
         self.occurrences.clear()
 
     @contextlib.contextmanager

@@ -31,7 +31,17 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.weak import WeakIdKeyDictionary
 
-from tendril.graphs.alias import Lanes, ProducerKey, empty_at, lane_of, memory_range, out_form, overlaps, partner
+from tendril.graphs.alias import (
+    Lanes,
+    ProducerKey,
+    empty_at,
+    lane_of,
+    memory_range,
+    out_form,
+    overlaps,
+    partner,
+    signature,
+)
 from tendril.graphs.key import GraphKey
 from tendril.graphs.stats import GraphStats, Misprediction
 
@@ -56,10 +66,21 @@ class _Binding:
     """The op writing it through `out=`; None: copied inside the graph."""
 
 
-class _Recorder(TorchDispatchMode):
-    """Tags every op output with its `ProducerKey`; with `redirects`, writes those producers into buffers."""
+@dataclass(frozen=True)
+class _Redirect:
+    """Where a producer writes during capture, and what the probe saw it make."""
 
-    def __init__(self, redirects: dict[ProducerKey, torch.Tensor] | None = None) -> None:
+    buffer: torch.Tensor
+    shape: torch.Size
+    signature: tuple[Any, ...]
+
+
+class _Recorder(TorchDispatchMode):
+    """Tags every op output with its `ProducerKey` and signature; with `redirects`, writes those producers
+    into their buffers, checking that the op still has the probed signature and output shape (else it
+    runs normally: the carried output is then copied at the end of the function)."""
+
+    def __init__(self, redirects: dict[ProducerKey, _Redirect] | None = None) -> None:
         super().__init__()
         self.redirects = redirects or {}
         self.occurrences: Counter[torch._ops.OpOverload] = Counter()
@@ -75,14 +96,17 @@ class _Recorder(TorchDispatchMode):
         kwargs = kwargs or {}
         producer = ProducerKey(func, self.occurrences[func])
         self.occurrences[func] += 1
-        buffer = self.redirects.get(producer)
-        out_op = out_form(func) if buffer is not None else None
-        if buffer is not None and out_op is not None:
-            result = out_op(*args, **kwargs, out=empty_at(buffer))
-        else:
+        redirect = self.redirects.get(producer)
+        out_op = out_form(func) if redirect is not None else None
+        result = None
+        if redirect is not None and out_op is not None and signature(args, kwargs) == redirect.signature:
+            result = out_op(*args, **kwargs, out=empty_at(redirect.buffer))
+            if result.shape != redirect.shape:
+                result = None
+        if result is None:
             result = func(*args, **kwargs)
-        if isinstance(result, torch.Tensor):
-            self.produced[result] = producer
+        if isinstance(result, torch.Tensor) and not self.redirects:
+            self.produced[result] = (producer, signature(args, kwargs))
         return result
 
 
@@ -122,6 +146,7 @@ class CarryPlan:
             outputs = fn(*args, **kwargs)
         target_lane = partner(lane_of(key))
         bindings: list[_Binding] = []
+        redirects: dict[ProducerKey, _Redirect] = {}
         for carry in self.carries:
             inputs = [position_of[id(leaf)] for leaf in _tensor_leaves(_argument(args, kwargs, carry.input))]
             carried = _tensor_leaves(_select(outputs, carry.output))
@@ -138,15 +163,16 @@ class CarryPlan:
                         f"feeds an input of {placeholder.dtype} on {placeholder.device}; they must match"
                     )
                 buffer = self.lanes.buffer(target_lane, position, leaf.dtype, leaf.device, 2 * max(leaf.numel(), 1))
-                producer = recorder.produced.get(leaf)
+                producer, probed = recorder.produced.get(leaf, (None, ()))
                 reads_buffer = any(overlaps(memory_range(buffer), memory_range(p)) for p in placeholders)
                 if producer is None or out_form(producer.op) is None or not leaf.is_contiguous() or reads_buffer:
                     producer = None
+                else:
+                    redirects[producer] = _Redirect(buffer, leaf.shape, probed)
                 bindings.append(_Binding(position, buffer, producer))
                 self.lanes.carried.add(position)
         del outputs
         self.bindings[key] = bindings
-        redirects = {binding.producer: binding.buffer for binding in bindings if binding.producer is not None}
         copied_bytes: list[int] = [0]
 
         def run(*call_args: Any, **call_kwargs: Any) -> Any:

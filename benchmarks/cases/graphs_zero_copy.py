@@ -1,0 +1,277 @@
+"""Case `graphs-zero-copy`: an HF-style beam-search decode loop driven from the host, three ways.
+
+GPT-2 fp16 (random weights), 4 beams, the KV cache reordered by `index_select` on the beam indices
+every step as HF's `generate` does. Each step's graph is the model forward with a growing
+`DynamicCache` (one graph per cache length; lengths 128, 512 and 1024 are measured over `STEPS`
+consecutive steps each):
+
+- (a) `plain`: the host reorders the cache and the call copies it into the graph's placeholders;
+- (b) `auto`: the same loop under `fast.zero_copy()`: the reordering `index_select`s write straight
+  into the placeholders (`tendril.graphs.alias`);
+- (c) `carried`: the reordering moves into the step (it takes the beam indices) and tokens, positions,
+  scores, beam indices and the cache are declared loop-carried (`fast.carry`): each graph writes
+  them where the next call reads them (`tendril.graphs.carry`).
+
+The loop never synchronises with the host (no early stopping), so the GPU sets the pace and per-step
+times are CUDA-event intervals between consecutive steps, medians over interleaved repetitions of
+the steady-state steps (every step after the first of a repetition). Bytes copied come from each
+callable's `stats`; the copy time is `_foreach_copy_` of (a)'s per-step inputs timed alone.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from benchmarks.registry import Context, Goal, register
+from tendril.graphs.callable import GraphedCallable, graphed
+from tendril.utils.timing import time_callable
+
+BEAMS = 4
+STEPS = 8
+LENGTHS = (128, 512, 1024)
+TARGET_LENGTH = 512
+
+Past = tuple[torch.Tensor, ...]
+"""A KV cache as a flat tuple: keys and values of every layer, `[beams, heads, length, head_dim]` each."""
+
+
+def gpt2(device: torch.device, dtype: torch.dtype = torch.float16, config: Any = None) -> torch.nn.Module:
+    """GPT-2 (124M by default) with random weights, with positions for the longest measured cache."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = config or GPT2Config(n_positions=max(LENGTHS) + 2 * STEPS)
+    model = GPT2LMHeadModel(config)
+    return model.to(device=device, dtype=dtype).eval()
+
+
+def forward(
+    model: torch.nn.Module, ids: torch.Tensor, positions: torch.Tensor, past: Past
+) -> tuple[torch.Tensor, Past]:
+    """One decode step of HF GPT-2 on a `DynamicCache` built from `past`: last logits and the grown cache."""
+    from transformers import DynamicCache
+
+    pairs = [(past[i], past[i + 1]) for i in range(0, len(past), 2)]
+    cache = DynamicCache(pairs)
+    out = model(input_ids=ids, position_ids=positions, past_key_values=cache, use_cache=True)
+    present = tuple(t for layer in out.past_key_values.layers for t in (layer.keys, layer.values))
+    return out.logits[:, -1], present
+
+
+def beam_update(logits: torch.Tensor, scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """HF beam search's core without early stopping: the best `beams` continuations over all beams.
+
+    Returns the next tokens `[beams, 1]`, their cumulative log-probabilities and the beams they extend.
+    """
+    vocab = logits.shape[-1]
+    logp = torch.log_softmax(logits.float(), dim=-1) + scores[:, None]
+    top_scores, top = logp.view(-1).topk(logits.shape[0])
+    beam_idx = torch.div(top, vocab, rounding_mode="floor")
+    tokens = top - beam_idx * vocab
+    return tokens[:, None], top_scores, beam_idx
+
+
+def forward_step(model: torch.nn.Module) -> Callable[..., tuple[torch.Tensor, Past]]:
+    """The graphed step of (a) and (b): `step(ids, positions, *past) -> (logits, present)`."""
+
+    def step(ids: torch.Tensor, positions: torch.Tensor, *past: torch.Tensor) -> tuple[torch.Tensor, Past]:
+        return forward(model, ids, positions, past)
+
+    return step
+
+
+def carried_step(model: torch.nn.Module) -> Callable[..., Any]:
+    """The graphed step of (c): reorders the cache, runs the model and the beam update on the device."""
+
+    def step(
+        ids: torch.Tensor, positions: torch.Tensor, scores: torch.Tensor, beam_idx: torch.Tensor, past: Past
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, Past]:
+        past = tuple(p.index_select(0, beam_idx) for p in past)
+        logits, present = forward(model, ids, positions, past)
+        ids, scores, beam_idx = beam_update(logits, scores)
+        return ids, positions + 1, scores, beam_idx, present
+
+    return step
+
+
+def carry_all(fast: GraphedCallable) -> GraphedCallable:
+    """Declare every output of `carried_step` as the same-position input of the next call."""
+    for index in range(5):
+        fast.carry(output=index, input=index)
+    return fast
+
+
+@dataclass
+class State:
+    """What the decode loop carries from step to step."""
+
+    ids: torch.Tensor
+    positions: torch.Tensor
+    scores: torch.Tensor
+    beam_idx: torch.Tensor
+    past: Past
+
+    def clone(self) -> State:
+        return State(
+            self.ids.clone(),
+            self.positions.clone(),
+            self.scores.clone(),
+            self.beam_idx.clone(),
+            tuple(p.clone() for p in self.past),
+        )
+
+
+def prefix(config: Any, length: int, device: torch.device, dtype: torch.dtype, seed: int = 0) -> State:
+    """A random cache of `length` tokens for `BEAMS` beams, as after a prefill."""
+    generator = torch.Generator(device="cpu").manual_seed(seed)
+    head_dim = config.n_embd // config.n_head
+    shape = (BEAMS, config.n_head, length, head_dim)
+    past = tuple(torch.randn(shape, generator=generator).to(device, dtype) for _ in range(2 * config.n_layer))
+    ids = torch.randint(0, config.vocab_size, (BEAMS, 1), generator=generator).to(device)
+    positions = torch.full((BEAMS, 1), length, dtype=torch.long, device=device)
+    scores = torch.zeros(BEAMS, device=device)
+    return State(ids, positions, scores, torch.arange(BEAMS, device=device), past)
+
+
+def host_step(fn: Callable[..., tuple[torch.Tensor, Past]], state: State) -> State:
+    """One step of (a)/(b): the call, then the beam update and the cache reordering on the host side."""
+    logits, present = fn(state.ids, state.positions, *state.past)
+    ids, scores, beam_idx = beam_update(logits, state.scores)
+    past = tuple(p.index_select(0, beam_idx) for p in present)
+    return State(ids, state.positions + 1, scores, beam_idx, past)
+
+
+def device_step(fn: Callable[..., Any], state: State) -> State:
+    """One step of (c): everything happens in the call."""
+    ids, positions, scores, beam_idx, present = fn(state.ids, state.positions, state.scores, state.beam_idx, state.past)
+    return State(ids, positions, scores, beam_idx, present)
+
+
+def run_loop(
+    step: Callable[[State], State], start: State, steps: int, on_step: Callable[[int], None] | None = None
+) -> list[State]:
+    """`steps` steps from a copy of `start`; returns every state (each cloned, graph outputs are transient)."""
+    state = start.clone()
+    states = []
+    for index in range(steps):
+        state = step(state)
+        states.append(state.clone())
+        if on_step is not None:
+            on_step(index)
+    return states
+
+
+@dataclass
+class Variant:
+    name: str
+    fast: GraphedCallable
+    step: Callable[[State], State]
+    context: Callable[[], Any]
+
+
+def _timed_rep(variant: Variant, start: State, times: list[float], steady_bytes: list[float]) -> None:
+    events = [torch.cuda.Event(enable_timing=True) for _ in range(STEPS + 1)]
+    state = start.clone()
+    with variant.context():
+        events[0].record()
+        copied_after_first = 0
+        for index in range(STEPS):
+            state = variant.step(state)
+            events[index + 1].record()
+            if index == 0:
+                copied_after_first = variant.fast.stats.input_bytes_copied
+        del state
+    torch.cuda.synchronize()
+    times.extend(events[i].elapsed_time(events[i + 1]) for i in range(1, STEPS))
+    steady_bytes.append((variant.fast.stats.input_bytes_copied - copied_after_first) / (STEPS - 1))
+
+
+def _copy_ms(start: State, device: torch.device, reps: int) -> float:
+    """Time of (a)'s per-step placeholder copy alone: every cache tensor plus tokens and positions."""
+    sources = [start.ids, start.positions, *start.past]
+    targets = [torch.empty_like(t) for t in sources]
+    timing = time_callable(lambda: torch._foreach_copy_(targets, sources), [()], device=device, warmup=3, reps=reps)
+    return timing.median_ms
+
+
+@register("graphs-zero-copy", "HF-style 4-beam GPT-2 decode: placeholder copies vs zero-copy vs loop-carried state")
+def run(ctx: Context) -> None:
+    from contextlib import nullcontext
+
+    from tendril.graphs.cuda_backend import CudaBackend
+
+    device = ctx.device
+    dtype = torch.float16
+    lengths = (128,) if ctx.quick else LENGTHS
+    reps = 3 if ctx.quick else 20
+    model = gpt2(device, dtype)
+    backend = CudaBackend()  # one pool for all three callables
+    plain = graphed(forward_step(model), backend=backend, max_graphs=1024)
+    auto = graphed(forward_step(model), backend=backend, max_graphs=1024)
+    carried = carry_all(graphed(carried_step(model), backend=backend, max_graphs=1024))
+    variants = [
+        Variant("plain", plain, lambda s: host_step(plain, s), nullcontext),
+        Variant("auto", auto, lambda s: host_step(auto, s), auto.zero_copy),
+        Variant("carried", carried, lambda s: device_step(carried, s), nullcontext),
+    ]
+    results: dict[int, dict[str, float]] = {}
+    with torch.inference_mode():
+        for length in lengths:
+            start = prefix(model.config, length, device, dtype)
+            finals = {}
+            for variant in variants:  # warm-up: captures every graph these steps use, checks agreement
+                for _ in range(2):
+                    with variant.context():
+                        states = run_loop(variant.step, start, STEPS)
+                finals[variant.name] = states[-1]
+            for name in ("auto", "carried"):
+                same = torch.equal(finals[name].ids, finals["plain"].ids)
+                ctx.note(f"L={length}: {name} tokens after {STEPS} steps {'equal' if same else 'DIFFER from'} plain's")
+            times: dict[str, list[float]] = {v.name: [] for v in variants}
+            steady: dict[str, list[float]] = {v.name: [] for v in variants}
+            for _ in range(reps):
+                for variant in variants:
+                    _timed_rep(variant, start, times[variant.name], steady[variant.name])
+            copy_ms = _copy_ms(start, device, reps=max(reps, 20))
+            row = {"copy_ms": copy_ms}
+            for variant in variants:
+                step_ms = statistics.median(times[variant.name])
+                bytes_per_step = statistics.median(steady[variant.name])
+                row[f"{variant.name}_ms"] = step_ms
+                row[f"{variant.name}_bytes"] = bytes_per_step
+                ctx.add_value(f"{variant.name} L={length}", "ms_per_step", step_ms)
+                ctx.add_value(f"{variant.name} L={length}", "bytes_copied_per_step", bytes_per_step)
+            ctx.add_value(f"plain L={length}", "copy_ms_alone", copy_ms)
+            results[length] = row
+    for variant in variants:
+        stats = variant.fast.stats
+        ctx.extra[f"{variant.name}_stats"] = {
+            "replays": stats.replays,
+            "captures": stats.captures,
+            "redirects": stats.redirects,
+            "input_copies_avoided": stats.input_copies_avoided,
+            "mispredictions": {reason.name: count for reason, count in stats.mispredictions.items()},
+            "misprediction_details": {reason.name: detail for reason, detail in stats.misprediction_details.items()},
+        }
+    ctx.extra["per_length"] = {str(length): row for length, row in results.items()}
+    measured = TARGET_LENGTH if TARGET_LENGTH in results else lengths[-1]
+    row = results[measured]
+    if measured != TARGET_LENGTH:
+        ctx.note(f"quick run: targets measured at L={measured} instead of {TARGET_LENGTH}")
+    ctx.note(
+        "bytes per step are steady-state (steps after the first of each repetition); the first step copies the prefix"
+    )
+    for name in ("auto", "carried"):
+        ratio = row[f"{name}_bytes"] / row["plain_bytes"] if row["plain_bytes"] else float("nan")
+        saved = (row["plain_ms"] - row[f"{name}_ms"]) / row["copy_ms"]
+        ctx.target(f"copy_bytes_ratio_{name}", ratio, Goal("<=", 0.01))
+        ctx.target(f"copy_time_saved_fraction_{name}", saved, Goal(">=", 0.9))
+
+
+def states_equal(a: Sequence[State], b: Sequence[State]) -> bool:
+    """Whether two runs chose the same tokens and beams at every step."""
+    return all(torch.equal(x.ids, y.ids) and torch.equal(x.beam_idx, y.beam_idx) for x, y in zip(a, b, strict=True))

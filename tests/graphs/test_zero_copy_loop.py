@@ -1,0 +1,64 @@
+"""The `graphs-zero-copy` benchmark's decode loop on the CPU (tiny GPT-2, null backend): the three variants
+choose the same beams as eager, and zero-copy / carried state stop copying the cache."""
+
+import pytest
+import torch
+
+from benchmarks.cases import graphs_zero_copy as case
+from tendril.config import Config
+from tendril.graphs.backend import NullBackend
+from tendril.graphs.callable import graphed
+from tendril.graphs.stats import Misprediction
+
+pytest.importorskip("transformers")
+
+
+def reordered(state: case.State) -> case.Past:
+    """The carried step returns its cache before the beam reordering the next step does first."""
+    return tuple(p.index_select(0, state.beam_idx) for p in state.past)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    from transformers import GPT2Config
+
+    torch.manual_seed(0)
+    config = GPT2Config(n_layer=2, n_head=2, n_embd=32, vocab_size=97, n_positions=64, bos_token_id=0, eos_token_id=0)
+    return case.gpt2(torch.device("cpu"), torch.float32, config)
+
+
+def test_host_and_device_beam_steps_agree_eagerly(tiny):
+    start = case.prefix(tiny.config, 5, torch.device("cpu"), torch.float32)
+    with torch.inference_mode():
+        host = case.run_loop(lambda s: case.host_step(case.forward_step(tiny), s), start, 5)
+        device = case.run_loop(lambda s: case.device_step(case.carried_step(tiny), s), start, 5)
+    assert case.states_equal(host, device)
+    for a, b in zip(host, device, strict=True):
+        torch.testing.assert_close(a.past, reordered(b))
+
+
+def test_plain_auto_and_carried_variants_equal_eager_and_copy_as_designed(tiny):
+    start = case.prefix(tiny.config, 5, torch.device("cpu"), torch.float32)
+    cache_bytes = sum(p.numel() * p.element_size() for p in start.past)
+    with torch.inference_mode():
+        eager = case.run_loop(lambda s: case.host_step(case.forward_step(tiny), s), start, 6)
+        plain = graphed(case.forward_step(tiny), backend=NullBackend(), config=Config())
+        auto = graphed(case.forward_step(tiny), backend=NullBackend(), config=Config())
+        carried = case.carry_all(graphed(case.carried_step(tiny), backend=NullBackend(), config=Config()))
+        runs = {
+            "plain": case.run_loop(lambda s: case.host_step(plain, s), start, 6),
+            "carried": case.run_loop(lambda s: case.device_step(carried, s), start, 6),
+        }
+        for _ in range(2):  # the second pass starts with confirmed predictions
+            with auto.zero_copy():
+                before = auto.stats.input_bytes_copied
+                runs["auto"] = case.run_loop(lambda s: case.host_step(auto, s), start, 6)
+    for name, states in runs.items():
+        assert case.states_equal(eager, states), name
+        for a, b in zip(eager, states, strict=True):
+            torch.testing.assert_close(a.past, reordered(b) if name == "carried" else b.past)
+    assert plain.stats.input_bytes_copied > 6 * cache_bytes
+    auto_bytes = auto.stats.input_bytes_copied - before
+    assert auto_bytes < 1.5 * cache_bytes  # the prefix copy at the first call of the pass, then tokens only
+    assert set(auto.stats.mispredictions) <= {Misprediction.NO_OUT_FORM}
+    assert carried.stats.input_copies_avoided >= 5 * 5
