@@ -254,3 +254,4 @@ def test_stats_report_switching_per_graph():
     stats.graphs[key] = GraphRecord(key, 1.0, 0, None, memory=memory)
     assert stats.executable_bytes == 1 << 20 and stats.switch_ms == 0.5
     assert "auto: family abc" in stats.table() and "3 updates" in stats.table()
+    assert "executables now 1.0 MiB, switching 0.5 ms" in stats.table().splitlines()[0]

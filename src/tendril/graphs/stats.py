@@ -156,6 +156,8 @@ class GraphStats:
             f"pool {self.pool_bytes / mib:.1f} MiB, placeholders {self.placeholder_bytes / mib:.2f} MiB, "
             f"driver {self.driver_bytes / mib:.1f} MiB",
         ]
+        if any(record.memory.strategy != "dedicated" for record in self.graphs.values()):
+            lines[0] += f", executables now {self.executable_bytes / mib:.1f} MiB, switching {self.switch_ms:.1f} ms"
         for reason, detail in self.fallback_details.items():
             lines.append(f"  eager x{self.fallbacks[reason]}: {reason.value}: {detail}")
         for record in self.graphs.values():
