@@ -1,7 +1,8 @@
 """Executables of many graphs under a device-memory budget (the policy; plain Python, tested on the CPU).
 
-Every instantiated CUDA graph holds device memory of the driver's own (0.83 MiB per GPT-2 forward graph
-on our H200, about 3 KiB per node), on top of the memory pool all graphs of a callable share. A callable
+Every instantiated CUDA graph holds device memory of the driver's own (on our H200: 0.83 MiB per GPT-2
+forward graph on average, 0.9 MiB for a 289-node decode step, so about 3 KiB per node), on top of the
+memory pool all graphs of a callable share. A callable
 with one graph per sequence length spends most of its memory there. The captured graphs themselves
 (`cudaGraph_t`) live on the host, so the executables can be managed apart from them:
 
@@ -46,7 +47,7 @@ from tendril.cuda.graph_exec import Topology, UpdateOutcome
 from tendril.graphs.stats import GraphMemory
 
 PRIOR_BYTES_PER_NODE = 4096
-"""Driver bytes per graph node assumed before any measurement (0.83 MiB / ~250 nodes on the H200, rounded up)."""
+"""Driver bytes per graph node assumed before any measurement (0.9 MiB / 289 nodes on the H200, rounded up)."""
 PRIOR_NODES = 4096
 """How many nodes of evidence the prior is worth against measurements."""
 
