@@ -4,35 +4,54 @@ The compiled kernels (`cpu_kernels.py`) run on numba's thread pool; `kernel_thre
 of its threads a call may use (capped at the pool size, `NUMBA_NUM_THREADS`, which defaults to the
 number of cores) and restores the previous count afterwards. Importing numba is deferred to the
 first CPU-kernel call, so the GPU backends never need it.
+
+Threading layer: unless `NUMBA_THREADING_LAYER` says otherwise, numba's `workqueue` pool is used.
+Its default here, `omp`, loads the system libgomp beside the libgomp bundled with torch, and the two
+OpenMP pools spin-wait against each other between a network's alternating torch ops and kernels:
+AlexNet on 2 threads took ~470 ms per forward with `omp` and ~80 ms with `workqueue` on our 2-core
+machine. `workqueue` does not support parallel launches from several Python threads at once, so
+call a CPU network from one thread at a time.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Iterator, Sequence
 from types import ModuleType
+from typing import Any
 
 
-def kernels() -> ModuleType:
-    """The compiled CPU kernels (imports numba on first use)."""
+def _numba() -> ModuleType:
+    """numba, with the threading layer chosen (before its pool starts) as the module docstring says."""
     try:
-        from tendril.sparse.ops import cpu_kernels
+        import numba
     except ImportError as error:
         raise ImportError(
             "the sparse CPU backend compiles its loops with numba, which is not installed: pip install numba"
         ) from error
+    config: Any = numba.config
+    if "NUMBA_THREADING_LAYER" not in os.environ and config.THREADING_LAYER == "default":
+        config.THREADING_LAYER = "workqueue"
+    return numba
+
+
+def kernels() -> ModuleType:
+    """The compiled CPU kernels (imports numba on first use)."""
+    _numba()
+    from tendril.sparse.ops import cpu_kernels
+
     return cpu_kernels
 
 
 @contextlib.contextmanager
 def kernel_threads(threads: int) -> Iterator[int]:
     """Let the compiled kernels use `threads` threads (at most the pool size); yields the count used."""
-    import numba
-
+    numba = _numba()
     if threads < 1:
         raise ValueError(f"threads={threads}: expected at least 1")
     previous = numba.get_num_threads()
-    used = min(threads, numba.config.NUMBA_NUM_THREADS)  # type: ignore[attr-defined]
+    used = min(threads, numba.config.NUMBA_NUM_THREADS)
     numba.set_num_threads(used)
     try:
         yield used
