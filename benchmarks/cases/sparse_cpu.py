@@ -7,18 +7,24 @@ and on all threads (`torch.set_num_threads` for dense PyTorch, numba's pool for 
 
 - whole networks: tendril's CPU backend (`SparseNetwork.set_backend("cpu", threads)`) against the
   dense model on the same pruned weights, with the relative error of the output;
-- per layer: each sparse step (compression + convolution or FC + bias + ReLU), timed in one forward
-  with `SparseNetwork.profile`, against the dense `Conv2d`/`Linear` module alone on the same input;
+- per layer: each sparse step (compression + convolution or FC + bias + ReLU) against the dense
+  `Conv2d`/`Linear` module alone, both on that layer's input in the dense forward;
   and, on 1 thread, both conv dataflows forced (`cartesian`, SCNN's Cartesian product, and
   `direct`, sparse weights × dense planes) to show what the per-layer cost model chooses between.
 
 Targets: `{net}_cpu_sparse_speedup_vs_dense_1thread` and `_allthreads` (dense time / sparse time,
 goal >= 1: the sparse engine should at least match oneDNN), and `{net}_cpu_sparse_thread_scaling`
 (1-thread time / all-thread time, goal > 1).
+
+The machine this was written on is shared with other jobs, so sparse and dense calls are
+interleaved, and besides wall time the process CPU time of every call is recorded: on one thread it
+is the call's run time minus what other processes took, and the 1-thread targets and per-layer
+1-thread times use it; all-thread targets use wall time (CPU time sums the threads).
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import statistics
 import time
@@ -30,7 +36,7 @@ from torch import nn
 
 from benchmarks.registry import Context, Goal, register
 from tendril.sparse import convert, prune
-from tendril.sparse.network import SparseConvStep, SparseLinearStep, SparseNetwork
+from tendril.sparse.network import RunState, SparseConvStep, SparseLinearStep
 from tendril.sparse.ops.compress import cpu as compress_cpu
 from tendril.sparse.ops.conv import cpu as conv_cpu
 from tendril.utils.timing import Timing, summarize
@@ -76,7 +82,7 @@ def vgg16() -> nn.Module:
     for m in model.modules():
         if isinstance(m, nn.Conv2d):
             nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
-            nn.init.zeros_(m.bias)
+            nn.init.zeros_(m.bias)  # type: ignore[arg-type]
         elif isinstance(m, nn.Linear):
             nn.init.normal_(m.weight, 0, 0.01)
             nn.init.zeros_(m.bias)
@@ -99,34 +105,33 @@ def _relative_error(y: torch.Tensor, ref: torch.Tensor) -> float:
     return float((y.double() - ref.double()).abs().max() / ref.double().abs().max())
 
 
-def _median_profile(net: SparseNetwork, x: torch.Tensor, reps: int) -> dict[str, float]:
-    runs = [dict(net.profile(x)) for _ in range(reps)]
-    return {name: statistics.median(run[name] for run in runs) for name in runs[0]}
+Forward = Callable[[torch.Tensor], Any]
 
 
-def _interleaved(
-    fns: dict[str, Callable[[torch.Tensor], Any]], inputs: list[torch.Tensor], reps: int
-) -> dict[str, Timing]:
+def _interleaved(fns: dict[str, Forward], inputs: list[torch.Tensor], reps: int) -> dict[str, tuple[Timing, Timing]]:
     """Time several callables call by call in turn (rotating inputs), so that load from other processes
-    on a shared machine hits them alike; one warm-up call each."""
-    samples: dict[str, list[float]] = {name: [] for name in fns}
+    on a shared machine hits them alike; one warm-up call each. Per callable: (wall, process CPU) time."""
+    wall: dict[str, list[float]] = {name: [] for name in fns}
+    cpu: dict[str, list[float]] = {name: [] for name in fns}
     for fn in fns.values():
         fn(inputs[0])
     for i in range(reps):
         for name, fn in fns.items():
-            start = time.perf_counter()
+            start, start_cpu = time.perf_counter(), time.process_time()
             fn(inputs[i % len(inputs)])
-            samples[name].append((time.perf_counter() - start) * 1e3)
-    return {name: summarize(ms) for name, ms in samples.items()}
+            wall[name].append((time.perf_counter() - start) * 1e3)
+            cpu[name].append((time.process_time() - start_cpu) * 1e3)
+    return {name: (summarize(wall[name]), summarize(cpu[name])) for name in fns}
 
 
-def _time_ms(fn: Callable[[], Any], reps: int) -> float:
+def _time_ms(fn: Callable[[], Any], reps: int, clock: Callable[[], float]) -> float:
+    """Median time of `fn()` by `clock` (`time.process_time` on one thread, `time.perf_counter` on several)."""
     fn()
     samples = []
     for _ in range(reps):
-        start = time.perf_counter()
+        start = clock()
         fn()
-        samples.append((time.perf_counter() - start) * 1e3)
+        samples.append((clock() - start) * 1e3)
     return statistics.median(samples)
 
 
@@ -166,17 +171,24 @@ def _bench(ctx: Context, name: str) -> None:
                 err = _relative_error(net(inputs[1]), model(inputs[1]))
                 ctx.add_value(f"{name} tendril cpu", "rel_err_vs_dense_fp32", err)
             timings = _interleaved({"sparse": net, "dense": model}, inputs, reps)
-            sparse, dense = timings["sparse"], timings["dense"]
+            (sparse, sparse_cpu), (dense, dense_cpu) = timings["sparse"], timings["dense"]
             ctx.add_timing(f"{name} tendril cpu sparse {tag}", sparse)
             ctx.add_timing(f"{name} dense pytorch cpu {tag}", dense)
-            totals[threads] = (sparse.median_ms, dense.median_ms)
-            profile = _median_profile(net, inputs[0], reps)
+            ctx.add_timing(f"{name} tendril cpu sparse {tag}", sparse_cpu, "process_cpu_ms_per_call")
+            ctx.add_timing(f"{name} dense pytorch cpu {tag}", dense_cpu, "process_cpu_ms_per_call")
+            if threads == 1:
+                totals[threads] = (sparse_cpu.median_ms, dense_cpu.median_ms)
+            else:
+                totals[threads] = (sparse.median_ms, dense.median_ms)
             reports = {r.name: r for r in net.layers()}
             key = "1thread" if threads == 1 else "allthreads"
+            clock = time.process_time if threads == 1 else time.perf_counter
+            state = RunState("cpu", threads, torch.zeros(1, dtype=torch.int32))
             for step in sparse_steps:
                 module, x = modules[step.name], dense_inputs[step.name]
-                per_layer[step.name][f"tendril_ms_{key}"] = round(profile[step.name], 3)
-                per_layer[step.name][f"dense_ms_{key}"] = round(_time_ms(lambda m=module, x=x: m(x), reps), 3)
+                tendril_ms = _time_ms(functools.partial(step.run, [x], state), reps, clock)
+                per_layer[step.name][f"tendril_ms_{key}"] = round(tendril_ms, 3)
+                per_layer[step.name][f"dense_ms_{key}"] = round(_time_ms(functools.partial(module, x), reps, clock), 3)
         torch.set_num_threads(1)
         net.set_backend("cpu", 1)
         for step in sparse_steps:
@@ -189,20 +201,15 @@ def _bench(ctx: Context, name: str) -> None:
                 }
             )
             if isinstance(step, SparseConvStep) and step.cpu_plan is not None:
+                plan = step.cpu_plan
                 acts = compress_cpu.compress(dense_inputs[step.name][0], step.layout)
-                cost = step.cpu_plan.work(acts.stored_counts)
+                cost = plan.work(acts.stored_counts)
                 entry["auto_choice"] = min(cost, key=lambda m: cost[m])
                 init = torch.zeros(step.weights.geometry.out_channels, *step.weights.geometry.out_hw)
                 for method in ("cartesian", "direct"):
-                    entry[f"{method}_conv_ms_1thread"] = round(
-                        _time_ms(
-                            lambda s=step, a=acts, i=init, m=method: conv_cpu.conv(
-                                a, s.weights, i, plan=s.cpu_plan, method=m
-                            ),
-                            max(1, reps // 2),
-                        ),
-                        3,
-                    )
+                    forced = functools.partial(conv_cpu.conv, acts, plan.weights, init, plan=plan, method=method)
+                    ms = _time_ms(forced, max(1, reps // 2), time.process_time)
+                    entry[f"{method}_conv_ms_1thread"] = round(ms, 3)
         torch.set_num_threads(all_threads)
 
     (sparse_1, dense_1), (sparse_n, dense_n) = totals[1], totals[all_threads]
