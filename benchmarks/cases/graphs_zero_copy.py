@@ -12,15 +12,18 @@ consecutive steps each):
   scores, beam indices and the cache are declared loop-carried (`fast.carry`): each graph writes
   them where the next call reads them (`tendril.graphs.carry`).
 
-The loop never synchronises with the host (no early stopping), so the GPU sets the pace and per-step
-times are CUDA-event intervals between consecutive steps, medians over interleaved repetitions of
-the steady-state steps (every step after the first of a repetition). Bytes copied come from each
-callable's `stats`; the copy time is `_foreach_copy_` of (a)'s per-step inputs timed alone.
+The loop never synchronises with the host (no early stopping), so the GPU sets the pace unless the
+host falls behind (`host_ms_per_step` shows the host's own time per step: the dispatch mode of (b)
+costs host time per op); per-step times are CUDA-event intervals between consecutive steps, medians
+over interleaved repetitions of the steady-state steps (every step after the first of a
+repetition). Bytes copied come from each callable's `stats`; the copy time is `_foreach_copy_` of
+(a)'s per-step inputs timed alone.
 """
 
 from __future__ import annotations
 
 import statistics
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -173,9 +176,12 @@ class Variant:
     context: Callable[[], Any]
 
 
-def _timed_rep(variant: Variant, start: State, times: list[float], steady_bytes: list[float]) -> None:
+def _timed_rep(
+    variant: Variant, start: State, times: list[float], steady_bytes: list[float], host: list[float]
+) -> None:
     events = [torch.cuda.Event(enable_timing=True) for _ in range(STEPS + 1)]
     state = start.clone()
+    began = time.perf_counter()
     with variant.context():
         events[0].record()
         copied_after_first = 0
@@ -185,6 +191,7 @@ def _timed_rep(variant: Variant, start: State, times: list[float], steady_bytes:
             if index == 0:
                 copied_after_first = variant.fast.stats.input_bytes_copied
         del state
+    host.append((time.perf_counter() - began) * 1e3 / STEPS)
     torch.cuda.synchronize()
     times.extend(events[i].elapsed_time(events[i + 1]) for i in range(1, STEPS))
     steady_bytes.append((variant.fast.stats.input_bytes_copied - copied_after_first) / (STEPS - 1))
@@ -233,9 +240,10 @@ def run(ctx: Context) -> None:
                 ctx.note(f"L={length}: {name} tokens after {STEPS} steps {'equal' if same else 'DIFFER from'} plain's")
             times: dict[str, list[float]] = {v.name: [] for v in variants}
             steady: dict[str, list[float]] = {v.name: [] for v in variants}
+            host: dict[str, list[float]] = {v.name: [] for v in variants}
             for _ in range(reps):
                 for variant in variants:
-                    _timed_rep(variant, start, times[variant.name], steady[variant.name])
+                    _timed_rep(variant, start, times[variant.name], steady[variant.name], host[variant.name])
             copy_ms = _copy_ms(start, device, reps=max(reps, 20))
             row = {"copy_ms": copy_ms}
             for variant in variants:
@@ -245,6 +253,7 @@ def run(ctx: Context) -> None:
                 row[f"{variant.name}_bytes"] = bytes_per_step
                 ctx.add_value(f"{variant.name} L={length}", "ms_per_step", step_ms)
                 ctx.add_value(f"{variant.name} L={length}", "bytes_copied_per_step", bytes_per_step)
+                ctx.add_value(f"{variant.name} L={length}", "host_ms_per_step", statistics.median(host[variant.name]))
             ctx.add_value(f"plain L={length}", "copy_ms_alone", copy_ms)
             results[length] = row
     for variant in variants:

@@ -30,11 +30,11 @@ def make(fn=step) -> GraphedCallable:
     return graphed(fn, backend=NullBackend(), config=Config())
 
 
-def beam_loop(fn, steps: int, seed: int = 0, context=contextlib.nullcontext, keep: bool = False):
+def beam_loop(fn, steps: int, seed: int = 0, context=contextlib.nullcontext, keep: bool = False, device="cpu"):
     """Host loop reordering the cache by random beam indices every step (as HF beam search does)."""
     gen = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, 7, (4, 1), generator=gen)
-    k, v = torch.randn(4, 3, 5, generator=gen), torch.randn(4, 3, 5, generator=gen)
+    ids = torch.randint(0, 7, (4, 1), generator=gen).to(device)
+    k, v = torch.randn(4, 3, 5, generator=gen).to(device), torch.randn(4, 3, 5, generator=gen).to(device)
     scores, kept = [], []
     with context():
         for _ in range(steps):
@@ -42,7 +42,7 @@ def beam_loop(fn, steps: int, seed: int = 0, context=contextlib.nullcontext, kee
             scores.append(score.clone())
             if keep:
                 kept.append((k, v))
-            beam = torch.randperm(4, generator=gen)
+            beam = torch.randperm(4, generator=gen).to(device)
             k, v, ids = k2.index_select(0, beam), v2.index_select(0, beam), new_ids.index_select(0, beam)
     return scores, [(a.clone(), b.clone()) for a, b in kept], (k.clone(), v.clone())
 
@@ -230,42 +230,46 @@ def test_stats_count_bytes_per_call():
 PERTURBATIONS = ("none", "keep", "skip_call", "wrong_arg", "in_place", "double", "swap", "shape")
 
 
+def misbehaving_loop(call, context, perturbations, device="cpu"):
+    """A host loop that breaks predictions in every way: kept references, skipped calls, other producers,
+    in-place updates, other dtypes, swapped arguments, other shapes."""
+    a, b = torch.arange(6.0, device=device), torch.ones(6, device=device)
+    reverse = torch.arange(5, -1, -1, device=device)
+    kept, results = [], []
+    with context():
+        for index, what in enumerate(perturbations):
+            a2 = a.index_select(0, reverse) + index
+            b2 = b * 0.5
+            if what == "keep":
+                kept.append(a2)
+            if what == "skip_call":
+                a, b = a2, b2
+                continue
+            if what == "wrong_arg":
+                a2 = torch.linspace(0, 1, 6, device=device)
+            if what == "in_place":
+                a2.add_(3)
+            if what == "double":
+                a2 = a2.double().float()
+            if what == "swap":
+                a2, b2 = b2, a2
+            if what == "shape":
+                a2, b2 = torch.cat([a2, a2[:1]]), torch.cat([b2, b2[:1]])
+            out, cum = call(a2, b2)
+            results.append((out.clone(), cum.clone()))
+            a, b = out[: a.shape[0]].clone() if what == "shape" else out, b2[: b.shape[0]]
+    return results, [k.clone() for k in kept]
+
+
+def misbehaving_fn(a, b):
+    return a * 2 + b.sum(), a.cumsum(0)
+
+
 @settings(max_examples=25, deadline=None)
 @given(st.lists(st.sampled_from(PERTURBATIONS), min_size=4, max_size=12))
 def test_any_sequence_of_misbehaviour_equals_eager(perturbations):
     """The host loop misbehaves in every way a prediction can break; answers are always eager's."""
-
-    def fn(a, b):
-        return a * 2 + b.sum(), a.cumsum(0)
-
-    def loop(call, context):
-        a, b = torch.arange(6.0), torch.ones(6)
-        kept, results = [], []
-        with context():
-            for index, what in enumerate(perturbations):
-                a2 = a.index_select(0, torch.tensor([5, 4, 3, 2, 1, 0])) + index
-                b2 = b * 0.5
-                if what == "keep":
-                    kept.append(a2)
-                if what == "skip_call":
-                    a, b = a2, b2
-                    continue
-                if what == "wrong_arg":
-                    a2 = torch.linspace(0, 1, 6)
-                if what == "in_place":
-                    a2.add_(3)
-                if what == "double":
-                    a2 = a2.double().float()
-                if what == "swap":
-                    a2, b2 = b2, a2
-                if what == "shape":
-                    a2, b2 = torch.cat([a2, a2[:1]]), torch.cat([b2, b2[:1]])
-                out, cum = call(a2, b2)
-                results.append((out.clone(), cum.clone()))
-                a, b = out[: a.shape[0]].clone() if what == "shape" else out, b2[: b.shape[0]]
-        return results, [k.clone() for k in kept]
-
-    eager = loop(fn, contextlib.nullcontext)
-    fast = make(fn)
-    got = loop(fast, fast.zero_copy)
+    eager = misbehaving_loop(misbehaving_fn, contextlib.nullcontext, perturbations)
+    fast = make(misbehaving_fn)
+    got = misbehaving_loop(fast, fast.zero_copy, perturbations)
     torch.testing.assert_close(got, eager, rtol=0, atol=0)

@@ -19,11 +19,11 @@ def step(ids, past, beam):
     return (ids.index_select(0, next_beam) * 3 + 1) % 11, present, next_beam, score
 
 
-def loop(fn, steps: int, seed: int = 0, fresh_at: int | None = None):
+def loop(fn, steps: int, seed: int = 0, fresh_at: int | None = None, device="cpu"):
     gen = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, 7, (4, 1), generator=gen)
-    past = (torch.randn(4, 3, 5, generator=gen), torch.randn(4, 3, 5, generator=gen))
-    beam = torch.arange(4)
+    ids = torch.randint(0, 7, (4, 1), generator=gen).to(device)
+    past = (torch.randn(4, 3, 5, generator=gen).to(device), torch.randn(4, 3, 5, generator=gen).to(device))
+    beam = torch.arange(4, device=device)
     history = []
     for index in range(steps):
         if index == fresh_at:

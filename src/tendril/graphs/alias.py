@@ -132,18 +132,34 @@ def out_form(op: torch._ops.OpOverload) -> torch._ops.OpOverload | None:
 
 
 def signature(args: Sequence[Any], kwargs: dict[str, Any]) -> tuple[Any, ...]:
-    """What fixes an op's output dtype and device: argument dtypes/devices and non-tensor constants."""
-    parts: list[Any] = []
-    for leaf in pytree.tree_leaves((tuple(args), kwargs)):
-        if isinstance(leaf, torch.Tensor):
-            parts.append((leaf.dtype, leaf.device, leaf.dim() == 0))
-        else:
-            try:
-                hash(leaf)
-                parts.append(leaf)
-            except TypeError:
-                parts.append(type(leaf))
-    return tuple(parts)
+    """What fixes an op's output dtype and device: argument dtypes/devices and non-tensor constants.
+
+    Aten op arguments are tensors, scalars, or lists of them, so one level of nesting is enough (and
+    much cheaper than pytree on the per-op path).
+    """
+    return (*map(_describe, args), *kwargs, *map(_describe, kwargs.values()))
+
+
+def tensor_arguments(args: Sequence[Any], kwargs: dict[str, Any]) -> list[torch.Tensor]:
+    found: list[torch.Tensor] = []
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, torch.Tensor):
+            found.append(value)
+        elif isinstance(value, (list, tuple)):
+            found.extend(item for item in value if isinstance(item, torch.Tensor))
+    return found
+
+
+def _describe(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return (value.dtype, value.device, value.dim() == 0)
+    if isinstance(value, (list, tuple)):
+        return tuple(map(_describe, value))
+    try:
+        hash(value)
+    except TypeError:
+        return type(value)
+    return value
 
 
 def memory_range(tensor: torch.Tensor) -> tuple[int, int]:
@@ -329,7 +345,7 @@ class ZeroCopyPredictor:
         if signature(args, kwargs) != link.signature:
             self._miss(Misprediction.SIGNATURE, f"{producer} ran with other argument dtypes or constants")
             return None
-        tensors = [leaf for leaf in pytree.tree_leaves((tuple(args), kwargs)) if isinstance(leaf, torch.Tensor)]
+        tensors = tensor_arguments(args, kwargs)
         if any(tensor.requires_grad for tensor in tensors):
             return None
         lane = partner(self.lanes.last_lane)
