@@ -160,6 +160,14 @@ class GraphStats:
             lines[0] += f", executables now {self.executable_bytes / mib:.1f} MiB, switching {self.switch_ms:.1f} ms"
         for reason, detail in self.fallback_details.items():
             lines.append(f"  eager x{self.fallbacks[reason]}: {reason.value}: {detail}")
+        if self.input_copies or self.input_copies_avoided:
+            lines.append(
+                f"  inputs: {self.input_bytes_copied / mib:.2f} MiB copied ({self.bytes_copied_per_call / 1024:.1f} KiB"
+                f" per call), {self.input_copies_avoided} copies avoided ({self.input_bytes_avoided / mib:.2f} MiB), "
+                f"{self.redirects} redirects"
+            )
+        for miss, detail in self.misprediction_details.items():
+            lines.append(f"  copied x{self.mispredictions[miss]}: {miss.value}: {detail}")
         for record in self.graphs.values():
             driver = "n/a" if record.driver_bytes is None else f"{record.driver_bytes / mib:.2f} MiB"
             lines.append(
