@@ -10,8 +10,10 @@ then copies them into the graph's placeholders. Under `with fast.zero_copy():` a
    positions would break under helper functions and loops, op streams do not care). When a call
    copies a tensor into its placeholder at argument leaf `position`, the tensor's producer is linked
    to that position, with the producer's *signature* (argument dtypes, devices and constants, which
-   fix the output dtype);
-2. **redirects**: when a linked producer runs again with the same signature, it runs in its `out=`
+   fix the output dtype). A link is confirmed when two consecutive calls agree on it, and dropped
+   when its producer runs but the next call does not meet its output (a setup `clone` that fed the
+   first call once must not start writing into placeholders);
+2. **redirects**: when a confirmed producer runs again with the same signature, it runs in its `out=`
    form into the placeholder buffer of that position, as a zero-length tensor at the buffer's start
    that the op resizes to its output shape. Buffers are shared by all shapes (`PlaceholderArena`), so
    one redirect serves whatever key the call turns out to have;
@@ -40,6 +42,12 @@ the next copy relearns it. Results always equal eager: a wrong prediction costs 
 wrong value. Tensors written by redirects live in the callable's placeholder memory: they stay
 valid while the program references them (no later redirect reuses their slot), and while the
 callable is alive.
+
+Costs. Every op inside the block passes through a Python dispatch mode (a few microseconds of host
+time per op; hidden while the GPU is the bottleneck, as in a decode loop that does not synchronise).
+A key can have up to three graphs (lanes 0, 1, 2), captured lazily as calls need them; they share
+the callable's pool, but each has its own driver memory. Bucketed calls are padded into fresh
+tensors, so zero-copy helps unbucketed callables only.
 """
 
 from __future__ import annotations
