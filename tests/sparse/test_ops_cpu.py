@@ -110,7 +110,7 @@ def test_cost_model_prefers_the_cartesian_product_only_for_very_sparse_activatio
 
 
 @pytest.mark.parametrize("method", ["cartesian", "direct"])
-def test_cpu_conv_skips_empty_channels_and_reuses_its_plan(method):
+def test_cpu_conv_handles_empty_channels_and_reuses_its_plan(method):
     weights, x, init, ref = conv_operands(ConvCase(6, 5, (12, 10), 3, 1, 1, 1, 0.6, 0.5, seed=3), CPU)
     x[::2] = 0
     ref = torch.nn.functional.conv2d(x[None].double(), weights.to_dense().double(), padding=1)[0] + init.double()

@@ -17,8 +17,7 @@ there are no atomics and no partial sums to merge; the thread count is numba's (
   output pixels, every nonzero weight adds `w × (a contiguous slice of its channel's plane)`, the
   slice starting at the weight's precomputed `base` in the flat planes: a vectorized FMA stream,
   eight weights per pass over the tile (one load and store of the accumulators per eight FMAs).
-  Work = nonzero weights × output pixels (channels with no nonzero activation are skipped by the
-  caller).
+  Work = nonzero weights × output pixels.
 - `linear_columns`: the sparse FC layer: each stored activation meets the nonzero column of its input
   feature (CSC), products added into the output; the activations are split into parts, one
   accumulator each, summed by the caller.
