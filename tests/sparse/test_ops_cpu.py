@@ -10,7 +10,6 @@ from tendril.sparse.ops.compress import cpu as compress_cpu
 from tendril.sparse.ops.compress import reference as compress_reference
 from tendril.sparse.ops.conv import cpu as conv_cpu
 from tendril.sparse.ops.conv import reference as conv_reference
-from tendril.sparse.ops.cpu_threads import balanced_ranges
 from tendril.sparse.ops.linear import cpu as linear_cpu
 from tendril.sparse.ops.linear import reference as linear_reference
 from tests.sparse.checks import (
@@ -91,12 +90,12 @@ def test_overflowing_capacity_keeps_the_true_count_and_stores_only_what_fits():
     assert_same_compression(acts, compress_reference.compress(x, layout))
 
 
-def test_balanced_ranges_cover_everything_once():
-    work = [5, 0, 3, 9, 1, 1, 7, 0]
+def test_linear_parts_cover_every_activation_once():
+    entries = torch.tensor([5, 0, 3, 9, 1, 1, 7, 0], dtype=torch.int32)
     for parts in (1, 2, 3, 8, 20):
-        ranges = balanced_ranges(work, parts)
-        assert len(ranges) <= parts
-        assert [i for a, b in ranges for i in range(a, b)] == list(range(len(work)))
+        bounds = linear_cpu._balanced_bounds(entries, parts).tolist()
+        assert bounds[0] == 0 and bounds[-1] == len(entries) and bounds == sorted(bounds)
+        assert len(bounds) == parts + 1
 
 
 def test_cost_model_prefers_the_cartesian_product_only_for_very_sparse_activations():

@@ -1,4 +1,4 @@
-"""Thread control and work splitting shared by the CPU operators.
+"""Thread control shared by the CPU operators.
 
 The compiled kernels (`cpu_kernels.py`) run on numba's thread pool; `kernel_threads(n)` sets how many
 of its threads a call may use (capped at the pool size, `NUMBA_NUM_THREADS`, which defaults to the
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from types import ModuleType
 from typing import Any
 
@@ -57,17 +57,3 @@ def kernel_threads(threads: int) -> Iterator[int]:
         yield used
     finally:
         numba.set_num_threads(previous)
-
-
-def balanced_ranges(work: Sequence[int], parts: int) -> list[tuple[int, int]]:
-    """Split `range(len(work))` into at most `parts` contiguous ranges of about equal total work."""
-    total = sum(work)
-    ranges: list[tuple[int, int]] = []
-    first, done = 0, 0
-    for i, cost in enumerate(work):
-        done += cost
-        if done * parts >= total * (len(ranges) + 1) and len(ranges) < parts - 1:
-            ranges.append((first, i + 1))
-            first = i + 1
-    ranges.append((first, len(work)))
-    return [r for r in ranges if r[0] < r[1]] or [(0, len(work))]

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from tendril.sparse.format import CompressedActivations, SparseLinearWeights
-from tendril.sparse.ops.cpu_threads import balanced_ranges, kernel_threads, kernels
+from tendril.sparse.ops.cpu_threads import kernel_threads, kernels
 
 
 def linear(
@@ -24,9 +24,8 @@ def linear(
     features = acts.positions[0, :count].contiguous()
     entries = weights.col_ptr[features.long() + 1] - weights.col_ptr[features.long()]
     with kernel_threads(threads) as used:
-        ranges = balanced_ranges(entries.tolist(), used)
-        bounds = torch.tensor([first for first, _ in ranges] + [ranges[-1][1]], dtype=torch.int64)
-        parts = torch.zeros(len(ranges), weights.out_features)
+        bounds = _balanced_bounds(entries, used)
+        parts = torch.zeros(bounds.numel() - 1, weights.out_features)
         kernels().linear_columns(
             parts.numpy(),
             weights.values.numpy(),
@@ -36,4 +35,14 @@ def linear(
             acts.values[0, :count].contiguous().numpy(),
             bounds.numpy(),
         )
-    return init + parts.sum(0)
+    return init + (parts[0] if parts.shape[0] == 1 else parts.sum(0))
+
+
+def _balanced_bounds(entries: torch.Tensor, parts: int) -> torch.Tensor:
+    """`parts + 1` ascending cut points splitting the activations into ranges of about equal entries."""
+    if parts == 1 or entries.numel() == 0:
+        return torch.tensor([0, entries.numel()], dtype=torch.int64)
+    cumulative = torch.cumsum(entries.long(), 0)
+    targets = cumulative[-1] * torch.arange(1, parts, dtype=torch.int64) // parts
+    cuts = torch.searchsorted(cumulative, targets, right=True)
+    return torch.cat([torch.zeros(1, dtype=torch.int64), cuts, torch.tensor([entries.numel()])])
