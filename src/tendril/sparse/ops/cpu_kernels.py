@@ -5,9 +5,10 @@ as `index_add_` scatters or sparse-CSR products, 5-40× slower than these loops 
 (benchmarks/results/sparse-cpu.md). Every kernel is parallel over disjoint outputs (`prange`), so
 there are no atomics and no partial sums to merge; the thread count is numba's (`cpu_threads.kernel_threads`).
 
-- `compress_planes`: one branch-free pass per virtual channel over its phase plane, writing values,
-  positions, row pointers and the true count (the `CompressedActivations` layout); every element is
-  written to the next free slot, which only a nonzero claims.
+- `compress_planes`: one branch-free pass per virtual channel over the input pixels of its phase
+  plane (padding is skipped, never materialized), writing values, positions, row pointers and the
+  true count (the `CompressedActivations` layout); every pixel is written to the next free slot,
+  which only a nonzero claims.
 - `scatter_planes`: the inverse into zero-padded planes of row width `row`.
 - `conv_cartesian`: SCNN's dataflow. For each block of output channels (its halo accumulators stay in
   the L2 cache) and each virtual input channel, every nonzero weight meets every stored activation and
@@ -29,19 +30,27 @@ from numba import njit, prange
 
 
 @njit(parallel=True, cache=True)
-def compress_planes(planes, plane_w, capacity, values, positions, row_ptr, counts):
-    channels, size = planes.shape
-    for v in prange(channels):
+def compress_planes(
+    x, stride_h, stride_w, pad_h, pad_w, plane_h, plane_w, capacity, values, positions, row_ptr, counts
+):
+    channels, height, width = x.shape
+    phases = stride_h * stride_w
+    for v in prange(channels * phases):
+        c, py, px = v // phases, (v % phases) // stride_w, v % stride_w
+        first_ix = max(0, -((px - pad_w) // stride_w))
+        end_ix = min(plane_w, (width - 1 + pad_w - px) // stride_w + 1)
         n = 0
         row_ptr[v, 0] = 0
-        for y in range(size // plane_w):
-            for p in range(y * plane_w, (y + 1) * plane_w):
-                x = planes[v, p]
-                if n < capacity:
-                    values[v, n] = x
-                    positions[v, n] = p
-                n += x != 0
-            row_ptr[v, y + 1] = n
+        for iy in range(plane_h):
+            y = iy * stride_h + py - pad_h
+            if 0 <= y < height:
+                for ix in range(first_ix, end_ix):
+                    value = x[c, y, ix * stride_w + px - pad_w]
+                    if n < capacity:
+                        values[v, n] = value
+                        positions[v, n] = iy * plane_w + ix
+                    n += value != 0
+            row_ptr[v, iy + 1] = n
         counts[v] = n
 
 
