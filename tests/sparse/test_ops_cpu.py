@@ -115,9 +115,11 @@ def test_cpu_conv_handles_empty_channels_and_reuses_its_plan(method):
     ref = torch.nn.functional.conv2d(x[None].double(), weights.to_dense().double(), padding=1)[0] + init.double()
     plan = conv_cpu.CpuConvPlan.prepare(weights)
     acts = poisoned(compress_cpu.compress(x, ActivationLayout.for_conv(weights.geometry)))
+    original_init = init.clone()
     for _ in range(2):
         y = conv_cpu.conv(acts, weights, init, plan=plan, method=method)
         assert relative_error(y, ref) <= REL_TOL
+    assert torch.equal(init, original_init)
 
 
 def test_cpu_conv_rejects_a_foreign_plan_and_unknown_methods():

@@ -122,7 +122,8 @@ def conv(
     """`init + conv(acts, weights)` (`init` is `[K, OH, OW]`, left unchanged).
 
     `plan` (from `CpuConvPlan.prepare(weights)`) saves re-ordering the weights on every call;
-    `method` is `"auto"`, `"cartesian"` or `"direct"` (see the module docstring).
+    `method` is `"auto"`, `"cartesian"` or `"direct"` (see the module docstring). The accumulators
+    start as `init`, and the result is a view of them (cropped of the halo or the grid's extra columns).
     """
     if method not in METHODS:
         raise ValueError(f"method {method!r}: expected one of {METHODS}")
@@ -135,24 +136,31 @@ def conv(
         cost = plan.work(counts)
         method = min(cost, key=lambda m: cost[m])
     with kernel_threads(threads):
-        y = _direct(acts, plan, counts) if method == "direct" else _cartesian(acts, plan, counts)
-    return init + y
+        return _direct(acts, plan, counts, init) if method == "direct" else _cartesian(acts, plan, counts, init)
 
 
-def _direct(acts: CompressedActivations, plan: CpuConvPlan, counts: torch.Tensor) -> torch.Tensor:
+def _direct(acts: CompressedActivations, plan: CpuConvPlan, counts: torch.Tensor, init: torch.Tensor) -> torch.Tensor:
     g = plan.weights.geometry
     (oh, ow), wv = g.out_hw, g.plane_hw[1]
     planes = torch.zeros(g.virtual_channels, plan.plane_stride)
     kernels().scatter_planes(planes.numpy(), acts.values.numpy(), acts.positions.numpy(), counts.numpy(), wv, plan.row)
-    out = torch.zeros(g.out_channels, oh * plan.row)
-    flat_planes = planes.view(-1).numpy()
+    out = torch.empty(g.out_channels, oh, plan.row)
+    out[:, :, :ow] = init
+    out[:, :, ow:] = 0
     kernels().conv_direct(
-        out.numpy(), plan.direct_values.numpy(), plan.direct_base.numpy(), plan.k_ptr.numpy(), flat_planes, DIRECT_TILE
+        out.view(g.out_channels, -1).numpy(),
+        plan.direct_values.numpy(),
+        plan.direct_base.numpy(),
+        plan.k_ptr.numpy(),
+        planes.view(-1).numpy(),
+        DIRECT_TILE,
     )
-    return out.view(g.out_channels, oh, plan.row)[:, :, :ow]
+    return out[:, :, :ow]
 
 
-def _cartesian(acts: CompressedActivations, plan: CpuConvPlan, counts: torch.Tensor) -> torch.Tensor:
+def _cartesian(
+    acts: CompressedActivations, plan: CpuConvPlan, counts: torch.Tensor, init: torch.Tensor
+) -> torch.Tensor:
     g = plan.weights.geometry
     (kh, kw), (oh, ow), wv = g.plane_kernel, g.out_hw, g.plane_hw[1]
     acc_h, acc_w = plan.acc_hw
@@ -160,9 +168,11 @@ def _cartesian(acts: CompressedActivations, plan: CpuConvPlan, counts: torch.Ten
     stored = torch.arange(acts.layout.capacity)[None, :] < counts[:, None]
     positions = acts.positions.long().where(stored, 0)
     address = (positions // wv) * acc_w + positions % wv
-    acc = torch.zeros(blocks, plan.k_block * acc_h * acc_w)
+    acc = torch.zeros(blocks * plan.k_block, acc_h, acc_w)
+    output = acc[: g.out_channels, kh - 1 : kh - 1 + oh, kw - 1 : kw - 1 + ow]
+    output.copy_(init)
     kernels().conv_cartesian(
-        acc.numpy(),
+        acc.view(blocks, -1).numpy(),
         plan.cartesian_values.numpy(),
         plan.cartesian_base.numpy(),
         plan.block_ptr.numpy(),
@@ -170,5 +180,4 @@ def _cartesian(acts: CompressedActivations, plan: CpuConvPlan, counts: torch.Ten
         address.numpy(),
         counts.numpy(),
     )
-    acc = acc.view(blocks * plan.k_block, acc_h, acc_w)
-    return acc[: g.out_channels, kh - 1 : kh - 1 + oh, kw - 1 : kw - 1 + ow]
+    return output
