@@ -46,3 +46,10 @@ def test_using_the_package_does_not_initialise_cuda():
         """
     )
     assert out.strip() == "False"
+
+
+def test_every_public_name_of_the_graphs_package_resolves():
+    import tendril.graphs
+
+    for name in tendril.graphs.__all__:
+        assert getattr(tendril.graphs, name) is not None

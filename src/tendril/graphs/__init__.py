@@ -1,8 +1,6 @@
 """Graphed execution of dynamic DNNs: CUDA graphs keyed by input shapes, sharing one memory pool.
 
-Public names resolve lazily so importing a submodule stays cheap: `graphed`, `GraphedCallable`,
-`Call`, `Buckets`, `Pad`, `sequence_buckets`, `pow2_sizes`, `GraphKey`, `Fallback`,
-`GraphFallbackWarning`, `StaleOutputError`, `NullBackend`.
+Public names (listed in `_LAZY` below) resolve lazily so importing a submodule stays cheap.
 """
 
 from __future__ import annotations
@@ -23,6 +21,11 @@ _LAZY: dict[str, str] = {
     "GraphStats": "tendril.graphs.stats",
     "StaleOutputError": "tendril.graphs.outputs",
     "NullBackend": "tendril.graphs.backend",
+    "CudaBackend": "tendril.graphs.cuda_backend",
+    "MemoryStrategy": "tendril.graphs.executables",
+    "GraphMemory": "tendril.graphs.stats",
+    "Misprediction": "tendril.graphs.stats",
+    "LaneKey": "tendril.graphs.alias",
 }
 
 __all__ = list(_LAZY)
