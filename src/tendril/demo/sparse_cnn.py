@@ -69,7 +69,7 @@ def run(device: torch.device, quick: bool) -> SectionResult:
             sparse_t = time_callable(net, [(x,)], warmup=1, reps=reps)
             rows = [
                 Row("dense PyTorch (CPU)", f"VGG-style, {size}x{size}", dense_t.median_ms, baseline=True),
-                Row("tendril sparse×sparse (CPU)", "same algorithm, torch ops", sparse_t.median_ms, check=check),
+                Row("tendril sparse (CPU)", "compiled (numba) CPU engine", sparse_t.median_ms, check=check),
             ]
             notes.append(
                 "The GPU kernels (CUDA C++ via NVRTC, Triton) need an NVIDIA GPU: only the CPU engine ran here."
