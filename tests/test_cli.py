@@ -38,3 +38,20 @@ def test_speedup_is_relative_to_the_baseline_row():
 def test_unknown_command_exits_with_usage():
     with pytest.raises(SystemExit):
         main(["nope"])
+
+
+def test_a_failing_demo_section_is_reported_and_the_others_still_run(monkeypatch, capsys):
+    import tendril.demo
+
+    def broken(device, quick):
+        raise RuntimeError("kernel exploded")
+
+    def working(device, quick):
+        return SectionResult("Working section", [Row("fine", "", 1.0, baseline=True)])
+
+    fake = [tendril.demo.DemoSection(0, "Broken section", broken), tendril.demo.DemoSection(1, "Working", working)]
+    monkeypatch.setattr(tendril.demo, "sections", lambda: fake)
+    assert main(["demo", "--quick", "--device", "cpu"]) == 1
+    out = capsys.readouterr().out
+    assert "Broken section: failed with RuntimeError: kernel exploded" in out
+    assert "Working section" in out and "1 demo section(s) failed" in out

@@ -30,8 +30,14 @@ def _demo(console: Console, quick: bool, device_name: str | None) -> int:
             "[bold yellow]No NVIDIA GPU here:[/] running tendril's CPU paths only. "
             "Graphed execution and the GPU kernels need an NVIDIA GPU with CUDA."
         )
+    failed = []
     for section in sections():
-        result = section.run(device, quick)
+        try:
+            result = section.run(device, quick)
+        except Exception as error:  # one broken section must not hide the others; reported, and exit 1
+            failed.append(section.title)
+            console.print(f"[bold red]{section.title}: failed with {type(error).__name__}: {error}[/]")
+            continue
         table = Table(title=f"{result.title} ({device})")
         for column in ("variant", "what", "median ms", "speedup", "checked"):
             table.add_column(column, justify="right" if column in ("median ms", "speedup") else "left")
@@ -47,6 +53,9 @@ def _demo(console: Console, quick: bool, device_name: str | None) -> int:
         console.print(table)
         for note in result.notes:
             console.print(f"  {note}")
+    if failed:
+        console.print(f"[bold red]{len(failed)} demo section(s) failed: {', '.join(failed)}[/]")
+        return 1
     return 0
 
 
