@@ -52,18 +52,17 @@ tensors, so zero-copy helps unbucketed callables only.
 
 from __future__ import annotations
 
-import contextlib
 import functools
+import weakref
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils.weak import WeakIdKeyDictionary
 
 from tendril.graphs.key import Flattened, GraphKey, TensorSpec
 from tendril.graphs.memory import PlaceholderArena
@@ -104,12 +103,17 @@ class ProducerKey:
         return f"{self.op}#{self.occurrence}"
 
 
-@dataclass(frozen=True)
+@dataclass
 class Link:
     """A learned prediction: this producer's output is the argument at leaf `position`."""
 
+    op: torch._ops.OpOverload
+    out_op: torch._ops.OpOverload
+    """The `out=` overload a redirect runs (`out_form(op)`)."""
     position: int
-    signature: tuple[Any, ...]
+    signature: tuple[Any, ...] | None
+    """Argument dtypes/devices/constants of the run whose output the last call met (None: not seen yet, so the
+    link does not redirect)."""
     dtype: torch.dtype
     device: torch.device
     numel: int
@@ -120,6 +124,27 @@ class Link:
 CONFIRMATIONS = 2
 """A link redirects once two calls agree on it, so an op that fed an argument once (a setup `clone`)
 does not start writing into a placeholder the program then keeps elsewhere."""
+
+_Slot = tuple[int, int]
+"""A producer in the per-op path: (id of the op overload, occurrence); the link stores the op itself, and
+a lookup checks it (`link.op is op`), so a reused id can never select another op's link."""
+
+
+class _Produced(NamedTuple):
+    """What the mode recorded about one op output (keyed by the tensor's id, checked through `ref`)."""
+
+    ref: weakref.ref[torch.Tensor]
+    slot: _Slot
+    op: torch._ops.OpOverload
+    signature: tuple[Any, ...] | None
+    """Only computed for linked producers (the only ones a call can confirm or a redirect can check)."""
+
+
+class _Redirected(NamedTuple):
+    ref: weakref.ref[torch.Tensor]
+    slot: _Slot
+    op: torch._ops.OpOverload
+    position: int
 
 
 @functools.cache
@@ -186,14 +211,13 @@ def empty_at(buffer: torch.Tensor) -> torch.Tensor:
     An `out=` op resizes it in place to its output shape while that fits; a larger output makes the op
     raise before writing anything (the storage has no allocator), never move the buffer. Tensors made
     from it share one storage object, whose weak reference tells whether the program still holds any.
+    It is made under the caller's grad and inference mode, so what an op writes into it is the same
+    kind of tensor (inference or not) as the op's eager output.
     """
     alias = torch._C._construct_storage_from_data_pointer(
         buffer.data_ptr(), buffer.device, buffer.numel() * buffer.element_size()
     )
-    with torch.inference_mode(False), torch.no_grad():
-        out = torch.empty(0, dtype=buffer.dtype, device=buffer.device)
-        out.set_(alias, 0, (0,), (1,))
-    return out
+    return torch.empty(0, dtype=buffer.dtype, device=buffer.device).set_(alias, 0, (0,), (1,))
 
 
 @dataclass
@@ -210,51 +234,74 @@ class Lanes:
     """Positions never redirected: a graph returns a view of their placeholder."""
     carried: set[int] = field(default_factory=set)
     """Positions written by carried outputs (`carry.py`), not by automatic redirects."""
+    owners: dict[int, tuple[int, int, torch.dtype, torch.device]] = field(default_factory=dict)
+    """Start address of each current redirect-lane buffer -> (lane, position, dtype, device): how a call
+    finds, in one lookup per argument, which lane an argument sits in."""
+    _slot_address: dict[tuple[int, int, torch.dtype, torch.device], int] = field(default_factory=dict)
 
     def arena(self, lane: int) -> PlaceholderArena:
         if lane == COPY_LANE:
             return self.copy_arena
         return self.arenas.setdefault(lane, PlaceholderArena())
 
+    def placeholder(
+        self, lane: int, position: int, spec: TensorSpec, example: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """The lane's placeholder for `position` shaped as `spec` (see `PlaceholderArena.placeholder`)."""
+        view = self.arena(lane).placeholder(position, spec, example)
+        if lane != COPY_LANE:
+            self._track(lane, position, spec.dtype, spec.device)
+        return view
+
     def buffer(self, lane: int, position: int, dtype: torch.dtype, device: torch.device, numel: int) -> torch.Tensor:
         """The lane's buffer for `position`, with room for at least `numel` elements (grown as arenas grow)."""
         arena = self.arena(lane)
         buffer = arena.buffers.get((position, dtype, device))
         if buffer is None or buffer.numel() < numel:
-            arena.placeholder(position, TensorSpec((numel,), dtype, device))
+            self.placeholder(lane, position, TensorSpec((numel,), dtype, device))
             buffer = arena.buffers[(position, dtype, device)]
         return buffer
 
-    def busy(self, lane: int, position: int, keep: torch.Tensor | None = None) -> bool:
-        """Whether the slot holds a redirected tensor the program still references (other than `keep`)."""
+    def _track(self, lane: int, position: int, dtype: torch.dtype, device: torch.device) -> None:
+        slot = (lane, position, dtype, device)
+        address = self.arenas[lane].buffers[(position, dtype, device)].data_ptr()
+        previous = self._slot_address.get(slot)
+        if previous == address:
+            return
+        if previous is not None:
+            self.owners.pop(previous, None)
+        self._slot_address[slot] = address
+        self.owners[address] = slot
+
+    def busy(self, lane: int, position: int) -> bool:
+        """Whether the slot holds a redirected tensor the program still references."""
         occupant = self.occupants.get((lane, position))
-        if occupant is None or occupant.expired():
-            return False
-        return keep is None or StorageWeakRef(keep.untyped_storage()) != occupant
+        return occupant is not None and not occupant.expired()
 
-    def occupy(self, lane: int, position: int, tensor: torch.Tensor) -> None:
-        self.occupants[(lane, position)] = StorageWeakRef(tensor.untyped_storage())
+    def key_for(self, key: GraphKey, flat: Flattened, indices: Sequence[int], stats: GraphStats) -> GraphKey:
+        """The key of the graph that reads this call's arguments where they are (see the module docstring).
 
-    def key_for(self, key: GraphKey, flat: Flattened, stats: GraphStats) -> GraphKey:
-        """The key of the graph that reads this call's arguments where they are (see the module docstring)."""
+        `indices` are the tensor leaves of `flat`."""
         votes: Counter[int] = Counter()
         lane_of_leaf: dict[int, int] = {}
-        for index in flat.tensor_indices():
-            leaf = flat.leaves[index]
-            for lane in REDIRECT_LANES:
-                arena = self.arenas.get(lane)
-                buffer = arena.buffers.get((index, leaf.dtype, leaf.device)) if arena is not None else None
-                if buffer is not None and buffer.data_ptr() == leaf.data_ptr():
-                    votes[lane] += 1
-                    lane_of_leaf[index] = lane
+        owners = self.owners
+        leaves = flat.leaves
+        for index in indices:
+            leaf = leaves[index]
+            owner = owners.get(leaf.data_ptr())
+            if owner is not None and owner[1] == index and owner[2] == leaf.dtype and owner[3] == leaf.device:
+                votes[owner[0]] += 1
+                lane_of_leaf[index] = owner[0]
         lane = votes.most_common(1)[0][0] if votes else COPY_LANE
-        for index in flat.tensor_indices():
-            if lane != COPY_LANE and lane_of_leaf.get(index) != lane and self.busy(lane, index):
-                stats.record_misprediction(
-                    Misprediction.REFERENCED,
-                    f"argument leaf {index} would be copied into lane {lane}, whose slot holds a referenced tensor",
-                )
-                lane = COPY_LANE
+        if lane != COPY_LANE:
+            for index in indices:
+                if lane_of_leaf.get(index) != lane and self.busy(lane, index):
+                    stats.record_misprediction(
+                        Misprediction.REFERENCED,
+                        f"argument leaf {index} would be copied into lane {lane}, whose slot holds a referenced tensor",
+                    )
+                    lane = COPY_LANE
+                    break
         self.last_lane = lane
         if lane == COPY_LANE:
             return key
@@ -270,54 +317,89 @@ class Lanes:
                 self.pinned.add(position)
 
 
+@dataclass(frozen=True)
+class Staging:
+    """What staging a graph's inputs needs about its placeholders, computed once per graph."""
+
+    positions: list[int]
+    placeholders: list[torch.Tensor]
+    addresses: list[int]
+    strides: list[tuple[int, ...]]
+    storages: list[int]
+    """Start address of each placeholder's storage (a source in one of them may need a clone first)."""
+    nbytes: list[int]
+
+    @classmethod
+    def of(cls, positions: Sequence[int], placeholders: Sequence[torch.Tensor]) -> Staging:
+        return cls(
+            list(positions),
+            list(placeholders),
+            [placeholder.data_ptr() for placeholder in placeholders],
+            [placeholder.stride() for placeholder in placeholders],
+            [placeholder.untyped_storage().data_ptr() for placeholder in placeholders],
+            [placeholder.numel() * placeholder.element_size() for placeholder in placeholders],
+        )
+
+
 def stage_inputs(
-    positions: Sequence[int],
-    placeholders: Sequence[torch.Tensor],
-    leaves: Sequence[Any],
-    stats: GraphStats,
-    predictor: ZeroCopyPredictor | None,
+    staging: Staging, leaves: Sequence[Any], stats: GraphStats, predictor: ZeroCopyPredictor | None
 ) -> None:
     """Copy a call's tensor arguments into the placeholders they are not already in, in one batch.
 
-    A source that lives in another argument's placeholder (or partly in its own) would be overwritten
-    by the batch before it is read, so it is cloned first: the answer stays the eager one.
+    An argument is in place when it starts at its placeholder's address with its strides (the key already
+    fixed shape, dtype and device). A source that lives in another argument's placeholder (or partly in
+    its own) would be overwritten by the batch before it is read, so it is cloned first: the answer stays
+    the eager one.
     """
     targets: list[torch.Tensor] = []
     sources: list[torch.Tensor] = []
-    for position, placeholder in zip(positions, placeholders, strict=True):
+    written: set[int] = set()
+    copied = avoided = 0
+    for i, position in enumerate(staging.positions):
         source = leaves[position]
-        in_place = source.data_ptr() == placeholder.data_ptr() and source.stride() == placeholder.stride()
+        in_place = source.data_ptr() == staging.addresses[i] and source.stride() == staging.strides[i]
         if predictor is not None:
             predictor.observe(position, source, in_place)
         if in_place:
-            stats.input_copies_avoided += 1
-            stats.input_bytes_avoided += source.numel() * source.element_size()
+            avoided += staging.nbytes[i]
             continue
-        targets.append(placeholder)
+        targets.append(staging.placeholders[i])
         sources.append(source)
+        written.add(staging.storages[i])
+        copied += staging.nbytes[i]
+    stats.input_copies_avoided += len(staging.positions) - len(targets)
+    stats.input_bytes_avoided += avoided
     if not targets:
         return
-    written = {target.untyped_storage().data_ptr() for target in targets}
     sources = [source.clone() if source.untyped_storage().data_ptr() in written else source for source in sources]
     torch._foreach_copy_(targets, sources)
     stats.input_copies += len(targets)
-    stats.input_bytes_copied += sum(source.numel() * source.element_size() for source in sources)
+    stats.input_bytes_copied += copied
 
 
 class ZeroCopyPredictor:
-    """Learns producers of one callable's inputs and redirects them; driven by `ZeroCopyMode`."""
+    """Learns producers of one callable's inputs and redirects them; driven by `ZeroCopyMode`.
+
+    The per-op path (`dispatch`) is what every op inside a `zero_copy()` block pays for, so it does the
+    least it can: an op that is no linked producer costs a counter update, a dict lookup and a record of
+    its output (a weak reference); only linked producers compute their signature, and only confirmed ones
+    try a redirect.
+    """
 
     def __init__(self, lanes: Lanes, stats: GraphStats) -> None:
         self.lanes = lanes
         self.stats = stats
-        self.links: dict[ProducerKey, Link] = {}
-        self.occurrences: Counter[torch._ops.OpOverload] = Counter()
-        self.produced: WeakIdKeyDictionary = WeakIdKeyDictionary()
-        self.redirected: WeakIdKeyDictionary = WeakIdKeyDictionary()
-        """Tensors written by redirects since the last call -> (producer, position)."""
-        self.ran: set[ProducerKey] = set()
+        self.links: dict[_Slot, Link] = {}
+        self.occurrences: dict[int, int] = {}
+        """Runs of each op overload (by id) since the callable's last call."""
+        self.produced: dict[int, _Produced] = {}
+        """id of an op output -> its record; entries whose tensor died are pruned as the table grows."""
+        self._prune_at = _PRUNE_MIN
+        self.redirected: dict[int, _Redirected] = {}
+        """Tensors written by redirects since the last call."""
+        self.ran: set[_Slot] = set()
         """Linked producers that ran since the last call; those whose output the call did not meet are unlinked."""
-        self.met: set[ProducerKey] = set()
+        self.met: set[_Slot] = set()
         self.suspended = 0
         self.active = 0
         """Open `zero_copy()` blocks."""
@@ -327,53 +409,71 @@ class ZeroCopyPredictor:
     def dispatch(self, op: torch._ops.OpOverload, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
         if self.suspended:
             return op(*args, **kwargs)
-        producer = ProducerKey(op, self.occurrences[op])
-        self.occurrences[op] += 1
-        link = self.links.get(producer)
-        confirmed = link is not None and link.confirmations >= CONFIRMATIONS
-        if link is not None:
-            self.ran.add(producer)
-        result = self._redirect(producer, link, args, kwargs) if link is not None and confirmed else None
+        op_id = id(op)
+        occurrence = self.occurrences.get(op_id, 0)
+        self.occurrences[op_id] = occurrence + 1
+        slot = (op_id, occurrence)
+        link = self.links.get(slot)
+        if link is None or link.op is not op:
+            result = op(*args, **kwargs)
+            if isinstance(result, torch.Tensor):
+                self._record(result, slot, op, None)
+            return result
+        self.ran.add(slot)
+        learned = signature(args, kwargs)
+        result = None
+        if link.confirmations >= CONFIRMATIONS and link.signature is not None:
+            result = self._redirect(slot, link, learned, args, kwargs)
         if result is None:
             result = op(*args, **kwargs)
-        if isinstance(result, torch.Tensor) and out_form(op) is not None:
-            self.produced[result] = (producer, signature(args, kwargs))
-        elif isinstance(result, torch.Tensor):
-            self.produced[result] = (producer, None)
+        if isinstance(result, torch.Tensor):
+            self._record(result, slot, op, learned)
         return result
 
+    def _record(self, result: torch.Tensor, slot: _Slot, op: torch._ops.OpOverload, learned: Any) -> None:
+        produced = self.produced
+        produced[id(result)] = _Produced(weakref.ref(result), slot, op, learned)
+        if len(produced) >= self._prune_at:
+            for key in [key for key, record in produced.items() if record.ref() is None]:
+                del produced[key]
+            self._prune_at = max(_PRUNE_MIN, 2 * len(produced))
+
     def _redirect(
-        self, producer: ProducerKey, link: Link, args: Sequence[Any], kwargs: dict[str, Any]
+        self, slot: _Slot, link: Link, learned: tuple[Any, ...], args: Sequence[Any], kwargs: dict[str, Any]
     ) -> torch.Tensor | None:
-        out_op = out_form(producer.op)
-        if out_op is None:
+        position = link.position
+        lanes = self.lanes
+        if position in lanes.pinned or position in lanes.carried:
             return None
-        if link.position in self.lanes.pinned or link.position in self.lanes.carried:
-            return None
-        if signature(args, kwargs) != link.signature:
-            self._miss(Misprediction.SIGNATURE, f"{producer} ran with other argument dtypes or constants")
+        if learned != link.signature:
+            self._miss(Misprediction.SIGNATURE, f"{_name(link, slot)} ran with other argument dtypes or constants")
             return None
         tensors = tensor_arguments(args, kwargs)
-        if any(tensor.requires_grad for tensor in tensors):
+        if torch.is_grad_enabled() and any(tensor.requires_grad for tensor in tensors):
+            return None  # out= ops do not record autograd history
+        lane = partner(lanes.last_lane)
+        if lanes.busy(lane, position):
+            detail = f"{_name(link, slot)}: lane {lane} slot {position} is still referenced"
+            self._miss(Misprediction.REFERENCED, detail)
             return None
-        lane = partner(self.lanes.last_lane)
-        if self.lanes.busy(lane, link.position):
-            self._miss(Misprediction.REFERENCED, f"{producer}: lane {lane} slot {link.position} is still referenced")
-            return None
-        buffer = self.lanes.buffer(lane, link.position, link.dtype, link.device, 2 * max(link.numel, 1))
-        span = memory_range(buffer)
-        if any(overlaps(span, memory_range(tensor)) for tensor in tensors):
-            self._miss(Misprediction.READS_PLACEHOLDER, f"{producer} reads the buffer it would write")
-            return None
+        buffer = lanes.buffer(lane, position, link.dtype, link.device, 2 * max(link.numel, 1))
+        start = buffer.data_ptr()
+        end = start + buffer.numel() * buffer.element_size()
+        for tensor in tensors:
+            storage = tensor.untyped_storage()
+            address = storage.data_ptr()
+            if address < end and start < address + storage.nbytes():
+                self._miss(Misprediction.READS_PLACEHOLDER, f"{_name(link, slot)} reads the buffer it would write")
+                return None
         target = empty_at(buffer)
         try:
-            result = out_op(*args, **kwargs, out=target)
+            result = link.out_op(*args, **kwargs, out=target)
         except RuntimeError as error:  # raised before writing: the output does not fit the buffer
-            self._miss(Misprediction.TOO_LARGE, f"{producer}: {str(error).splitlines()[0]}")
-            self.lanes.buffer(lane, link.position, link.dtype, link.device, 2 * buffer.numel())
+            self._miss(Misprediction.TOO_LARGE, f"{_name(link, slot)}: {str(error).splitlines()[0]}")
+            lanes.buffer(lane, position, link.dtype, link.device, 2 * buffer.numel())
             return None
-        self.lanes.occupy(lane, link.position, result)
-        self.redirected[result] = (producer, link.position)
+        lanes.occupants[(lane, position)] = StorageWeakRef(result.untyped_storage())
+        self.redirected[id(result)] = _Redirected(weakref.ref(result), slot, link.op, position)
         self.stats.redirects += 1
         return result
 
@@ -384,65 +484,107 @@ class ZeroCopyPredictor:
 
     def observe(self, position: int, source: torch.Tensor, in_place: bool) -> None:
         """A call met `source` at argument leaf `position`; `in_place`: it already was the placeholder."""
-        redirected = self.redirected.pop(source, None)
-        if redirected is not None:
-            producer, predicted = redirected
-            self.met.add(producer)
+        redirected = self.redirected.pop(id(source), None)
+        if redirected is not None and redirected.ref() is source:
+            self.met.add(redirected.slot)
             if in_place:
                 return
-            if predicted != position:
-                detail = f"{producer} was predicted for leaf {predicted}, passed at {position}"
+            name = ProducerKey(redirected.op, redirected.slot[1])
+            if redirected.position != position:
+                detail = f"{name} was predicted for leaf {redirected.position}, passed at {position}"
                 self._miss(Misprediction.NOT_PASSED, detail)
             else:
-                self._miss(Misprediction.MOVED, f"{producer}: the call's graph reads another buffer or layout")
-            self.links.pop(producer, None)
+                self._miss(Misprediction.MOVED, f"{name}: the call's graph reads another buffer or layout")
+            self.links.pop(redirected.slot, None)
             return
         if in_place:
             return
-        produced = self.produced.get(source)
-        if produced is not None:
-            self.met.add(produced[0])
-        if produced is None or position in self.lanes.carried or position in self.lanes.pinned:
+        produced = self.produced.get(id(source))
+        if produced is None or produced.ref() is not source:
             return
-        producer, learned = produced
-        if learned is None:
-            self._miss(Misprediction.NO_OUT_FORM, f"leaf {position} comes from {producer.op}, which has no out= form")
+        self.met.add(produced.slot)
+        if position in self.lanes.carried or position in self.lanes.pinned:
             return
-        known = self.links.get(producer)
-        same = known is not None and (known.position, known.signature) == (position, learned)
-        confirmations = known.confirmations + 1 if known is not None and same else 1
-        self.links[producer] = Link(position, learned, source.dtype, source.device, source.numel(), confirmations)
+        out_op = out_form(produced.op)
+        if out_op is None:
+            self._miss(Misprediction.NO_OUT_FORM, f"leaf {position} comes from {produced.op}, which has no out= form")
+            return
+        known = self.links.get(produced.slot)
+        agrees = (
+            known is not None
+            and known.op is produced.op
+            and known.position == position
+            and (known.signature is None or known.signature == produced.signature)
+        )
+        confirmations = known.confirmations + 1 if known is not None and agrees else 1
+        self.links[produced.slot] = Link(
+            produced.op,
+            out_op,
+            position,
+            produced.signature,
+            source.dtype,
+            source.device,
+            source.numel(),
+            confirmations,
+        )
 
     def end_interval(self, *, count: bool = True) -> None:
         """The call has read its arguments: redirected tensors it did not read were wasted predictions.
 
         `count=False` at the end of a `zero_copy()` block: the last producers' outputs had no call to go to.
         """
-        for producer, position in list(self.redirected.values()):
-            if count:
-                self._miss(Misprediction.NOT_PASSED, f"{producer} was predicted for leaf {position}, not passed")
-                self.links.pop(producer, None)
-        self.redirected = WeakIdKeyDictionary()
         if count:
-            for producer in self.ran - self.met:
-                self.links.pop(producer, None)
+            for record in self.redirected.values():
+                if record.ref() is None:
+                    continue  # dropped by the program before the call: nothing was wasted but the write
+                name = ProducerKey(record.op, record.slot[1])
+                self._miss(Misprediction.NOT_PASSED, f"{name} was predicted for leaf {record.position}, not passed")
+                self.links.pop(record.slot, None)
+            for slot in self.ran - self.met:
+                self.links.pop(slot, None)
+        self.redirected.clear()
         self.ran.clear()
         self.met.clear()
         self.occurrences.clear()
 
-    @contextlib.contextmanager
-    def calling(self) -> Iterator[None]:
-        """Around a call of the callable: its own ops are not producers, and the next interval starts after it."""
+    def enter_call(self) -> None:
+        """A call of the callable starts: its own ops are not producers."""
         self.suspended += 1
-        try:
-            yield
-        finally:
-            self.suspended -= 1
-            self.end_interval()
+
+    def exit_call(self) -> None:
+        """The call is over: the next interval starts."""
+        self.suspended -= 1
+        self.end_interval()
+
+
+_PRUNE_MIN = 256
+"""`ZeroCopyPredictor.produced` is pruned of dead tensors when it reaches this size or twice its size after
+the last pruning (amortised O(1) per op, even when the program keeps many op outputs alive)."""
+
+
+def _name(link: Link, slot: _Slot) -> ProducerKey:
+    return ProducerKey(link.op, slot[1])
+
+
+_set_eval_frame: Callable[[Any], Any] | None
+try:
+    from torch._C._dynamo.eval_frame import set_eval_frame as _set_eval_frame
+except ImportError:  # pragma: no cover - a build without dynamo
+    _set_eval_frame = None
 
 
 class ZeroCopyMode(TorchDispatchMode):
-    """Routes every op between calls through a `ZeroCopyPredictor`."""
+    """Routes every op between calls through a `ZeroCopyPredictor`.
+
+    torch wraps every mode's `__torch_dispatch__` in dynamo's `disable` (so that torch.compile never
+    traces into a mode's handler), which costs more host time per op than the handler itself. This mode
+    opts out of the wrapper and does the same thing directly: it clears dynamo's frame callback while
+    the handler runs and restores it after (two C calls), so nothing under the handler is compiled.
+    """
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        return _set_eval_frame is None
 
     def __init__(self, predictor: ZeroCopyPredictor) -> None:
         super().__init__()
@@ -455,4 +597,10 @@ class ZeroCopyMode(TorchDispatchMode):
         args: tuple[Any, ...] = (),
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
-        return self.predictor.dispatch(func, args, kwargs or {})
+        if _set_eval_frame is None:
+            return self.predictor.dispatch(func, args, kwargs or {})
+        prior = _set_eval_frame(None)
+        try:
+            return self.predictor.dispatch(func, args, kwargs or {})
+        finally:
+            _set_eval_frame(prior)

@@ -37,7 +37,7 @@ from typing import Any
 import torch
 
 from tendril.config import Config
-from tendril.graphs.alias import Lanes, ZeroCopyMode, ZeroCopyPredictor, lane_of, stage_inputs
+from tendril.graphs.alias import Lanes, Staging, ZeroCopyMode, ZeroCopyPredictor, lane_of, stage_inputs
 from tendril.graphs.backend import Backend, Captured, CaptureFailed
 from tendril.graphs.buckets import Buckets, parameter_positions
 from tendril.graphs.carry import CarryPlan
@@ -47,6 +47,8 @@ from tendril.graphs.outputs import Generation, clone_outputs, guard_outputs
 from tendril.graphs.stats import Fallback, GraphRecord, GraphStats
 
 DEFAULT_MAX_GRAPHS = 64
+_KEY_CACHE_SIZE = 4096
+"""Distinct call fingerprints remembered by `GraphedCallable._key` (cleared when full)."""
 
 
 class GraphFallbackWarning(UserWarning):
@@ -68,6 +70,7 @@ class _Entry:
     placeholders: list[torch.Tensor]
     captured: Captured
     record: GraphRecord
+    staging: Staging
 
 
 class GraphedCallable:
@@ -119,6 +122,7 @@ class GraphedCallable:
         self._predictor = ZeroCopyPredictor(self._lanes, self.stats)
         self._carry = CarryPlan(self._lanes, self.stats)
         self._generation = Generation()
+        self._keys: dict[Any, tuple[GraphKey | Unkeyable, list[int]]] = {}
         self._warned: set[Fallback] = set()
         self._positions = parameter_positions(fn) if buckets is not None else {}
         unavailable = backend.unavailable()
@@ -134,10 +138,14 @@ class GraphedCallable:
         return list(self._entries)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if self._predictor.active:
-            with self._predictor.calling():
-                return self._call(args, kwargs)
-        return self._call(args, kwargs)
+        predictor = self._predictor
+        if not predictor.active:
+            return self._call(args, kwargs)
+        predictor.enter_call()
+        try:
+            return self._call(args, kwargs)
+        finally:
+            predictor.exit_call()
 
     def _call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         self.stats.calls += 1
@@ -147,9 +155,9 @@ class GraphedCallable:
             return self._eager(args, kwargs, Fallback.REQUIRES_GRAD, "call under torch.no_grad()/inference_mode()")
         padded = self.buckets.pad(args, kwargs, self._positions) if self.buckets is not None else None
         flat = flatten_call(padded.args, padded.kwargs) if padded is not None else flatten_call(args, kwargs)
-        key = key_of(flat)
+        key, indices = self._key(flat)
         if self._lanes.active and isinstance(key, GraphKey):
-            key = self._lanes.key_for(key, flat, self.stats)
+            key = self._lanes.key_for(key, flat, indices, self.stats)
         entry = self._entries.get(key) if isinstance(key, GraphKey) else None
         if entry is None:
             admitted = self._admit(key, flat)
@@ -268,6 +276,33 @@ class GraphedCallable:
         self._carry.declare(output, input)
         return self
 
+    def _key(self, flat: Flattened) -> tuple[GraphKey | Unkeyable, list[int]]:
+        """`key_of(flat)` and its tensor leaf indices, through a cache keyed by a cheap fingerprint.
+
+        The fingerprint holds exactly what the key is made of (the structure; shape, dtype and device of
+        each tensor leaf; type and value of every other leaf), as plain tuples that hash and compare several
+        times faster than the key's dataclasses; equal fingerprints have equal keys.
+        """
+        try:
+            fingerprint = (
+                flat.structure,
+                tuple(
+                    [
+                        (leaf.shape, leaf.dtype, leaf.device) if isinstance(leaf, torch.Tensor) else (type(leaf), leaf)
+                        for leaf in flat.leaves
+                    ]
+                ),
+            )
+            cached = self._keys.get(fingerprint)
+        except TypeError:  # an unhashable leaf: key_of says why
+            return key_of(flat), []
+        if cached is None:
+            if len(self._keys) >= _KEY_CACHE_SIZE:
+                self._keys.clear()
+            cached = (key_of(flat), flat.tensor_indices())
+            self._keys[fingerprint] = cached
+        return cached
+
     # -- policy --------------------------------------------------------------------------------------
 
     def _refusal(self, key: GraphKey | Unkeyable) -> tuple[Fallback, str] | None:
@@ -293,9 +328,10 @@ class GraphedCallable:
             return refusal
         assert isinstance(key, GraphKey)
         indices = flat.tensor_indices()
-        arena = self._lanes.arena(lane_of(key))
+        lane = lane_of(key)
         placeholders = [
-            arena.placeholder(index, spec, flat.leaves[index]) for index, spec in zip(indices, key.tensors, strict=True)
+            self._lanes.placeholder(lane, index, spec, flat.leaves[index])
+            for index, spec in zip(indices, key.tensors, strict=True)
         ]
         leaves = list(flat.leaves)
         for index, placeholder in zip(indices, placeholders, strict=True):
@@ -323,7 +359,7 @@ class GraphedCallable:
             record.memory = captured.memory
         captured.outputs = self._carry.rebind(key, captured.outputs)
         self._lanes.pin_aliased_outputs(indices, placeholders, captured.outputs)
-        entry = _Entry(key, indices, placeholders, captured, record)
+        entry = _Entry(key, indices, placeholders, captured, record, Staging.of(indices, placeholders))
         self._entries[key] = entry
         self.stats.graphs[key] = record
         self._sync_memory_stats()
@@ -335,8 +371,9 @@ class GraphedCallable:
         if entry.captured.before_inputs is not None:
             entry.captured.before_inputs()
         predictor = self._predictor if self._predictor.active else None
-        stage_inputs(entry.leaf_indices, entry.placeholders, flat.leaves, self.stats, predictor)
-        self.stats.input_bytes_copied += self._carry.in_graph_bytes.get(entry.key, 0)
+        stage_inputs(entry.staging, flat.leaves, self.stats, predictor)
+        if self._carry.carries:
+            self.stats.input_bytes_copied += self._carry.in_graph_bytes.get(entry.key, 0)
         self._generation.value += 1
         entry.captured.replay()
         entry.record.replays += 1
