@@ -2,30 +2,38 @@
 
 Why compiled: the sparse dataflows are loops over irregular lists, which torch ops can only express
 as `index_add_` scatters or sparse-CSR products, 5-40× slower than these loops on one VGG-16 layer
-(benchmarks/results/sparse-cpu.md). Every kernel is parallel over disjoint outputs (`prange`), so
-there are no atomics and no partial sums to merge; the thread count is numba's (`cpu_threads.kernel_threads`).
+(benchmarks/results/sparse-cpu.md). Every parallel loop (`prange`) runs over disjoint outputs, so
+there are no atomics; the thread count is numba's (`cpu_threads.kernel_threads`). numba splits a
+`prange` into one contiguous chunk per thread, so each loop here runs over many small work units of
+about equal cost (never over a dimension as small as a layer's input channels).
 
 - `compress_planes`: one branch-free pass per virtual channel over the input pixels of its phase
   plane (padding is skipped, never materialized), writing values, positions, row pointers and the
   true count (the `CompressedActivations` layout); every pixel is written to the next free slot,
   which only a nonzero claims.
-- `scatter_planes`: the inverse into zero-padded planes of row width `row`.
+- `fill_planes`: a dense `[C, H, W]` activation straight into the direct dataflow's zero-padded
+  phase planes (row width `row`), counting each virtual channel's nonzeros on the way; parallel over
+  (virtual channel, plane row).
+- `scatter_planes`: compressed activations into the same planes (the inverse of `compress_planes`).
 - `conv_cartesian`: SCNN's dataflow. For each block of output channels (its halo accumulators stay in
   the L2 cache) and each virtual input channel, every nonzero weight meets every stored activation and
   the product is added at `weight base + activation address`: work = nonzero weights × nonzero
   activations, but each product is a scalar read-modify-write at a scattered address.
-- `conv_direct`: the output-stationary sparse-weight dataflow. For each output channel and tile of
-  output pixels, every nonzero weight adds `w × (a contiguous slice of its channel's plane)`, the
-  slice starting at the weight's precomputed `base` in the flat planes: a vectorized FMA stream,
-  eight weights per pass over the tile (one load and store of the accumulators per eight FMAs).
-  Work = nonzero weights × output pixels.
-- `linear_columns`: the sparse FC layer: each stored activation meets the nonzero column of its input
-  feature (CSC), products added into the output; the activations are split into parts, one
-  accumulator each, summed by the caller.
+- `conv_direct`: the output-stationary sparse-weight dataflow. A work unit is (a band of output rows,
+  a block of output channels). For each output channel of the block, its accumulators for the band
+  (≤ `band_rows × row` floats, in the L1 cache) start at zero and every nonzero weight adds `w × (a contiguous
+  slice of its channel's plane)`, four weights per pass (one load and store of the accumulators per
+  four FMAs, vectorized over the band); the band's input rows of every channel (reused by all output
+  channels of the unit) stay in the L2 cache. Bias, the residual and ReLU are applied when the band
+  is written out, cropped to the output width. Work = nonzero weights × output pixels.
+- `linear_dense_input`: the sparse FC layer. Each nonzero input feature meets the nonzero column of
+  its feature (CSC); input features are split into parts of about equal weight nonzeros, one
+  accumulator row each; a second parallel pass sums the parts with the bias and applies ReLU.
 """
 
 from __future__ import annotations
 
+import numpy as np
 from numba import njit, prange
 
 
@@ -55,11 +63,41 @@ def compress_planes(
 
 
 @njit(parallel=True, cache=True)
-def scatter_planes(out, values, positions, counts, plane_w, row):
-    for v in prange(out.shape[0]):
+def fill_planes(x, stride_h, stride_w, pad_h, pad_w, planes, row, plane_rows, counts):
+    height, width = x.shape[1], x.shape[2]
+    virtual = planes.shape[0]
+    phases = stride_h * stride_w
+    row_counts = np.zeros((virtual, plane_rows), dtype=np.int64)
+    for unit in prange(virtual * plane_rows):
+        v, iy = unit // plane_rows, unit % plane_rows
+        c, py, px = v // phases, (v % phases) // stride_w, v % stride_w
+        y = iy * stride_h + py - pad_h
+        out = planes[v, iy * row : (iy + 1) * row]
+        if y < 0 or y >= height:
+            out[:] = 0
+            continue
+        first_ix = min(row, max(0, -((px - pad_w) // stride_w)))
+        end_ix = max(first_ix, min(row, (width - 1 + pad_w - px) // stride_w + 1))
+        out[:first_ix] = 0
+        out[end_ix:] = 0
+        n = 0
+        for ix in range(first_ix, end_ix):
+            value = x[c, y, ix * stride_w + px - pad_w]
+            out[ix] = value
+            n += value != 0
+        row_counts[v, iy] = n
+    for v in prange(virtual):
+        planes[v, plane_rows * row :] = 0
+        counts[v] = row_counts[v].sum()
+
+
+@njit(parallel=True, cache=True)
+def scatter_planes(planes, values, positions, counts, plane_w, row):
+    for v in prange(planes.shape[0]):
+        planes[v, :] = 0
         for j in range(counts[v]):
             p = positions[v, j]
-            out[v, (p // plane_w) * row + p % plane_w] = values[v, j]
+            planes[v, (p // plane_w) * row + p % plane_w] = values[v, j]
 
 
 @njit(parallel=True, cache=True)
@@ -77,45 +115,65 @@ def conv_cartesian(acc, values, base, block_ptr, act_values, act_address, counts
 
 
 @njit(parallel=True, cache=True, fastmath=True)
-def conv_direct(out, values, base, k_ptr, planes, tile):
-    pixels = out.shape[1]
-    for k in prange(out.shape[0]):
-        row = out[k]
-        first, last = k_ptr[k], k_ptr[k + 1]
-        for t0 in range(0, pixels, tile):
-            m = min(pixels - t0, tile)
-            acc = row[t0 : t0 + m]
-            i = first
-            while i + 8 <= last:
+def conv_direct(out, bias, residual, relu, values, base, k_ptr, planes, row, band_rows, k_block):
+    channels, out_h, out_w = out.shape
+    bands = (out_h + band_rows - 1) // band_rows
+    k_blocks = (channels + k_block - 1) // k_block
+    has_residual = residual.shape[0] > 0
+    for unit in prange(bands * k_blocks):
+        band, kb = unit // k_blocks, unit % k_blocks
+        y0 = band * band_rows
+        rows = min(band_rows, out_h - y0)
+        m = rows * row
+        t0 = y0 * row
+        acc = np.empty(band_rows * row, dtype=np.float32)
+        for k in range(kb * k_block, min(channels, (kb + 1) * k_block)):
+            acc[:m] = 0
+            i, last = k_ptr[k], k_ptr[k + 1]
+            while i + 4 <= last:
                 a0 = planes[base[i] + t0 : base[i] + t0 + m]
                 a1 = planes[base[i + 1] + t0 : base[i + 1] + t0 + m]
                 a2 = planes[base[i + 2] + t0 : base[i + 2] + t0 + m]
                 a3 = planes[base[i + 3] + t0 : base[i + 3] + t0 + m]
-                a4 = planes[base[i + 4] + t0 : base[i + 4] + t0 + m]
-                a5 = planes[base[i + 5] + t0 : base[i + 5] + t0 + m]
-                a6 = planes[base[i + 6] + t0 : base[i + 6] + t0 + m]
-                a7 = planes[base[i + 7] + t0 : base[i + 7] + t0 + m]
                 w0, w1, w2, w3 = values[i], values[i + 1], values[i + 2], values[i + 3]
-                w4, w5, w6, w7 = values[i + 4], values[i + 5], values[i + 6], values[i + 7]
                 for q in range(m):
-                    acc[q] += (w0 * a0[q] + w1 * a1[q] + w2 * a2[q] + w3 * a3[q]) + (
-                        w4 * a4[q] + w5 * a5[q] + w6 * a6[q] + w7 * a7[q]
-                    )
-                i += 8
+                    acc[q] += (w0 * a0[q] + w1 * a1[q]) + (w2 * a2[q] + w3 * a3[q])
+                i += 4
             while i < last:
                 a0 = planes[base[i] + t0 : base[i] + t0 + m]
                 w0 = values[i]
                 for q in range(m):
                     acc[q] += w0 * a0[q]
                 i += 1
+            bk = bias[k]
+            for yy in range(rows):
+                for xx in range(out_w):
+                    value = acc[yy * row + xx] + bk
+                    if has_residual:
+                        value += residual[k, y0 + yy, xx]
+                    if relu and value < 0:
+                        value = 0
+                    out[k, y0 + yy, xx] = value
 
 
-@njit(parallel=True, cache=True)
-def linear_columns(parts, values, rows, col_ptr, features, act_values, bounds):
+@njit(parallel=True, cache=True, fastmath=True)
+def linear_dense_input(out, bias, relu, x, values, rows, col_ptr, bounds, parts, counts):
     for part in prange(parts.shape[0]):
         acc = parts[part]
-        for j in range(bounds[part], bounds[part + 1]):
-            f = features[j]
-            a = act_values[j]
-            for e in range(col_ptr[f], col_ptr[f + 1]):
-                acc[rows[e]] += values[e] * a
+        acc[:] = 0
+        for f in range(bounds[part], bounds[part + 1]):
+            a = x[f]
+            if a != 0:
+                for e in range(col_ptr[f], col_ptr[f + 1]):
+                    acc[rows[e]] += values[e] * a
+    n_parts, features = parts.shape
+    chunk = 256
+    for c in prange((features + chunk - 1) // chunk):
+        for o in range(c * chunk, min(features, (c + 1) * chunk)):
+            value = bias[o]
+            for part in range(n_parts):
+                value += parts[part, o]
+            if relu and value < 0:
+                value = 0
+            out[o] = value
+    counts[0] = np.count_nonzero(x)

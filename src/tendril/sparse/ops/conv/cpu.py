@@ -4,22 +4,31 @@
 weight meets every stored activation, and the product is added at `weight base + activation
 address` in an accumulator with a top-left halo of `r' - 1` rows and `s' - 1` columns (so no
 product needs a bounds check; the halo is cropped at the end). Output channels are processed in
-blocks whose accumulators fit in `CARTESIAN_ACC_FLOATS` (the L2 cache), one block per thread.
+blocks whose accumulators fit in `CARTESIAN_ACC_FLOATS` (the L2 cache), at least
+`CARTESIAN_MIN_BLOCKS` blocks so that every thread gets some.
 
-`direct` is output-stationary over the same compressed weights: the stored activations are
-scattered back into zero-padded phase planes of row width `R = max(plane_w, out_w + s' - 1)`, and
-for every output channel and tile of `DIRECT_TILE` output pixels (on a grid of row width R, whose
-extra columns are cropped) each nonzero weight `(v, r', s')` adds `w × planes[v, r'R + s' + tile]`,
-a contiguous vectorized FMA stream, eight weights per pass. (Dropping the weights of channels with
-no nonzero activation before each call cost more in the gather than it saved: ~5% of the channels
-are empty in VGG-16's layers.)
+`direct` is output-stationary over the same compressed weights: the input sits in zero-padded phase
+planes of row width `R = max(plane_w, out_w + s' - 1)`, and for every output channel and band of
+output rows (about `BAND_FLOATS` accumulators on a grid of row width R, whose extra columns are
+cropped) each nonzero weight `(v, r', s')` adds `w × planes[v, r'R + s' + band]`, a contiguous
+vectorized FMA stream. A work unit is (band, block of output channels), enough units for
+`UNITS_PER_THREAD` per thread; the band's input rows stay in the L2 cache across the block.
+(Dropping the weights of channels with no nonzero activation cost more in the gather than it
+saved: ~5% of the channels are empty in VGG-16's layers.)
 
 Work: cartesian does `nnz(w) × nnz(a)` products, but each is a scalar read-modify-write at a
-scattered address (~1 ns on one core here); direct does `nnz(w) × output pixels` multiply-adds at
-~0.06 ns (vectorized, tile in L1), so it wins unless activations are sparser than ~6%. `conv` with
-`method="auto"` (the default) computes both work counts from the true nonzero counts and takes the
-cheaper by `NS_PER_PRODUCT`, measured on one core (benchmarks/results/sparse-cpu.md).
-Multi-threaded: numba's pool over output channels (direct) or output-channel blocks (cartesian).
+scattered address; direct does `nnz(w) × output pixels` multiply-adds, vectorized with the
+accumulators in L1, so it wins unless activations are very sparse. With `method="auto"` (the
+default) both work counts are computed from the true nonzero counts and the cheaper by
+`NS_PER_PRODUCT` (measured on one core, benchmarks/results/sparse-cpu.md) is taken.
+
+Two entry points:
+- `conv(acts, weights, init)`: from compressed activations (the op as the GPU kernels see it;
+  `direct` scatters them into the planes);
+- `conv_dense_input(x, plan, bias, out=...)`: what a CPU network runs per layer. The dense input
+  goes straight into the planes (counting nonzeros per virtual channel on the way), bias, residual
+  and ReLU are fused into the write-out, and the activations are compressed only when the cost model
+  picks `cartesian`, so the common case makes one pass over the input and one over the output.
 """
 
 from __future__ import annotations
@@ -28,29 +37,34 @@ from dataclasses import dataclass
 
 import torch
 
-from tendril.sparse.format import CompressedActivations, SparseConvWeights
+from tendril.sparse.format import ActivationLayout, CompressedActivations, SparseConvWeights
+from tendril.sparse.ops.compress import cpu as compress_cpu
 from tendril.sparse.ops.cpu_threads import kernel_threads, kernels
 
 CARTESIAN_ACC_FLOATS = 1 << 16
-DIRECT_TILE = 4096
-NS_PER_PRODUCT = {"cartesian": 1.0, "direct": 0.06}
+CARTESIAN_MIN_BLOCKS = 16
+BAND_FLOATS = 2048
+UNITS_PER_THREAD = 4
+NS_PER_PRODUCT = {"cartesian": 1.0, "direct": 0.03}
 METHODS = ("auto", "cartesian", "direct")
 
 
 @dataclass(frozen=True)
 class CpuConvPlan:
-    """One layer's weights re-ordered for both dataflows (built once per layer by `prepare`)."""
+    """One layer's weights re-ordered for both dataflows (built once per layer by `prepare`), and the
+    layer's plane buffer (so a plan serves one call at a time)."""
 
     weights: SparseConvWeights
     row: int
     """Row width R of the direct dataflow's planes and output grid."""
     plane_rows: int
-    plane_stride: int
-    """Floats per plane in the direct dataflow's flat planes (rows × R plus the last row's overhang)."""
+    planes: torch.Tensor
+    """`[virtual channels, plane_rows × R + s' - 1]`: the direct dataflow's input, rewritten each call."""
     direct_values: torch.Tensor
     direct_base: torch.Tensor
     """Where each weight's slice starts in the flat planes: `v × plane_stride + r' × R + s'`."""
     k_ptr: torch.Tensor
+    band_rows: int
     acc_hw: tuple[int, int]
     k_block: int
     cartesian_values: torch.Tensor
@@ -78,7 +92,7 @@ class CpuConvPlan:
 
         acc_h, acc_w = kh - 1 + max(hv, oh), kw - 1 + max(wv, ow)
         plane = acc_h * acc_w
-        k_block = max(1, min(g.out_channels, CARTESIAN_ACC_FLOATS // plane))
+        k_block = max(1, min(CARTESIAN_ACC_FLOATS // plane, -(-g.out_channels // CARTESIAN_MIN_BLOCKS)))
         blocks = -(-g.out_channels // k_block)
         block_key = (k // k_block) * channels + v
         cartesian = torch.argsort(block_key, stable=True)
@@ -90,10 +104,11 @@ class CpuConvPlan:
             weights,
             row,
             plane_rows,
-            plane_stride,
+            torch.empty(channels, plane_stride),
             weights.values[direct].contiguous(),
             (v * plane_stride + rp * row + sp)[direct].contiguous(),
             k_ptr,
+            max(1, min(oh, BAND_FLOATS // row)),
             (acc_h, acc_w),
             k_block,
             weights.values[cartesian].contiguous(),
@@ -109,6 +124,11 @@ class CpuConvPlan:
         macs = float(self.weights.nnz) * g.out_hw[0] * self.row
         return {"cartesian": products * NS_PER_PRODUCT["cartesian"], "direct": macs * NS_PER_PRODUCT["direct"]}
 
+    def choose(self, counts: torch.Tensor) -> str:
+        """The dataflow the cost model predicts faster for these counts."""
+        cost = self.work(counts)
+        return min(cost, key=lambda m: cost[m])
+
 
 def conv(
     acts: CompressedActivations,
@@ -122,40 +142,97 @@ def conv(
     """`init + conv(acts, weights)` (`init` is `[K, OH, OW]`, left unchanged).
 
     `plan` (from `CpuConvPlan.prepare(weights)`) saves re-ordering the weights on every call;
-    `method` is `"auto"`, `"cartesian"` or `"direct"` (see the module docstring). The accumulators
-    start as `init`, and the result is a view of them (cropped of the halo or the grid's extra columns).
+    `method` is `"auto"`, `"cartesian"` or `"direct"` (see the module docstring). `direct` returns a
+    new contiguous tensor, `cartesian` a view of its accumulators (cropped of the halo).
     """
-    if method not in METHODS:
-        raise ValueError(f"method {method!r}: expected one of {METHODS}")
+    _check_method(method)
     if plan is None:
         plan = CpuConvPlan.prepare(weights)
     elif plan.weights is not weights:
         raise ValueError("the plan was prepared for other weights; pass CpuConvPlan.prepare(weights)")
     counts = acts.stored_counts
     if method == "auto":
-        cost = plan.work(counts)
-        method = min(cost, key=lambda m: cost[m])
-    with kernel_threads(threads):
-        return _direct(acts, plan, counts, init) if method == "direct" else _cartesian(acts, plan, counts, init)
+        method = plan.choose(counts)
+    with kernel_threads(threads) as used:
+        if method == "cartesian":
+            return _cartesian(acts, plan, counts, init)
+        g = plan.weights.geometry
+        kernels().scatter_planes(
+            plan.planes.numpy(), acts.values.numpy(), acts.positions.numpy(), counts.numpy(), g.plane_hw[1], plan.row
+        )
+        out = torch.empty(g.out_channels, *g.out_hw)
+        _direct(plan, out, torch.zeros(g.out_channels), init.contiguous(), relu=False, threads=used)
+        return out
 
 
-def _direct(acts: CompressedActivations, plan: CpuConvPlan, counts: torch.Tensor, init: torch.Tensor) -> torch.Tensor:
+def conv_dense_input(
+    x: torch.Tensor,
+    plan: CpuConvPlan,
+    bias: torch.Tensor,
+    *,
+    out: torch.Tensor,
+    layout: ActivationLayout,
+    residual: torch.Tensor | None = None,
+    relu: bool = False,
+    threads: int = 1,
+    method: str = "auto",
+) -> torch.Tensor:
+    """`out = [relu](bias + residual + conv(x))` for a dense `[C, H, W]` input; returns its true nonzero
+    counts per virtual channel. `out` is a contiguous `[K, OH, OW]` tensor. `layout` is used only
+    when `cartesian` compresses `x`: a count above its capacity means nonzeros were dropped there, and
+    the caller must report it (`SparseNetwork` raises its overflow flag for any such count, whichever
+    dataflow ran, so that a capacity too small fails alike on every backend)."""
+    _check_method(method)
     g = plan.weights.geometry
-    (oh, ow), wv = g.out_hw, g.plane_hw[1]
-    planes = torch.zeros(g.virtual_channels, plan.plane_stride)
-    kernels().scatter_planes(planes.numpy(), acts.values.numpy(), acts.positions.numpy(), counts.numpy(), wv, plan.row)
-    out = torch.empty(g.out_channels, oh, plan.row)
-    out[:, :, :ow] = init
-    out[:, :, ow:] = 0
+    if tuple(x.shape) != (g.in_channels, *g.in_hw):
+        raise ValueError(f"activation shape {tuple(x.shape)}: the layout expects {(g.in_channels, *g.in_hw)}")
+    if tuple(out.shape) != (g.out_channels, *g.out_hw) or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous tensor of shape {(g.out_channels, *g.out_hw)}")
+    x = x.contiguous()
+    counts = torch.empty(g.virtual_channels, dtype=torch.int32)
+    with kernel_threads(threads) as used:
+        if method != "cartesian":
+            kernels().fill_planes(
+                x.numpy(), *g.stride, *g.padding, plan.planes.numpy(), plan.row, plan.plane_rows, counts.numpy()
+            )
+        if method == "auto":
+            method = plan.choose(counts)
+        if method == "direct":
+            resid = torch.empty(0, 0, 0) if residual is None else residual.contiguous()
+            _direct(plan, out, bias, resid, relu=relu, threads=used)
+            return counts
+        acts = compress_cpu.compress(x, layout, threads=used)
+        init = bias.view(-1, 1, 1).expand(g.out_channels, *g.out_hw)
+        y = _cartesian(acts, plan, acts.stored_counts, init if residual is None else init + residual)
+        out.copy_(y.relu_() if relu else y)
+        return acts.counts
+
+
+def _check_method(method: str) -> None:
+    if method not in METHODS:
+        raise ValueError(f"method {method!r}: expected one of {METHODS}")
+
+
+def _direct(
+    plan: CpuConvPlan, out: torch.Tensor, bias: torch.Tensor, residual: torch.Tensor, *, relu: bool, threads: int
+) -> None:
+    """The direct dataflow over `plan.planes` (already filled) into `out`."""
+    g = plan.weights.geometry
+    bands = -(-g.out_hw[0] // plan.band_rows)
+    k_blocks = min(g.out_channels, -(-UNITS_PER_THREAD * threads // bands)) if threads > 1 else 1
     kernels().conv_direct(
-        out.view(g.out_channels, -1).numpy(),
+        out.numpy(),
+        bias.contiguous().numpy(),
+        residual.numpy(),
+        relu,
         plan.direct_values.numpy(),
         plan.direct_base.numpy(),
         plan.k_ptr.numpy(),
-        planes.view(-1).numpy(),
-        DIRECT_TILE,
+        plan.planes.view(-1).numpy(),
+        plan.row,
+        plan.band_rows,
+        -(-g.out_channels // k_blocks),
     )
-    return out[:, :, :ow]
 
 
 def _cartesian(

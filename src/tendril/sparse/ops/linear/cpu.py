@@ -1,11 +1,13 @@
 """Sparse fully-connected layer on the CPU: the column-gather Cartesian product, compiled.
 
-Each stored activation meets exactly the nonzero column of its input feature (CSC weights): the
+Each nonzero activation meets exactly the nonzero column of its input feature (CSC weights): the
 products are added into the output at the column's row indices. The work is
 `sum over nonzero activations of their column's nonzeros`, and only those columns are read from
-memory (a dense FC layer streams the whole weight matrix). Multi-threaded: the activations are split
-into ranges of about equal entry count, each accumulated into its own output row; the rows are
-summed at the end (SCNN's partial-sum exchange).
+memory (a dense FC layer streams the whole weight matrix). The kernel reads the dense input vector
+and skips its zeros itself, so the layer needs no compression pass. Multi-threaded: the input
+features are split into ranges of about equal weight nonzeros, each accumulated into its own output
+row; a second parallel pass sums the rows with the bias and applies ReLU (SCNN's partial-sum
+exchange).
 """
 
 from __future__ import annotations
@@ -19,27 +21,50 @@ from tendril.sparse.ops.cpu_threads import kernel_threads, kernels
 def linear(
     acts: CompressedActivations, weights: SparseLinearWeights, init: torch.Tensor, *, threads: int = 1
 ) -> torch.Tensor:
-    """`init + W @ a` (`init` is `[out_features]`, left unchanged)."""
+    """`init + W @ a` (`init` is `[out_features]`, left unchanged) for compressed activations."""
     count = int(acts.stored_counts[0])
-    features = acts.positions[0, :count].contiguous()
-    entries = weights.col_ptr[features.long() + 1] - weights.col_ptr[features.long()]
+    x = torch.zeros(weights.in_features)
+    x[acts.positions[0, :count].long()] = acts.values[0, :count]
+    out = torch.empty(weights.out_features)
+    linear_dense_input(x, weights, init, out=out, threads=threads)
+    return out
+
+
+def linear_dense_input(
+    x: torch.Tensor,
+    weights: SparseLinearWeights,
+    bias: torch.Tensor,
+    *,
+    out: torch.Tensor,
+    relu: bool = False,
+    threads: int = 1,
+) -> torch.Tensor:
+    """`out = [relu](bias + W @ x)` for a dense `[in_features]` input; returns its nonzero count (`[1]`)."""
+    if tuple(x.shape) != (weights.in_features,):
+        raise ValueError(f"input shape {tuple(x.shape)}: expected ({weights.in_features},)")
+    if tuple(out.shape) != (weights.out_features,) or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous tensor of shape ({weights.out_features},)")
+    counts = torch.empty(1, dtype=torch.int32)
     with kernel_threads(threads) as used:
-        bounds = _balanced_bounds(entries, used)
-        parts = torch.zeros(bounds.numel() - 1, weights.out_features)
-        kernels().linear_columns(
-            parts.numpy(),
+        bounds = _balanced_bounds(weights.col_ptr[1:] - weights.col_ptr[:-1], used)
+        parts = torch.empty(bounds.numel() - 1, weights.out_features)
+        kernels().linear_dense_input(
+            out.numpy(),
+            bias.contiguous().numpy(),
+            relu,
+            x.contiguous().numpy(),
             weights.values.numpy(),
             weights.rows.numpy(),
             weights.col_ptr.numpy(),
-            features.numpy(),
-            acts.values[0, :count].contiguous().numpy(),
             bounds.numpy(),
+            parts.numpy(),
+            counts.numpy(),
         )
-    return init + (parts[0] if parts.shape[0] == 1 else parts.sum(0))
+    return counts
 
 
 def _balanced_bounds(entries: torch.Tensor, parts: int) -> torch.Tensor:
-    """`parts + 1` ascending cut points splitting the activations into ranges of about equal entries."""
+    """`parts + 1` ascending cut points splitting the features into ranges of about equal entries."""
     if parts == 1 or entries.numel() == 0:
         return torch.tensor([0, entries.numel()], dtype=torch.int64)
     cumulative = torch.cumsum(entries.long(), 0)
