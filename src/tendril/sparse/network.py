@@ -13,10 +13,11 @@ that layer; compression and FC layers by Triton kernels), `"triton"` (every op a
 Triton kernel, convolutions accumulating by global atomics; also runs on CPU tensors under
 `TRITON_INTERPRET=1`) and `"cpu"` (compiled numba loops, `ops/conv/cpu.py`: per layer SCNN's
 Cartesian product or the output-stationary sparse-weight dataflow, whichever its cost model
-predicts faster, on `threads` threads of numba's pool). The GPU forwards never sync with the host:
-every buffer has a static size, nonzero counts stay on the device, overflow of a reduced activation
-capacity raises a device flag that `check_overflow()` turns into an error after the run. So a whole
-network replays inside one CUDA graph.
+predicts faster, on `threads` threads of numba's pool; the CPU steps read their dense input
+directly, compress it only for SCNN's dataflow, and fuse bias, residual and ReLU into the kernels).
+The GPU forwards never sync with the host: every buffer has a static size, nonzero counts stay on
+the device, overflow of a reduced activation capacity raises a device flag that `check_overflow()`
+turns into an error after the run. So a whole network replays inside one CUDA graph.
 
 A batch is run one sample at a time (the engine is built for batch-1 latency).
 """
@@ -64,6 +65,12 @@ class RunState:
         self.last_counts[step] = acts.counts
         return acts
 
+    def count(self, step: str, counts: torch.Tensor, layout: ActivationLayout) -> None:
+        """Record the true nonzero counts a CPU kernel found in a step's dense input (the CPU steps
+        compress only when a layer uses SCNN's dataflow, but a capacity too small is reported alike)."""
+        self.overflow |= (counts > layout.capacity).any().to(torch.int32)
+        self.last_counts[step] = counts
+
 
 @dataclass
 class SparseConvStep:
@@ -99,6 +106,8 @@ class SparseConvStep:
     def run(self, values: Sequence[torch.Tensor], state: RunState) -> torch.Tensor:
         x = values[0]
         g = self.weights.geometry
+        if state.backend == "cpu":
+            return self._run_cpu(x, values[1] if self.residual else None, state)
         outputs = []
         for b in range(x.shape[0]):
             acts = state.compress(self.name, x[b], self.layout)
@@ -106,6 +115,26 @@ class SparseConvStep:
             init = (init + values[1][b]) if self.residual else init.contiguous()
             outputs.append(self.convolve(acts, init, state))
         return torch.stack(outputs)
+
+    def _run_cpu(self, x: torch.Tensor, residual: torch.Tensor | None, state: RunState) -> torch.Tensor:
+        """The CPU kernels read the dense input and fuse bias, residual and ReLU (`conv_dense_input`)."""
+        if self.cpu_plan is None:
+            self.cpu_plan = conv_cpu.CpuConvPlan.prepare(self.weights)
+        g = self.weights.geometry
+        y = torch.empty(x.shape[0], g.out_channels, *g.out_hw)
+        for b in range(x.shape[0]):
+            counts = conv_cpu.conv_dense_input(
+                x[b],
+                self.cpu_plan,
+                self.bias,
+                out=y[b],
+                layout=self.layout,
+                residual=None if residual is None else residual[b],
+                relu=self.relu,
+                threads=state.threads,
+            )
+            state.count(self.name, counts, self.layout)
+        return y
 
 
 @dataclass
@@ -122,14 +151,18 @@ class SparseLinearStep:
         x = values[0]
         if x.dim() != 2 or x.shape[1] != self.weights.in_features:
             raise ValueError(f"{self.name}: expected input [N, {self.weights.in_features}], got {tuple(x.shape)}")
+        if state.backend == "cpu":
+            y = torch.empty(x.shape[0], self.weights.out_features)
+            for b in range(x.shape[0]):
+                counts = linear_cpu.linear_dense_input(
+                    x[b], self.weights, self.bias, out=y[b], relu=self.relu, threads=state.threads
+                )
+                state.count(self.name, counts, self.layout)
+            return y
         outputs = []
         for b in range(x.shape[0]):
             acts = state.compress(self.name, x[b].reshape(1, 1, -1), self.layout)
-            init = self.bias.clone()
-            if state.backend in ("cuda", "triton"):
-                y = linear_triton.linear(acts, self.weights, init)
-            else:
-                y = linear_cpu.linear(acts, self.weights, init, threads=state.threads)
+            y = linear_triton.linear(acts, self.weights, self.bias.clone())
             outputs.append(y.relu_() if self.relu else y)
         return torch.stack(outputs)
 
