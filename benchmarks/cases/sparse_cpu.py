@@ -1,13 +1,15 @@
 """Case `sparse-cpu`: tendril's CPU sparse engine against dense PyTorch on the CPU (oneDNN), batch 1.
 
 AlexNet and VGG-16 with torchvision's layer shapes and initialization (built here: torchvision is
-not always importable beside torch), pruned to the Deep Compression densities, fp32, random
+not always importable beside torch), pruned to the Deep Compression densities, and ResNet-50's
+layer shapes (the tests' `ResNetLike` with bottlenecks 3-4-6-3) at 80% uniform sparsity, fp32, random
 224×224 inputs (activation sparsity is what ReLU gives). Side by side in one process, on 1 thread
 and on all threads (`torch.set_num_threads` for dense PyTorch, numba's pool for tendril):
 
 - whole networks: tendril's CPU backend (`SparseNetwork.set_backend("cpu", threads)`) against the
   dense model on the same pruned weights, with the relative error of the output;
-- per layer: each sparse step (compression + convolution or FC + bias + ReLU) against the dense
+- per layer: each sparse step (the dense input into phase planes, counting nonzeros, + convolution
+  or FC with bias and ReLU fused; compression too when SCNN's dataflow runs) against the dense
   `Conv2d`/`Linear` module alone, both on that layer's input in the dense forward;
   and, on 1 thread, both conv dataflows forced (`cartesian`, SCNN's Cartesian product, and
   `direct`, sparse weights × dense planes) to show what the per-layer cost model chooses between.
@@ -40,6 +42,7 @@ from tendril.sparse.network import RunState, SparseConvStep, SparseLinearStep
 from tendril.sparse.ops.compress import cpu as compress_cpu
 from tendril.sparse.ops.conv import cpu as conv_cpu
 from tendril.utils.timing import Timing, summarize
+from tests.sparse.models import Bottleneck, ResNetLike
 
 
 def alexnet() -> nn.Module:
@@ -98,7 +101,16 @@ class _Net(nn.Module):
         return self.classifier(torch.flatten(self.avgpool(self.features(x)), 1))
 
 
-MODELS: dict[str, Callable[[], nn.Module]] = {"alexnet": alexnet, "vgg16": vgg16}
+def resnet50() -> nn.Module:
+    """ResNet-50's layer shapes (bottlenecks 3-4-6-3, width 64, 1000 classes), BatchNorm folded by `convert`."""
+    model = ResNetLike(Bottleneck, (3, 4, 6, 3), width=64)
+    model.fc = nn.Linear(2048, 1000)
+    return model
+
+
+MODELS: dict[str, Callable[[], nn.Module]] = {"alexnet": alexnet, "vgg16": vgg16, "resnet50": resnet50}
+DENSITIES: dict[str, str | float] = {"alexnet": "alexnet", "vgg16": "vgg16", "resnet50": 0.2}
+"""Deep Compression's per-layer densities for AlexNet and VGG-16; 80% uniform sparsity for ResNet-50."""
 
 
 def _relative_error(y: torch.Tensor, ref: torch.Tensor) -> float:
@@ -153,7 +165,7 @@ def _bench(ctx: Context, name: str) -> None:
     torch.manual_seed(0)
     reps = 3 if ctx.quick else 9
     model = MODELS[name]().eval()
-    pruned = prune(model, name)
+    pruned = prune(model, DENSITIES[name])
     inputs = [torch.randn(1, 3, 224, 224) for _ in range(3)]
     all_threads = os.cpu_count() or 1
     with torch.no_grad():
@@ -186,7 +198,11 @@ def _bench(ctx: Context, name: str) -> None:
             state = RunState("cpu", threads, torch.zeros(1, dtype=torch.int32))
             for step in sparse_steps:
                 module, x = modules[step.name], dense_inputs[step.name]
-                tendril_ms = _time_ms(functools.partial(step.run, [x], state), reps, clock)
+                step_inputs = [x]
+                if isinstance(step, SparseConvStep) and step.residual:
+                    g = step.weights.geometry
+                    step_inputs.append(torch.zeros(1, g.out_channels, *g.out_hw))
+                tendril_ms = _time_ms(functools.partial(step.run, step_inputs, state), reps, clock)
                 per_layer[step.name][f"tendril_ms_{key}"] = round(tendril_ms, 3)
                 per_layer[step.name][f"dense_ms_{key}"] = round(_time_ms(functools.partial(module, x), reps, clock), 3)
         torch.set_num_threads(1)
@@ -202,12 +218,14 @@ def _bench(ctx: Context, name: str) -> None:
             )
             if isinstance(step, SparseConvStep) and step.cpu_plan is not None:
                 plan = step.cpu_plan
-                acts = compress_cpu.compress(dense_inputs[step.name][0], step.layout)
-                cost = plan.work(acts.stored_counts)
-                entry["auto_choice"] = min(cost, key=lambda m: cost[m])
-                init = torch.zeros(step.weights.geometry.out_channels, *step.weights.geometry.out_hw)
+                x = dense_inputs[step.name][0]
+                acts = compress_cpu.compress(x, step.layout)
+                entry["auto_choice"] = plan.choose(acts.stored_counts)
+                out = torch.empty(step.weights.geometry.out_channels, *step.weights.geometry.out_hw)
                 for method in ("cartesian", "direct"):
-                    forced = functools.partial(conv_cpu.conv, acts, plan.weights, init, plan=plan, method=method)
+                    forced = functools.partial(
+                        conv_cpu.conv_dense_input, x, plan, step.bias, out=out, layout=step.layout, method=method
+                    )
                     ms = _time_ms(forced, max(1, reps // 2), time.process_time)
                     entry[f"{method}_conv_ms_1thread"] = round(ms, 3)
         torch.set_num_threads(all_threads)
@@ -223,14 +241,17 @@ def _bench(ctx: Context, name: str) -> None:
     }
 
 
-@register("sparse-cpu", "tendril's CPU sparse CNN engine vs dense PyTorch CPU: AlexNet, VGG-16", needs_gpu=False)
+@register(
+    "sparse-cpu", "tendril's CPU sparse CNN engine vs dense PyTorch CPU: AlexNet, VGG-16, ResNet-50", needs_gpu=False
+)
 def run(ctx: Context) -> None:
     for name in MODELS:
         _bench(ctx, name)
     ctx.note(
         "tendril cpu = compiled (numba) kernels; per conv layer the cost model picks SCNN's Cartesian product "
         "or the output-stationary sparse-weight dataflow (extra.*.layers.auto_choice, with both timed on 1 "
-        "thread); FC layers are column-gather Cartesian products. Dense = PyTorch CPU (oneDNN) on the same "
-        "pruned weights. Per-layer tendril times include activation compression, bias and ReLU; dense per-layer "
+        "thread); FC layers are column-gather Cartesian products over the nonzero inputs. Dense = PyTorch CPU "
+        "(oneDNN) on the same pruned weights. Per-layer tendril times include reading the dense input into "
+        "phase planes (or compressing it), bias and ReLU; dense per-layer "
         "times are the Conv2d/Linear module alone."
     )

@@ -45,7 +45,7 @@ CARTESIAN_ACC_FLOATS = 1 << 16
 CARTESIAN_MIN_BLOCKS = 16
 BAND_FLOATS = 2048
 UNITS_PER_THREAD = 4
-NS_PER_PRODUCT = {"cartesian": 1.0, "direct": 0.03}
+NS_PER_PRODUCT = {"cartesian": 1.0, "direct": 0.08}
 METHODS = ("auto", "cartesian", "direct")
 
 
