@@ -5,7 +5,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tendril.sparse.format import ActivationLayout
+from tendril.sparse.format import ActivationLayout, SparseLinearWeights
 from tendril.sparse.ops.compress import cpu as compress_cpu
 from tendril.sparse.ops.compress import reference as compress_reference
 from tendril.sparse.ops.conv import cpu as conv_cpu
@@ -130,3 +130,96 @@ def test_cpu_conv_rejects_a_foreign_plan_and_unknown_methods():
         conv_cpu.conv(acts, weights, init, plan=conv_cpu.CpuConvPlan.prepare(other))
     with pytest.raises(ValueError, match="expected one of"):
         conv_cpu.conv(acts, weights, init, method="dense")
+
+
+def _check_dense_input_conv(case: ConvCase, method: str, threads: int, fused: bool) -> None:
+    """`conv_dense_input` (what a CPU network runs) against F.conv2d + bias (+ residual, ReLU), with the
+    output and the plan's planes poisoned so that a slot left unwritten shows up as NaN."""
+    weights, x, init, ref = conv_operands(case, CPU)
+    g = weights.geometry
+    bias = init[:, 0, 0].clone()
+    residual = torch.randn(g.out_channels, *g.out_hw, generator=torch.Generator().manual_seed(case.seed + 1))
+    if fused:
+        ref = (ref + residual.double()).relu()
+    plan = conv_cpu.CpuConvPlan.prepare(weights)
+    layout = ActivationLayout.for_conv(g)
+    for _ in range(2):
+        plan.planes.fill_(float("nan"))
+        out = torch.full((g.out_channels, *g.out_hw), float("nan"))
+        counts = conv_cpu.conv_dense_input(
+            x, plan, bias, out=out, layout=layout, residual=residual if fused else None, relu=fused,
+            threads=threads, method=method,
+        )  # fmt: skip
+        assert torch.equal(counts.long(), compress_reference.compress(x, layout).counts.long())
+        if ref.abs().max() == 0:
+            assert torch.equal(out, torch.zeros_like(out))
+        else:
+            assert relative_error(out, ref) <= REL_TOL, (case, method, threads, fused)
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+@pytest.mark.parametrize("method", ["cartesian", "direct", "auto"])
+@pytest.mark.parametrize("case", CONV_CASES)
+def test_cpu_conv_from_dense_input_matches_dense_conv(case, method, threads):
+    _check_dense_input_conv(case, method, threads, fused=threads == 3)
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    channels=st.integers(1, 5),
+    out_channels=st.integers(1, 9),
+    size=st.tuples(st.integers(3, 40), st.integers(3, 40)),
+    kernel=st.sampled_from([1, 3, 5, 7, 11]),
+    stride=st.integers(1, 4),
+    padding=st.integers(0, 5),
+    weight_density=st.sampled_from([0.0, 0.2, 0.7, 1.0]),
+    act_density=st.sampled_from([0.0, 0.05, 0.5, 1.0]),
+    method=st.sampled_from(["cartesian", "direct"]),
+    threads=st.sampled_from([1, 2, 5]),
+    fused=st.booleans(),
+    seed=st.integers(0, 1000),
+)
+def test_cpu_conv_from_dense_input_over_random_geometries(
+    channels, out_channels, size, kernel, stride, padding, weight_density, act_density, method, threads, fused, seed
+):
+    if min(size) + 2 * padding < kernel:
+        return
+    case = ConvCase(channels, out_channels, size, kernel, stride, padding, 1, weight_density, act_density, seed)
+    _check_dense_input_conv(case, method, threads, fused)
+
+
+def test_direct_conv_splits_work_into_balanced_units_on_a_tall_layer():
+    """More output rows than one band and more threads than bands: every (band, channel block) unit is
+    computed exactly once."""
+    _check_dense_input_conv(ConvCase(3, 17, (150, 6), 3, 1, 1, 1, 0.5, 0.5, seed=7), "direct", 7, fused=True)
+    _check_dense_input_conv(ConvCase(3, 17, (3, 3), 3, 1, 1, 1, 0.5, 0.5, seed=8), "direct", 7, fused=False)
+
+
+@pytest.mark.parametrize("threads", [1, 4])
+@pytest.mark.parametrize("relu", [False, True])
+@pytest.mark.parametrize(("weight_density", "act_density"), [(0.3, 0.5), (1.0, 1.0), (0.0, 0.5), (0.5, 0.0)])
+def test_cpu_linear_from_dense_input_matches_dense(weight_density, act_density, relu, threads):
+    gen = torch.Generator().manual_seed(threads)
+    weight = sparse_tensor((300, 97), weight_density, gen)
+    x = sparse_tensor((97,), act_density, gen, positive=True)
+    bias = torch.randn(300, generator=gen)
+    ref = weight.double() @ x.double() + bias.double()
+    ref = ref.relu() if relu else ref
+    weights = SparseLinearWeights.from_dense(weight)
+    out = torch.full((300,), float("nan"))
+    counts = linear_cpu.linear_dense_input(x, weights, bias, out=out, relu=relu, threads=threads)
+    assert counts.tolist() == [int((x != 0).sum())]
+    assert relative_error(out, ref) <= REL_TOL
+
+
+def test_dense_input_ops_reject_wrong_shapes():
+    weights, x, init, _ = conv_operands(CONV_CASES[0], CPU)
+    plan = conv_cpu.CpuConvPlan.prepare(weights)
+    layout = ActivationLayout.for_conv(weights.geometry)
+    with pytest.raises(ValueError, match="layout expects"):
+        conv_cpu.conv_dense_input(x[:, 1:], plan, init[:, 0, 0], out=torch.empty_like(init), layout=layout)
+    with pytest.raises(ValueError, match="out must be"):
+        conv_cpu.conv_dense_input(x, plan, init[:, 0, 0], out=torch.empty(1), layout=layout)
+    linear_weights = SparseLinearWeights.from_dense(torch.ones(4, 6))
+    with pytest.raises(ValueError, match="expected"):
+        linear_cpu.linear_dense_input(torch.ones(5), linear_weights, torch.zeros(4), out=torch.empty(4))
