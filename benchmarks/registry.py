@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib
 import operator
 import pkgutil
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -76,7 +77,10 @@ class Context:
             self.goals[name] = goal
 
     def note(self, text: str) -> None:
+        """Record `text` in the results, and print it at once (a later crash, such as a device-side assert
+        that kills the CUDA context, must not take the notes so far with it)."""
         self.notes.append(text)
+        print(f"note: {text}", file=sys.stderr, flush=True)
 
 
 @dataclass(frozen=True)

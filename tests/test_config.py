@@ -15,3 +15,8 @@ def test_defaults_and_environment():
 def test_bad_flag_names_the_variable():
     with pytest.raises(ValueError, match="TENDRIL_DEBUG='maybe'"):
         Config.from_env({"TENDRIL_DEBUG": "maybe"})
+
+
+def test_the_default_graph_memory_budget_comes_from_the_environment():
+    assert Config.from_env({}).graph_memory_budget is None
+    assert Config.from_env({"TENDRIL_GRAPH_MEMORY_BUDGET": " 256MiB "}).graph_memory_budget == "256MiB"

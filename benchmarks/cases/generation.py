@@ -97,12 +97,16 @@ class PerStepGraph:
     The prompt pass and first token choice run eagerly into the same decoder and cache each call; the
     replays then read and write the loop state in place. With eos disabled every call runs the full
     `new_tokens - 1` replays (no per-step stop test, which would cost a host sync per token).
+    The cache holds at least `CAPTURE_STEPS` new tokens: capture runs the step eagerly twice first
+    (warm-up), and with `new_tokens=1` (time to first token) those steps would write past its end.
     """
 
+    CAPTURE_STEPS = 3
+
     def __init__(self, model: nn.Module, prompt: torch.Tensor, new_tokens: int, num_beams: int) -> None:
-        plan = Plan(max_new_tokens=new_tokens, processing=LogitsProcessing(min_tokens_to_keep=1), eos=(),
-                    pad_token_id=0, beam_fill_token_id=0, num_beams=num_beams,
-                    length_penalty=1.0, early_stopping=False)
+        plan = Plan(max_new_tokens=max(new_tokens, self.CAPTURE_STEPS),
+                    processing=LogitsProcessing(min_tokens_to_keep=1), eos=(), pad_token_id=0,
+                    beam_fill_token_id=0, num_beams=num_beams, length_penalty=1.0, early_stopping=False)
         self.new_tokens = new_tokens
         rows_prompt = prompt.repeat_interleave(num_beams, 0)
         with torch.inference_mode():

@@ -8,6 +8,7 @@ settings it needs from it (or from an explicit `Config` passed in), so tests can
 | TENDRIL_DEBUG     | debug        | expensive invariant checks (input addresses, use of stale outputs)  |
 | TENDRIL_NO_GRAPHS | disable_graphs | run every graphed callable eagerly (for bisecting a wrong answer) |
 | TENDRIL_CACHE_DIR | cache_dir    | where compiled helper kernels are cached on disk                   |
+| TENDRIL_GRAPH_MEMORY_BUDGET | graph_memory_budget | default device-memory budget of graph executables ("256MiB") |
 """
 
 from __future__ import annotations
@@ -44,6 +45,9 @@ class Config:
     """Run every graphed callable eagerly; each call is counted as a fallback with this reason."""
     cache_dir: Path = field(default_factory=_default_cache_dir)
     """Directory for compiled helper kernels (NVRTC output)."""
+    graph_memory_budget: str | None = None
+    """Budget for the driver memory of graph executables when a graphed callable names none ("256MiB"); it also
+    applies to the graphs `tendril.generate` builds. None: one executable per graph, no bound."""
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Config:
@@ -53,6 +57,7 @@ class Config:
             debug=_flag(env, "TENDRIL_DEBUG"),
             disable_graphs=_flag(env, "TENDRIL_NO_GRAPHS"),
             cache_dir=Path(cache) if cache else _default_cache_dir(),
+            graph_memory_budget=env.get("TENDRIL_GRAPH_MEMORY_BUDGET", "").strip() or None,
         )
 
 

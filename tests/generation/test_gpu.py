@@ -104,3 +104,20 @@ def test_compiled_step_is_captured_in_the_loop_graph_and_matches_hf(num_beams):
         assert torch.equal(got, expected)
     (runner,) = graphed_runners(model)
     assert len(runner.stats.graphs) == 1 and runner.stats.eager_calls == 0, runner.stats.fallback_details
+
+
+@pytest.mark.parametrize("num_beams", [1, 4])
+def test_generation_graphs_follow_the_default_graph_memory_budget(num_beams, monkeypatch):
+    from tendril import config
+
+    monkeypatch.setattr(config, "settings", config.Config(graph_memory_budget="1KiB"))
+    model = tiny_model("gpt2", device="cuda")
+    for lengths in ([7, 3], [4, 4, 4], [7, 3]):  # two prompt shapes, then the first again
+        ids, mask = left_padded(lengths, device="cuda")
+        expected = hf_generate(model, ids, mask, None, max_new_tokens=NEW, num_beams=num_beams)
+        got = generate(model, ids, mask, max_new_tokens=NEW, eos_token_id=[], pad_token_id=0, num_beams=num_beams)
+        assert torch.equal(got, expected)
+    (runner,) = graphed_runners(model)
+    assert runner._backend.graph_memory_budget == 1024  # smaller than one executable: every switch counts
+    memory = [record.memory for record in runner.stats.graphs.values()]
+    assert len(memory) == 2 and sum(m.instantiations + m.updates for m in memory) >= 3, memory

@@ -33,3 +33,36 @@ def test_replay_overwrites_the_same_output_storage():
         second = captured.replay()
         assert first.data_ptr() == second.data_ptr()
         torch.testing.assert_close(second, model(x))
+
+
+def test_a_graph_left_in_a_reference_cycle_does_not_invalidate_a_later_capture():
+    """Automatic garbage collection during a capture would destroy the old graph's executable, which CUDA
+    forbids while capturing; `capture` pauses collection, so the old graph is freed afterwards."""
+    import gc
+    import weakref
+
+    x = torch.randn(1024, device="cuda")
+    old = capture(lambda t: t * 3, x)
+    old.graph.replay()  # instantiated: destroying it calls cudaGraphExecDestroy
+    gc.collect()  # resets the allocation counters: no automatic collection before the capture below begins
+    cycle: list[object] = [old]
+    cycle.append(cycle)
+    freed = weakref.ref(old)
+    del old, cycle
+    thresholds = gc.get_threshold()
+
+    def noisy(t: torch.Tensor) -> torch.Tensor:
+        gc.set_threshold(1)  # collect at almost every container allocation, while capturing
+        try:
+            for _ in range(200):
+                [{}]  # noqa: B018 (allocations that would trigger collections)
+        finally:
+            gc.set_threshold(*thresholds)
+        return t + 1
+
+    new = capture(noisy, x, warmup=0)
+    assert freed() is not None, "the old graph was collected during the capture"
+    gc.collect()
+    assert freed() is None
+    x.copy_(torch.randn_like(x))
+    torch.testing.assert_close(new.replay(), x + 1)

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from tendril.graphs import control
+from tendril.graphs.capture import garbage_collection_paused
 from tendril.graphs.control import cond, while_loop
 from tendril.graphs.control_capture import HostSyncInGraphError
 
@@ -20,7 +21,7 @@ def _capture(fn, *args):
         fn(*args)
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with torch.cuda.graph(graph), garbage_collection_paused():  # a collection could destroy an old graph mid-capture
         out = fn(*args)
     return graph, out
 

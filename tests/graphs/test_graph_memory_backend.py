@@ -243,3 +243,14 @@ def test_a_graph_that_cannot_be_instantiated_runs_eagerly(cuda: FakeCuda):
     assert fast.stats.fallbacks[Fallback.CAPTURE_ERROR] == 1 and not fast.stats.graphs
     cache = next(iter(fast._backend.executable_caches().values()))
     assert cache.executables == 0 and not cache._sources
+
+
+def test_the_default_budget_comes_from_the_settings(monkeypatch):
+    from tendril import config
+
+    monkeypatch.setattr(config, "settings", Config(graph_memory_budget="3MiB"))
+    assert cuda_backend.CudaBackend().graph_memory_budget == 3 << 20
+    assert cuda_backend.CudaBackend(graph_memory_budget="1KiB").graph_memory_budget == 1024
+    monkeypatch.setattr(config, "settings", Config(graph_memory_budget="lots"))
+    with pytest.raises(ValueError, match="'lots' as a memory size"):
+        cuda_backend.CudaBackend()

@@ -25,7 +25,11 @@ class FakeGraphs:
             2: ([KERNEL, KERNEL, MEMSET], [(0, 1), (1, 2)]),
             3: ([KERNEL, MEMSET, KERNEL], [(0, 1), (1, 2)]),
             4: ([KERNEL, KERNEL, MEMSET], [(0, 2), (1, 2)]),
+            5: ([KERNEL, KERNEL, MEMSET], [(0, 1), (1, 2)]),
         }
+        self.functions = {(5, 1): 9999}
+        """(graph, node index) -> kernel function where it differs from the default `7000 + index`."""
+        self.unreadable_functions: set[int] = set()
         self.lossy_edges = False
         self.launched: list[tuple[int, int]] = []
         self.destroyed: list[int] = []
@@ -44,6 +48,13 @@ class FakeGraphs:
     def node_type(self, node):
         types, _ = self.graphs[int(node) // 100]
         return OK, types[int(node) % 100]
+
+    def kernel_params(self, node):
+        graph, index = int(node) // 100, int(node) % 100
+        assert self.graphs[graph][0][index] == KERNEL, "only kernel nodes have kernel parameters"
+        if graph in self.unreadable_functions:
+            return runtime.cudaError_t.cudaErrorInvalidValue, None
+        return OK, SimpleNamespace(func=self.functions.get((graph, index), 7000 + index))
 
     def get_edges(self, graph, count=0):
         _, edges = self.graphs[int(graph)]
@@ -85,6 +96,7 @@ def fake(monkeypatch: pytest.MonkeyPatch) -> FakeGraphs:
         "cudaGraphGetNodes": graphs.get_nodes,
         "cudaGraphNodeGetType": graphs.node_type,
         "cudaGraphGetEdges": graphs.get_edges,
+        "cudaGraphKernelNodeGetParams": graphs.kernel_params,
         "cudaGraphInstantiateWithFlags": graphs.instantiate,
         "cudaGraphExecUpdate": graphs.update,
         "cudaGraphLaunch": graphs.launch,
@@ -99,6 +111,13 @@ def test_topology_digest_tells_node_kinds_order_and_edges_apart(fake: FakeGraphs
     first, same, reordered, rewired = (graph_exec.topology(g) for g in (1, 2, 3, 4))
     assert first == same and first.nodes == 3
     assert len({first.digest, reordered.digest, rewired.digest}) == 3
+
+
+def test_graphs_running_other_kernels_are_not_one_family(fake: FakeGraphs):
+    assert graph_exec.topology(5).digest != graph_exec.topology(1).digest
+    fake.unreadable_functions = {1, 2}
+    assert graph_exec.topology(1).digest != graph_exec.topology(2).digest  # unknown kernels: no updates
+    assert fake.last_error_cleared
 
 
 def test_unreadable_edges_give_a_coarser_digest_not_an_error(fake: FakeGraphs):

@@ -66,29 +66,36 @@ def test_wav2vec2_under_a_budget_matches_eager():
 
 
 def test_the_budget_holds_in_device_memory():
+    """Device memory outside the pool grows by at most the budget from the first graph to the last.
+
+    Measured from after the first capture: that capture also brings memory that is not the executables'
+    (cuBLAS's workspace for the capture stream, 32 MiB on an H200, which alone would exceed the budget)."""
     model = gpt2(torch.float16)
-    lengths = list(range(1, 49))
+    lengths = list(range(48, 0, -1))  # largest first, as `capture` orders them
     budget = 8 * MIB
     examples = [(torch.randint(0, 1000, (1, n), device="cuda"),) for n in lengths]
     with torch.inference_mode():
         before = _device_used()
         budgeted = fast(model, max_graphs=64, graph_memory_budget=budget)
-        budgeted.capture(examples, progress=False)
+        budgeted.capture(examples[:1], progress=False)
+        stats = budgeted.stats
+        first = _device_used() - before - stats.pool_bytes - stats.placeholder_bytes
+        budgeted.capture(examples[1:], progress=False)
         rng = random.Random(1)
         for _ in range(200):
             budgeted(examples[rng.randrange(len(examples))][0])
         used = _device_used() - before
     stats = budgeted.stats
-    outside_pool = used - stats.pool_bytes - stats.placeholder_bytes
+    growth = used - stats.pool_bytes - stats.placeholder_bytes - first
     caches = budgeted._backend.executable_caches()  # type: ignore[attr-defined]
     (cache,) = caches.values()
     print(
         f"48 graphs under {budget / MIB:.0f} MiB: device {used / MIB:.1f} MiB, pool {stats.pool_bytes / MIB:.1f} MiB, "
-        f"outside the pool {outside_pool / MIB:.1f} MiB, {cache.executables} executables charged "
-        f"{cache.live_bytes / MIB:.2f} MiB at {cache.bytes_per_node:.0f} B/node"
+        f"outside the pool {first / MIB:.1f} MiB after the first graph, +{growth / MIB:.1f} MiB after all; "
+        f"{cache.executables} executables charged {cache.live_bytes / MIB:.2f} MiB at {cache.bytes_per_node:.0f} B/node"
     )
     assert cache.over_budget == 0 and cache.live_bytes <= budget
-    assert outside_pool <= budget + 4 * MIB, "executables (and kept graphs) use more device memory than the budget"
+    assert growth <= budget + 4 * MIB, "executables (and kept graphs) use more device memory than the budget"
 
 
 def _slow_scale(x: torch.Tensor, scale: float) -> torch.Tensor:

@@ -44,9 +44,14 @@ class UpdateOutcome:
 
 @dataclass(frozen=True)
 class Topology:
-    """A captured graph's shape: node count and a digest of node types in creation order plus edges.
+    """A captured graph's shape: node count and a digest of node types in creation order, the function of
+    every kernel node, and the edges.
 
-    Graphs with equal digests are candidates for `update`; CUDA's answer to the update is final."""
+    Graphs with equal digests are candidates for `update`, which then only changes kernel arguments, launch
+    dimensions and copy/memset parameters, never which kernels run. CUDA accepts updates that swap a kernel
+    node's function too, but on the H200 (driver 580) switching executables between Wav2Vec2 graphs whose
+    cuBLAS/cuDNN kernels differed produced an illegal instruction at launch; a graph whose kernel functions
+    cannot be read gets a digest of its own (no updates)."""
 
     nodes: int
     digest: str
@@ -119,6 +124,8 @@ def topology(graph: int) -> Topology:
     for node in nodes:
         err, kind = runtime.cudaGraphNodeGetType(node)
         digest.update(f"{getattr(kind, 'name', kind) if int(err) == 0 else '?'},".encode())
+        if int(err) == 0 and kind == runtime.cudaGraphNodeType.cudaGraphNodeTypeKernel:
+            digest.update(f"{_kernel_function(node, graph)};".encode())
     try:
         edges = _edges(handle)
     except CudaError as error:
@@ -127,6 +134,17 @@ def topology(graph: int) -> Topology:
         for source, target in edges:
             digest.update(f"{index.get(int(source), -1)}>{index.get(int(target), -1)};".encode())
     return Topology(int(count), digest.hexdigest()[:16])
+
+
+def _kernel_function(node: Any, graph: int) -> str:
+    """The kernel node's function as a string, or one unique to `graph` when CUDA cannot say."""
+    from cuda.bindings import runtime
+
+    err, params = runtime.cudaGraphKernelNodeGetParams(node)
+    if int(err) != 0 or params is None:
+        runtime.cudaGetLastError()
+        return f"unknown function in graph {graph}"
+    return str(int(params.func))
 
 
 def _edges(handle: Any) -> list[tuple[Any, Any]]:

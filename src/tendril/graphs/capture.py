@@ -16,6 +16,11 @@ it reaches CUDA: the capture is still valid, ends normally and is discarded, whi
 and leaves the random-number generator consistent. A capture CUDA itself invalidated cannot end
 normally; PyTorch then leaves the default CUDA generator in capture mode, so `capture` restores it.
 
+Garbage collection is paused while recording. A collection during a capture may destroy an unreachable
+graph executable of some earlier `CUDAGraph` (`cudaGraphExecDestroy`), which CUDA forbids while a stream is
+capturing: the capture would be invalidated. Garbage made before or during the capture is collected
+after it, at the next automatic collection.
+
 Host-to-device copies. Some model code copies a freshly made CPU tensor to the GPU on every call
 (e.g. `torch.tensor(min_value).to(device)`); a copy from pageable memory cannot be captured. With
 `pin_host_copies=True`, such copies are staged through pinned host buffers kept with the graph
@@ -26,6 +31,7 @@ mode so pinning may allocate.
 from __future__ import annotations
 
 import contextlib
+import gc
 import time
 import warnings
 from collections.abc import Callable, Iterator, Sequence
@@ -115,17 +121,18 @@ def capture(
         except BaseException:
             generator.graphsafe_set_state(saved_generator)
             raise
-        try:
-            with _sync_errors(), stager if stager is not None else contextlib.nullcontext():
-                outputs = fn(*args, **kwargs)
-        except BaseException:
-            _abandon(graph, generator, saved_generator)
-            raise
-        try:
-            graph.capture_end()
-        except BaseException:
-            generator.graphsafe_set_state(saved_generator)
-            raise
+        with garbage_collection_paused():
+            try:
+                with _sync_errors(), stager if stager is not None else contextlib.nullcontext():
+                    outputs = fn(*args, **kwargs)
+            except BaseException:
+                _abandon(graph, generator, saved_generator)
+                raise
+            try:
+                graph.capture_end()
+            except BaseException:
+                generator.graphsafe_set_state(saved_generator)
+                raise
     current.wait_stream(stream)
     recorded = time.perf_counter()
     pool_growth = pool_reserved_bytes(device) - reserved_before
@@ -142,6 +149,18 @@ def capture(
     }
     buffers = stager.buffers if stager is not None else []
     return CapturedGraph(graph, outputs, (done - start) * 1e3, pool_growth, max(driver, 0), phases, buffers)
+
+
+@contextlib.contextmanager
+def garbage_collection_paused() -> Iterator[None]:
+    """No automatic garbage collection inside the block (see the module docstring); restores the previous state."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
 
 
 @contextlib.contextmanager

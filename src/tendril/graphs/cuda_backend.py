@@ -31,6 +31,7 @@ from typing import Any
 import torch
 from torch.nn.attention import SDPBackend
 
+from tendril import config
 from tendril.cuda import graph_exec
 from tendril.cuda.graph_exec import UpdateOutcome
 from tendril.graphs.backend import Captured, CaptureFailed, classify_capture_error
@@ -45,7 +46,8 @@ class CudaBackend:
     """Captures on CUDA. `sdpa_backends`: attention kernels to capture with (`capture.GRAPH_SDPA_BACKENDS` by
     default, leaving out cuDNN attention's per-shape host planning; None keeps PyTorch's choice).
 
-    `graph_memory_budget` (bytes or a string such as "256MiB") bounds the driver memory of the executables;
+    `graph_memory_budget` (bytes or a string such as "256MiB") bounds the driver memory of the executables
+    (None: `tendril.settings.graph_memory_budget`, from TENDRIL_GRAPH_MEMORY_BUDGET);
     `graph_memory_strategy` is "auto", "dedicated", "lru" or "update" (`tendril.graphs.executables`)."""
 
     def __init__(
@@ -56,6 +58,8 @@ class CudaBackend:
         graph_memory_strategy: MemoryStrategy | str = MemoryStrategy.AUTO,
     ) -> None:
         self.sdpa_backends = sdpa_backends
+        if graph_memory_budget is None:
+            graph_memory_budget = config.settings.graph_memory_budget
         self.graph_memory_budget = parse_bytes(graph_memory_budget)
         self.strategy = resolve_strategy(graph_memory_strategy, self.graph_memory_budget)
         self._pools: dict[torch.device, Any] = {}
