@@ -137,12 +137,14 @@ def topology(graph: int) -> Topology:
 
 
 def _kernel_function(node: Any, graph: int) -> str:
-    """The kernel node's function as a string, or one unique to `graph` when CUDA cannot say."""
-    from cuda.bindings import runtime
+    """The kernel node's function (`CUfunction`) as a string, or one unique to `graph` when CUDA cannot say.
 
-    err, params = runtime.cudaGraphKernelNodeGetParams(node)
+    Through the driver API: the runtime's `cudaGraphKernelNodeGetParams` answers "invalid device function"
+    for kernels that torch's own (statically linked) runtime launched."""
+    from cuda.bindings import driver
+
+    err, params = driver.cuGraphKernelNodeGetParams(driver.CUgraphNode(init_value=int(node)))
     if int(err) != 0 or params is None:
-        runtime.cudaGetLastError()
         return f"unknown function in graph {graph}"
     return str(int(params.func))
 
