@@ -9,7 +9,7 @@ with one graph per sequence length spends most of its memory there. The captured
 - `dedicated`: one executable per graph, made at capture and kept (what `torch.cuda.graph` does). The
   CUDA backend serves it with torch's own replay; this cache is not involved.
 - `lru`: executables are instantiated on demand; past the budget the least recently used is destroyed.
-- `update`: one executable per topology family (graphs whose node types and edges match, e.g. one
+- `update`: one executable per topology family (graphs whose node types, kernel functions and edges match, e.g. one
   model at different lengths); switching it to another graph of the family is a `cudaGraphExecUpdate`
   (15 us for a 289-node graph) instead of an instantiation (1.6 ms for a GPT-2 forward).
 - `auto` (the default): `dedicated` without a budget. With one: instantiate while the executables fit,
