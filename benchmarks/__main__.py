@@ -24,7 +24,13 @@ def run_case(name: str, quick: bool, out_dir: Path, command: str, device: str | 
     if case.needs_gpu and chosen.type != "cuda":
         raise SystemExit(f"benchmark case {name!r} needs an NVIDIA GPU; run it on the device lane")
     ctx = registry.Context(device=chosen, quick=quick)
-    case.run(ctx)
+    try:
+        case.run(ctx)
+    except Exception as error:
+        # what was measured before the failure is kept (a device-side fault late in a long case loses nothing)
+        partial = results.build(name, command, ctx, error=f"{type(error).__name__}: {error}")
+        results.write(partial, out_dir)
+        raise
     result = results.build(name, command, ctx)
     results.write(result, out_dir)
     return result

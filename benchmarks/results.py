@@ -21,7 +21,8 @@ def machine() -> dict[str, str]:
     return {"device": cpu, "driver": driver_version_text(), "torch": torch.__version__}
 
 
-def build(case: str, command: str, ctx: Context) -> dict[str, Any]:
+def build(case: str, command: str, ctx: Context, error: str | None = None) -> dict[str, Any]:
+    """The results of a case; `error` marks a case that failed after measuring `ctx`'s rows (partial)."""
     return {
         "case": case,
         "command": command,
@@ -33,6 +34,7 @@ def build(case: str, command: str, ctx: Context) -> dict[str, Any]:
         "goals": {name: {"goal": str(goal), "met": goal.met(ctx.targets[name])} for name, goal in ctx.goals.items()},
         "notes": ctx.notes,
         "extra": ctx.extra,
+        **({"error": error} if error is not None else {}),
     }
 
 
@@ -42,6 +44,7 @@ def markdown(result: dict[str, Any]) -> str:
         "",
         f"- command: `{result['command']}`",
         f"- device: {result['device']}; driver: {result['driver']}; torch {result['torch']}; {result['date']}",
+        *([f"- **partial: the case failed** with {result['error']}"] if "error" in result else []),
         "",
         "| variant | metric | median | p10 | p90 | n |",
         "|---|---|---:|---:|---:|---:|",

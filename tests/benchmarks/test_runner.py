@@ -41,6 +41,25 @@ def test_run_writes_json_and_markdown_with_the_contract_fields(fake_case, tmp_pa
     assert "`speedup_fake`" in md and "**no**" in md and "fake note" in md
 
 
+def test_a_failing_case_still_writes_what_it_measured(tmp_path):
+    name = "fake-failing-case"
+
+    @registry.register(name, "measures one value, then fails", needs_gpu=False)
+    def run(ctx: Context) -> None:
+        ctx.add_value("first model", "MiB", 12.0)
+        raise RuntimeError("device-side assert triggered")
+
+    try:
+        with pytest.raises(RuntimeError, match="device-side assert"):
+            run_case(name, quick=True, out_dir=tmp_path, command="cmd")
+    finally:
+        registry.CASES.pop(name)
+    result = json.loads((tmp_path / f"{name}.json").read_text())
+    assert result["error"] == "RuntimeError: device-side assert triggered"
+    assert result["rows"][0]["variant"] == "first model"
+    assert "partial: the case failed" in (tmp_path / f"{name}.md").read_text()
+
+
 def test_list_shows_registered_cases(fake_case, capsys):
     assert main(["list"]) == 0
     out = capsys.readouterr().out
