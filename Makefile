@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 # with a GPU and network, the same pin brings PyPI's CUDA build. Override with `make TORCH_SPEC=... test`.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: demo test lint typecheck pytest gpu-test gpu-demo clean
+.PHONY: demo test lint typecheck pytest gpu-test gpu-demo gpu-lane clean
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -36,6 +36,19 @@ gpu-test:
 
 gpu-demo:
 	PYTHONPATH=src $(PYTHON) -m tendril.cli demo
+
+# One device-lane session in a single call (machine start-up is paid once): the GPU tests, the quick demo,
+# then each benchmark in CASES. Logs and results go to the folder OUT, packed at the end into OUT.tgz (the
+# device lane returns a few files only): `make gpu-lane OUT=$$OUT/lane CASES="generation graphs-memory"`.
+# Each step has its own time limit, so one that hangs cannot take the others' time.
+OUT ?= gpu-lane-out
+CASES ?=
+gpu-lane:
+	mkdir -p $(OUT)/results
+	-PYTHONPATH=src:. timeout 300 $(PYTHON) -m pytest -m gpu -q -rf -p no:cacheprovider tests > $(OUT)/gpu-tests.txt 2>&1; tail -3 $(OUT)/gpu-tests.txt
+	-PYTHONPATH=src timeout 180 $(PYTHON) -m tendril.cli demo --quick > $(OUT)/demo.txt 2>&1; tail -3 $(OUT)/demo.txt
+	-for case in $(CASES); do PYTHONPATH=src:. timeout 420 $(PYTHON) -m benchmarks run $$case --out $(OUT)/results > $(OUT)/$$case.txt 2>&1; tail -3 $(OUT)/$$case.txt; done
+	tar czf $(OUT).tgz -C $(OUT) . && rm -rf $(OUT)
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache
