@@ -12,6 +12,7 @@ from tendril.config import Config
 from tendril.graphs.alias import REDIRECT_LANES, LaneKey, Lanes, empty_at, out_form, partner, signature
 from tendril.graphs.backend import NullBackend
 from tendril.graphs.callable import GraphedCallable, graphed
+from tendril.graphs.key import GraphKey, TensorSpec
 from tendril.graphs.memory import PlaceholderArena
 from tendril.graphs.stats import GraphStats, Misprediction
 
@@ -89,6 +90,49 @@ def test_lane_keys_differ_from_plain_keys_and_partners_alternate():
     lane = LaneKey(key.structure, key.tensors, key.constants, 1)
     assert lane != key and hash(lane) != hash(key) and str(lane).endswith("@lane1")
     assert [partner(0), partner(1), partner(2)] == [1, 2, 1] and set(REDIRECT_LANES) == {1, 2}
+
+
+def test_reallocating_a_redirect_target_moves_its_lane_to_graphs_of_the_new_buffers():
+    """A lane graph reads the buffers its lane had at capture; once a redirect target's buffer is reallocated
+    (grown), calls of that lane go to graphs keyed by the new generation. Carried positions do not count."""
+    lanes = Lanes(PlaceholderArena())
+    spec = lambda n: TensorSpec((n,), torch.float32, torch.device("cpu"))  # noqa: E731
+    lanes.placeholder(1, 0, spec(4))
+    lanes.placeholder(1, 0, spec(3))  # fits: same buffer
+    assert lanes.generations == {1: 0, 2: 0}
+    old = LaneKey((), (spec(9),), (), 1, lanes.generations[1])
+    lanes.placeholder(1, 0, spec(9))  # outgrown: reallocated
+    assert lanes.generations == {1: 1, 2: 0}
+    assert lanes.current(old) == LaneKey((), (spec(9),), (), 1, 1)
+    assert str(lanes.current(old)).endswith("@lane1/buffers1")
+    lanes.placeholder(2, 1, spec(4))
+    lanes.carried.add(1)
+    lanes.placeholder(2, 1, spec(64))
+    assert lanes.generations == {1: 1, 2: 0}
+    plain = GraphKey((), (spec(9),), ())
+    assert lanes.current(plain) is plain
+
+
+def test_a_producer_that_outgrows_its_lane_sizes_the_buffer_for_its_output_once():
+    fast = make(lambda x: x * 2)
+    x = torch.randn(4, 3)
+    beam = torch.tensor([3, 1, 2, 0])
+    with fast.zero_copy():
+        for _ in range(4):
+            y = x.index_select(0, beam)
+            torch.testing.assert_close(fast(y), y * 2)
+        x = torch.randn(40, 3)
+        beam = torch.arange(40).flip(0)
+        reallocations = dict(fast._lanes.generations)
+        for step in range(6):
+            if step == 2:  # the too-large output was copied (and relinked) once; then both lanes fit
+                copied = fast.stats.input_bytes_copied
+            y = x.index_select(0, beam)
+            torch.testing.assert_close(fast(y), y * 2)
+    assert fast.stats.input_bytes_copied == copied
+    assert fast.stats.mispredictions[Misprediction.TOO_LARGE] == 1
+    assert sum(fast._lanes.generations.values()) - sum(reallocations.values()) == 2  # each lane once
+    assert set(fast.stats.mispredictions) == {Misprediction.TOO_LARGE}
 
 
 def test_beam_loop_under_zero_copy_equals_eager_and_stops_copying_the_cache():

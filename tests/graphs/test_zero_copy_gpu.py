@@ -143,3 +143,15 @@ def test_hf_gpt2_beam_decode_three_ways_on_cuda():
         assert fast.stats.eager_calls == 0, fast.stats.table()
     assert auto.stats.input_bytes_copied - before < 1.5 * cache_bytes
     assert carried.stats.input_copies_avoided >= 5 * 7
+
+
+def test_zero_copy_holds_in_every_cache_length_phase_on_cuda():
+    """The benchmark's phases (a short cache, then longer ones that outgrow the lane buffers) with real graphs:
+    after the first steps of a phase the redirected cache is exactly what the graphs read."""
+    from tests.graphs import test_zero_copy_phases as phases
+
+    auto = graphed(phases.toy_step, max_graphs=1024)
+    with torch.inference_mode():
+        report = phases.decode_phases(phases.toy_step, auto, phases.ToyConfig, device="cuda")
+    phases.assert_zero_copy_in_every_phase(report)
+    assert auto.stats.eager_calls == 0, auto.stats.table()

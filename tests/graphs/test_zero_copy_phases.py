@@ -6,6 +6,8 @@ first of a repetition) nothing of the cache may be copied, in every phase, and n
 the call's graph does not read (`MOVED`) or fail for lack of room (`TOO_LARGE`); every step equals eager.
 """
 
+import itertools
+
 import pytest
 import torch
 
@@ -31,7 +33,8 @@ def toy_step(ids: torch.Tensor, positions: torch.Tensor, *past: torch.Tensor) ->
         for i, p in enumerate(past)
     )
     summary = torch.stack([p.mean(dim=(1, 2, 3)) for p in present], dim=1).sum(1, keepdim=True)
-    logits = summary * torch.linspace(-1.0, 1.0, VOCAB) + torch.cos(ids.float() * torch.arange(VOCAB))
+    vocab = torch.arange(VOCAB, device=ids.device)
+    logits = summary * (vocab / (VOCAB - 1) * 2 - 1) + torch.cos(ids.float() * vocab)
     return logits, present
 
 
@@ -39,14 +42,14 @@ class ToyConfig:
     n_embd, n_head, n_layer, vocab_size = 8, 2, 2, VOCAB
 
 
-def decode_phases(fn, auto: GraphedCallable, config, lengths=LENGTHS, reps: int = 2):
+def decode_phases(fn, auto: GraphedCallable, config, lengths=LENGTHS, reps: int = 2, device="cpu"):
     """The benchmark's loop for `auto` per length: warm-up 2 x STEPS steps, then `reps` repetitions.
 
     Returns (length, the steady-state bytes copied per step, the mispredictions of the repetitions) per phase,
     after checking every step of every run against eager."""
     report = []
     for length in lengths:
-        start = case.prefix(config, length, torch.device("cpu"), torch.float32)
+        start = case.prefix(config, length, torch.device(device), torch.float32)
         eager = case.run_loop(lambda s: case.host_step(fn, s), start, STEPS)
         for _ in range(2):
             with auto.zero_copy():
@@ -57,11 +60,9 @@ def decode_phases(fn, auto: GraphedCallable, config, lengths=LENGTHS, reps: int 
         for _ in range(reps):
             copied: list[int] = []
             with auto.zero_copy():
-                states = case.run_loop(
-                    lambda s: case.host_step(auto, s), start, STEPS, lambda _: copied.append(auto.stats.input_bytes_copied)
-                )
+                states = case.run_loop(lambda s: case.host_step(auto, s), start, STEPS, record_bytes(auto, copied))
             assert_equal(eager, states)
-            steady.extend(after - before for before, after in zip(copied, copied[1:]))
+            steady.extend(after - before for before, after in itertools.pairwise(copied))
         new = {
             reason: count - mispredicted.get(reason, 0)
             for reason, count in auto.stats.mispredictions.items()
@@ -69,6 +70,11 @@ def decode_phases(fn, auto: GraphedCallable, config, lengths=LENGTHS, reps: int 
         }
         report.append((length, max(steady), new))
     return report
+
+
+def record_bytes(auto: GraphedCallable, copied: list[int]):
+    """A `run_loop` callback recording the bytes `auto` has copied so far after every step."""
+    return lambda _: copied.append(auto.stats.input_bytes_copied)
 
 
 def assert_equal(eager, states) -> None:

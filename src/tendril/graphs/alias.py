@@ -24,15 +24,21 @@ Placeholders in lanes. Redirecting into the placeholders the last call read woul
 program still holds (`past = [p.index_select(0, beams) for p in present]` keeps the previous `past`
 alive until the assignment). So redirected placeholders live in two extra *lanes* (1 and 2), with
 their own buffers, and producers write into the lane the last call did not use. A call whose
-arguments sit in lane L replays the graph captured for (key, L) (`LaneKey`), captured on first use;
-lane 0 is the classic one that calls copy into and that `static_inputs`/`inputs_for` expose. A redirect
-is refused (and counted in `stats.mispredictions`) when:
+arguments sit in lane L replays the graph captured for (key, L, generation) (`LaneKey`), captured on
+first use; lane 0 is the classic one that calls copy into and that `static_inputs`/`inputs_for` expose.
+Lane buffers grow (reallocate) when a longer input needs it, and a graph keeps reading the buffers it
+was captured with, while redirects write into the current ones: so every reallocation of a redirect
+target starts a new *generation* of its lane (`Lanes.generations`), and calls go to graphs of the
+current generation (captured on first use, once per key and lane after each growth). Without that, a
+cache that moves to a longer range would keep meeting graphs of the outgrown buffers and be copied.
+A redirect is refused (and counted in `stats.mispredictions`) when:
 
 - the target slot still holds a redirected tensor the program references (storage weak references);
 - the op reads the buffer it would write, or an argument requires grad;
 - the signature differs from the learned one (the output dtype could differ);
 - the output does not fit the buffer (the zero-length target's storage cannot grow, so the op raises
-  before writing and runs normally instead);
+  before writing and runs normally instead; the buffer is then reallocated at twice the output's size,
+  so the next redirect into this lane fits);
 - a graph returns a view of that position's placeholder (the output would be clobbered), or the
   position is loop-carried state (`carry.py`).
 
@@ -80,12 +86,15 @@ REDIRECT_LANES = (1, 2)
 
 @dataclass(frozen=True)
 class LaneKey(GraphKey):
-    """A graph key plus the placeholder lane its graph reads (1 or 2; lane 0 graphs keep the plain key)."""
+    """A graph key plus the placeholder lane its graph reads (1 or 2; lane 0 graphs keep the plain key) and
+    the lane's buffer generation at capture: a graph reads the buffers its lane had then (`Lanes.generations`)."""
 
     lane: int = COPY_LANE
+    generation: int = 0
 
     def __str__(self) -> str:
-        return f"{super().__str__()}@lane{self.lane}"
+        suffix = f"/buffers{self.generation}" if self.generation else ""
+        return f"{super().__str__()}@lane{self.lane}{suffix}"
 
 
 def lane_of(key: GraphKey) -> int:
@@ -273,6 +282,12 @@ class Lanes:
     owners: dict[int, tuple[int, int, torch.dtype, torch.device]] = field(default_factory=dict)
     """Start address of each current redirect-lane buffer -> (lane, position, dtype, device): how a call
     finds, in one lookup per argument, which lane an argument sits in."""
+    generations: dict[int, int] = field(default_factory=lambda: dict.fromkeys(REDIRECT_LANES, 0))
+    """Per redirect lane, how many times one of its redirect targets' buffers was reallocated (grown). Lane
+    graphs are keyed by it (`LaneKey.generation`): a graph captured before a reallocation reads the outgrown
+    buffer, where no redirect writes any more, so calls go to a graph captured against the current buffers.
+    Carried positions do not count: a carried output is written into the buffer bound when the writing graph
+    was captured, which is the one the next graph in the chain was captured reading (`carry.py`)."""
     _slot_address: dict[tuple[int, int, torch.dtype, torch.device], int] = field(default_factory=dict)
 
     def arena(self, lane: int) -> PlaceholderArena:
@@ -306,6 +321,8 @@ class Lanes:
             return
         if previous is not None:
             self.owners.pop(previous, None)
+            if position not in self.carried:
+                self.generations[lane] += 1
         self._slot_address[slot] = address
         self.owners[address] = slot
 
@@ -341,7 +358,13 @@ class Lanes:
         self.last_lane = lane
         if lane == COPY_LANE:
             return key
-        return LaneKey(key.structure, key.tensors, key.constants, lane)
+        return LaneKey(key.structure, key.tensors, key.constants, lane, self.generations[lane])
+
+    def current(self, key: GraphKey) -> GraphKey:
+        """`key` with its lane's generation as it is now (making a graph's placeholders may have grown a buffer)."""
+        if isinstance(key, LaneKey) and key.generation != self.generations[key.lane]:
+            return LaneKey(key.structure, key.tensors, key.constants, key.lane, self.generations[key.lane])
+        return key
 
     def pin_aliased_outputs(self, positions: Sequence[int], placeholders: Sequence[torch.Tensor], outputs: Any) -> None:
         """Never redirect into a position whose placeholder a graph returns (a view of it)."""
@@ -513,16 +536,27 @@ class ZeroCopyPredictor:
                 result = out_op(*args, **kwargs, out=target)
         except (RuntimeError, TypeError) as error:  # raised before writing: the output does not fit, or out= refused
             first_line = str(error).splitlines()[0] if str(error) else type(error).__name__
-            if "not resizable" in first_line:
-                self._miss(Misprediction.TOO_LARGE, f"{_name(link, slot)}: {first_line}")
-                lanes.buffer(lane, position, link.dtype, link.device, 2 * buffer.numel())
-            else:
+            if "not resizable" not in first_line:
                 self.links.pop(slot, None)
                 self._miss(Misprediction.NO_OUT_FORM, f"{_name(link, slot)}: its out= form raised {first_line}")
-            return None
+                return None
+            self._miss(Misprediction.TOO_LARGE, f"{_name(link, slot)}: {first_line}")
+            return self._outgrown(lane, link, link.op(*args, **kwargs))
         lanes.occupants[(lane, position)] = StorageWeakRef(result.untyped_storage())
         self.redirected[id(result)] = _Redirected(weakref.ref(result), slot, link.op, position)
         self.stats.redirects += 1
+        return result
+
+    def _outgrown(self, lane: int, link: Link, result: Any) -> Any:
+        """The eager `result` of a producer too large for its lane buffer; the buffer is sized for it now.
+
+        Sized as the next redirect will ask (twice the output), so this lane's buffer is reallocated once,
+        here, before any graph reads it at the new size; the other lane grows at its next redirect. Every
+        call after the reallocation goes to graphs captured against the new buffers (`Lanes.generations`).
+        """
+        if isinstance(result, torch.Tensor):
+            link.numel = result.numel()
+            self.lanes.buffer(lane, link.position, link.dtype, link.device, 2 * max(link.numel, 1))
         return result
 
     def _miss(self, reason: Misprediction, detail: str) -> None:

@@ -333,6 +333,7 @@ class GraphedCallable:
             self._lanes.placeholder(lane, index, spec, flat.leaves[index])
             for index, spec in zip(indices, key.tensors, strict=True)
         ]
+        key = self._lanes.current(key)  # a placeholder that outgrew its lane buffer reallocated it
         leaves = list(flat.leaves)
         for index, placeholder in zip(indices, placeholders, strict=True):
             leaves[index] = placeholder
