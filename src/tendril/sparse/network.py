@@ -8,10 +8,11 @@ when one was fused. Pooling, flatten and unfused ReLU/adds run as dense PyTorch 
 tensors they are single cheap passes, while a compressed version would need irregular gathers.
 
 Backends: `"cuda"` (the default on a GPU: each convolution by the shared-memory CUDA C++ kernel,
-with bias, residual and ReLU fused, or by the Triton kernel, whichever `tune` measured faster for
-that layer; compression and FC layers by Triton kernels), `"triton"` (every op a
-Triton kernel, convolutions accumulating by global atomics; also runs on CPU tensors under
-`TRITON_INTERPRET=1`) and `"cpu"` (compiled numba loops, `ops/conv/cpu.py`: per layer SCNN's
+with bias, residual and ReLU fused, by the Triton kernel, or by the register-tiled sparse-weight
+kernel (`ops/conv/register_cuda.py`, which reads the dense input, so that layer skips compression),
+whichever `tune` measured fastest for that layer; compression and FC layers by Triton kernels),
+`"triton"` (every op a Triton kernel, convolutions accumulating by global atomics; also runs on
+CPU tensors under `TRITON_INTERPRET=1`) and `"cpu"` (compiled numba loops, `ops/conv/cpu.py`: per layer SCNN's
 Cartesian product or the output-stationary sparse-weight dataflow, whichever its cost model
 predicts faster, on `threads` threads of numba's pool; the CPU steps read their dense input
 directly, compress it only for SCNN's dataflow, and fuse bias, residual and ReLU into the kernels).
@@ -35,6 +36,7 @@ from tendril.sparse.ops.compress import cpu as compress_cpu
 from tendril.sparse.ops.compress import triton as compress_triton
 from tendril.sparse.ops.conv import cpu as conv_cpu
 from tendril.sparse.ops.conv import cuda as conv_cuda
+from tendril.sparse.ops.conv import register_cuda, register_tiling
 from tendril.sparse.ops.conv import triton as conv_triton
 from tendril.sparse.ops.conv.tiling import TiledWeights
 from tendril.sparse.ops.linear import cpu as linear_cpu
@@ -86,7 +88,10 @@ class SparseConvStep:
     tiled: TiledWeights | None = None
     """The weights in the CUDA kernel's tile order (GPU networks only)."""
     conv_kernel: str = "cuda"
-    """Under the `"cuda"` backend, which convolution kernel this layer uses (`SparseNetwork.tune` picks)."""
+    """Under the `"cuda"` backend, which convolution kernel this layer uses (`SparseNetwork.tune` picks):
+    `"cuda"`, `"triton"` or `"register"`."""
+    register: register_cuda.RegisterConvLayer | None = None
+    """The weights and buffers of the register-tiled kernel (built by `tune` where it supports the layer)."""
     cpu_plan: conv_cpu.CpuConvPlan | None = None
     """The weights re-ordered for the CPU kernels (built on the first CPU forward)."""
 
@@ -108,12 +113,29 @@ class SparseConvStep:
         g = self.weights.geometry
         if state.backend == "cpu":
             return self._run_cpu(x, values[1] if self.residual else None, state)
+        if state.backend == "cuda" and self.conv_kernel == "register":
+            return self._run_register(x, values[1] if self.residual else None, state)
         outputs = []
         for b in range(x.shape[0]):
             acts = state.compress(self.name, x[b], self.layout)
             init = self.bias.view(-1, 1, 1).expand(g.out_channels, *g.out_hw)
             init = (init + values[1][b]) if self.residual else init.contiguous()
             outputs.append(self.convolve(acts, init, state))
+        return torch.stack(outputs)
+
+    def _run_register(self, x: torch.Tensor, residual: torch.Tensor | None, state: RunState) -> torch.Tensor:
+        """The register-tiled kernel reads the dense input (no compression, so no capacity to overflow)
+        and fuses bias, residual and ReLU; the input's nonzero count comes from the kernel's tile counts."""
+        if self.register is None:
+            raise ValueError(
+                f"{self.name}: the register kernel was chosen but not prepared; SparseNetwork.tune builds it"
+            )
+        outputs = []
+        for b in range(x.shape[0]):
+            resid = None if residual is None else residual[b].contiguous()
+            y = register_cuda.conv(x[b].contiguous(), self.register, self.bias, residual=resid, relu=self.relu)
+            outputs.append(y)
+            state.last_counts[self.name] = self.register.counts
         return torch.stack(outputs)
 
     def _run_cpu(self, x: torch.Tensor, residual: torch.Tensor | None, state: RunState) -> torch.Tensor:
@@ -252,9 +274,11 @@ class SparseNetwork:
 
     @torch.no_grad()
     def tune(self, x: torch.Tensor, reps: int = 5) -> dict[str, str]:
-        """Pick each convolution's kernel (shared-memory CUDA or Triton atomics) by timing both on `x`.
+        """Pick each convolution's kernel by timing the candidates on `x`: shared-memory CUDA (`"cuda"`),
+        Triton atomics (`"triton"`) and, where its planner supports the geometry, the register-tiled
+        sparse-weight kernel (`"register"`, timed on the layer's dense input, as it runs).
 
-        Runs one forward, and for every convolution times both kernels on the activations it really
+        Runs one forward, and for every convolution times the kernels on the activations it really
         sees (host syncs: call it once, after conversion, never inside a graph capture). Returns
         `{layer: kernel}`; the choice is used by the `"cuda"` backend.
         """
@@ -266,22 +290,40 @@ class SparseNetwork:
             inputs = [values[name] for name in step.inputs]
             if isinstance(step, SparseConvStep) and step.tiled is not None:
                 acts = self._state.compress(step.name, inputs[0][0], step.layout)
-                g = step.weights.geometry
-                init = torch.zeros(g.out_channels, *g.out_hw, device=self.device)
-                times = {}
-                for kernel in ("cuda", "triton"):
-                    step.conv_kernel = kernel
-                    step.convolve(acts, init, self._state)
-                    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                    start.record()
-                    for _ in range(reps):
-                        step.convolve(acts, init, self._state)
-                    end.record()
-                    end.synchronize()
-                    times[kernel] = start.elapsed_time(end)
+                times = self._time_conv_kernels(step, acts, inputs[0][0].contiguous(), reps)
                 step.conv_kernel = choice[step.name] = min(times, key=lambda k: times[k])
             values[step.output] = step.run(inputs, self._state)
         return choice
+
+    def _time_conv_kernels(
+        self, step: SparseConvStep, acts: CompressedActivations, dense_input: torch.Tensor, reps: int
+    ) -> dict[str, float]:
+        """Milliseconds of `reps` calls of each candidate kernel on one layer's real input."""
+        g = step.weights.geometry
+        init = torch.zeros(g.out_channels, *g.out_hw, device=self.device)
+        candidates: dict[str, Callable[[], object]] = {
+            "cuda": lambda: step.convolve(acts, init, self._state),
+            "triton": lambda: step.convolve(acts, init, self._state),
+        }
+        if register_tiling.unsupported_reason(g) is None:
+            if step.register is None:
+                sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+                plan = register_tiling.plan(g, step.weights.density, sms)
+                step.register = register_cuda.RegisterConvLayer.prepare(step.weights, plan)
+            layer = step.register
+            candidates["register"] = lambda: register_cuda.conv(dense_input, layer, step.bias, relu=step.relu)
+        times = {}
+        for kernel, run_kernel in candidates.items():
+            step.conv_kernel = kernel
+            run_kernel()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(reps):
+                run_kernel()
+            end.record()
+            end.synchronize()
+            times[kernel] = start.elapsed_time(end)
+        return times
 
     def reset_overflow(self) -> None:
         self._state.overflow.zero_()
