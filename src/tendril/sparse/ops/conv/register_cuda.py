@@ -334,8 +334,10 @@ def conv(
     *,
     residual: torch.Tensor | None = None,
     relu: bool = False,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """`[relu](conv(x, weights) + bias + residual)` for one dense `[C, H, W]` sample, as a new tensor.
+    """`[relu](conv(x, weights) + bias + residual)` for one dense `[C, H, W]` sample, written to `out`
+    (a new tensor when None) and returned.
 
     Also leaves the nonzero count of `x` in `layer.counts` (summed over its entries)."""
     plan = layer.plan
@@ -347,7 +349,10 @@ def conv(
         raise ValueError(f"bias must be a contiguous [{g.out_channels}] tensor")
     if residual is not None and (tuple(residual.shape) != out_shape or not residual.is_contiguous()):
         raise ValueError(f"residual must be a contiguous {list(out_shape)} tensor")
-    out = torch.empty(out_shape, device=x.device)
+    if out is None:
+        out = torch.empty(out_shape, device=x.device)
+    elif tuple(out.shape) != out_shape or out.dtype != torch.float32 or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous float32 {list(out_shape)} tensor")
     packed = layer.weights
     i32 = ctypes.c_int32
     _kernel(plan).launch(
