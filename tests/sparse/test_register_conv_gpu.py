@@ -1,0 +1,160 @@
+"""GPU: the register-tiled sparse-weight kernel against the dense convolution over random geometries
+and densities (0 and 1 included), with NaN-poisoned outputs, forced small plans (several tiles,
+k-blocks, chunks and channel splits), fused residual/ReLU, determinism and CUDA-graph replays of the
+ticketed split reduction, VGG-16-sized layers, and networks forced onto the kernel."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tendril.sparse import convert, prune
+from tendril.sparse.network import SparseConvStep
+from tendril.sparse.ops.conv import register_cuda, register_tiling
+from tendril.sparse.ops.conv.register_cuda import RegisterConvLayer
+from tests.sparse.checks import CONV_CASES, REL_TOL, ConvCase, conv_operands, relative_error
+from tests.sparse.models import BasicBlock, ResNetLike, alexnet_like, randomize_batchnorm, vgg_like
+from tests.sparse.test_register_conv import random_cases, small_plan
+
+pytestmark = pytest.mark.gpu
+CUDA = torch.device("cuda")
+SMS = 132
+
+
+@pytest.fixture(autouse=True)
+def _exact_fp32():
+    previous = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
+    yield
+    torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = previous
+
+
+def check(case: ConvCase, plan_for, *, relu: bool = False, residual: bool = False, seed: int = 0) -> None:
+    weights, x, init, ref = conv_operands(case, CUDA)
+    g = weights.geometry
+    bias = init[:, 0, 0].contiguous()
+    resid = None
+    if residual:
+        resid = torch.randn(g.out_channels, *g.out_hw, generator=torch.Generator().manual_seed(seed)).to(CUDA)
+        ref = ref + resid.double().cpu()
+    if relu:
+        ref = ref.relu()
+    layer = RegisterConvLayer.prepare(weights, plan_for(g, weights.density))
+    out = torch.full((g.out_channels, *g.out_hw), float("nan"), device=CUDA)
+    y = register_cuda.conv(x, layer, bias, residual=resid, relu=relu, out=out)
+    assert y is out and not y.isnan().any(), "an output was never written"
+    if ref.abs().max() == 0:
+        assert torch.equal(y.cpu(), torch.zeros_like(y.cpu()))
+    else:
+        assert relative_error(y.cpu(), ref) <= REL_TOL, (case, layer.plan)
+    assert int(layer.counts.sum()) == int((x != 0).sum())
+    assert not layer.tickets.any(), "every tile's last split resets its ticket"
+
+
+@pytest.mark.parametrize("case", CONV_CASES + random_cases(40, seed=5))
+def test_register_conv_with_the_planned_tiles_matches_dense_conv(case):
+    check(case, lambda g, d: register_tiling.plan(g, d, SMS))
+
+
+@pytest.mark.parametrize("index", range(40))
+def test_register_conv_with_small_tiles_splits_residual_and_relu(index):
+    case = random_cases(40, seed=13)[index]
+    rng = random.Random(index)
+    check(case, lambda g, d: small_plan(g, rng), relu=rng.random() < 0.5, residual=rng.random() < 0.5, seed=index)
+
+
+@pytest.mark.parametrize(
+    ("channels", "out_channels", "size", "weight_density", "act_density"),
+    [
+        (3, 64, 224, 0.58, 1.0),
+        (64, 64, 224, 0.22, 0.5),
+        (128, 256, 56, 0.53, 0.67),
+        (512, 512, 28, 0.27, 0.5),
+        (512, 512, 14, 0.35, 0.54),
+        (512, 512, 14, 1.0, 1.0),
+    ],
+)
+def test_register_conv_on_vgg16_layers(channels, out_channels, size, weight_density, act_density):
+    case = ConvCase(channels, out_channels, (size, size), 3, 1, 1, 1, weight_density, act_density)
+    check(case, lambda g, d: register_tiling.plan(g, d, SMS), relu=True)
+
+
+@pytest.mark.parametrize("candidate", range(4))
+def test_every_top_candidate_plan_of_a_split_layer_is_correct(candidate):
+    case = ConvCase(256, 128, (14, 14), 3, 1, 1, 1, 0.3, 0.5)
+    check(case, lambda g, d: register_tiling.candidates(g, d, SMS)[candidate], relu=True)
+
+
+def test_split_reduction_is_deterministic_and_replays_in_a_cuda_graph():
+    case = ConvCase(512, 256, (14, 14), 3, 1, 1, 1, 0.3, 0.5)
+    weights, x, init, _ = conv_operands(case, CUDA)
+    plan = register_tiling.plan(weights.geometry, weights.density, SMS)
+    assert plan.splits > 1
+    layer = RegisterConvLayer.prepare(weights, plan)
+    bias = init[:, 0, 0].contiguous()
+    first = register_cuda.conv(x, layer, bias, relu=True)
+    for _ in range(3):
+        assert torch.equal(register_cuda.conv(x, layer, bias, relu=True), first)
+    placeholder = x.clone()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        register_cuda.conv(placeholder, layer, bias, relu=True)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = register_cuda.conv(placeholder, layer, bias, relu=True)
+    for seed in range(4):
+        fresh = torch.randn(x.shape, generator=torch.Generator().manual_seed(seed)).relu().to(CUDA)
+        placeholder.copy_(fresh)
+        out.fill_(float("nan"))
+        graph.replay()
+        dense = F.conv2d(fresh[None], weights.to_dense(), bias, padding=1)[0].relu()
+        assert relative_error(out, dense) <= REL_TOL
+    assert not layer.tickets.any()
+
+
+NETWORKS = [
+    (lambda: alexnet_like(width=16), "alexnet", 127),
+    (lambda: vgg_like(width=8, batch_norm=True), 0.3, 64),
+    (lambda: ResNetLike(BasicBlock, (2, 2, 2)), 0.2, 64),
+]
+
+
+@pytest.mark.parametrize("index", range(len(NETWORKS)))
+def test_network_on_the_register_kernel_matches_dense_eager_and_in_a_graph(index):
+    build, densities, size = NETWORKS[index]
+    torch.manual_seed(index)
+    model = randomize_batchnorm(build()).eval().to(CUDA)
+    prune(model, densities)
+    placeholder = torch.randn(1, 3, size, size, device=CUDA)
+    net = convert(model, placeholder)  # tune builds the register layers where supported
+    forced = 0
+    for step in net.steps:
+        if isinstance(step, SparseConvStep) and step.register is not None:
+            step.conv_kernel = "register"
+            forced += 1
+    assert forced > 0
+    with torch.no_grad():
+        assert relative_error(net(placeholder), model(placeholder)) <= REL_TOL
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            net(placeholder)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = net(placeholder)
+        for _ in range(3):
+            x = torch.randn(1, 3, size, size, device=CUDA)
+            placeholder.copy_(x)
+            out.fill_(float("nan"))
+            graph.replay()
+            assert relative_error(out, model(x)) <= REL_TOL
+    for report in net.layers():
+        if report.kind == "conv":
+            assert report.activation_density is not None and 0.0 <= report.activation_density <= 1.0
+    net.check_overflow()
