@@ -1,0 +1,185 @@
+"""Case `sparse-conv-kernels`: tendril's GPU convolution kernels on VGG-16's 13 conv layers, one layer
+at a time, against cuDNN fp32 (TF32 off), each variant replayed inside a CUDA graph, batch 1, 224×224.
+
+Per layer: weights random and magnitude-pruned to the Deep Compression density of that layer,
+input a ReLU-like activation (|N(0,1)| kept with the layer's activation density as tendril measured
+it on VGG-16, benchmarks/results/sparse-cnn.json). Variants, as each runs inside a network:
+- `old`: the shared-memory SCNN kernel (`ops/conv/cuda.py`) with what it needs per layer in a
+  network: compression of the input (Triton), the init (bias) copy, the convolution with ReLU;
+- `register`: the register-tiled sparse-weight kernel (`ops/conv/register_cuda.py`) with the plan
+  its planner picks (dense input, bias and ReLU fused, nothing else needed), and the next
+  `ALTERNATES` plans by predicted cost (`register alt N`), to check the planner against the device;
+- `cuDNN fp32`: `F.conv2d` + bias + ReLU.
+Two input tensors alternate between replays (one graph captured per input), so no replay finds its
+input in L2 from the replay before. Every output is checked against cuDNN's (relative error).
+
+Targets: `vgg16_conv_register_speedup_vs_cudnn_fp32` (sum of cuDNN's layer times / sum of the
+register kernel's best plan per layer; goal > 1), `vgg16_conv_register_speedup_vs_old` (> 1), and
+the per-layer ratios and predicted times (`estimate_us`) in `extra.layers`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from benchmarks.registry import Context, Goal, register
+from tendril.sparse.format import ActivationLayout, ConvGeometry, SparseConvWeights
+from tendril.sparse.ops.compress import triton as compress_triton
+from tendril.sparse.ops.conv import cuda as conv_cuda
+from tendril.sparse.ops.conv import register_cuda, register_tiling, tiling
+from tendril.utils.timing import Timing, summarize
+
+# (in channels, out channels, input size, Deep Compression weight density, activation density)
+VGG16_LAYERS = [
+    (3, 64, 224, 0.58, 1.0),
+    (64, 64, 224, 0.22, 0.50),
+    (64, 128, 112, 0.34, 0.87),
+    (128, 128, 112, 0.36, 0.47),
+    (128, 256, 56, 0.53, 0.67),
+    (256, 256, 56, 0.24, 0.51),
+    (256, 256, 56, 0.42, 0.49),
+    (256, 512, 28, 0.32, 0.61),
+    (512, 512, 28, 0.27, 0.50),
+    (512, 512, 28, 0.34, 0.50),
+    (512, 512, 14, 0.35, 0.54),
+    (512, 512, 14, 0.29, 0.49),
+    (512, 512, 14, 0.36, 0.53),
+]
+ALTERNATES = 2
+
+
+def _pruned_weight(k: int, c: int, density: float, gen: torch.Generator) -> torch.Tensor:
+    w = torch.randn(k, c, 3, 3, generator=gen) * (2.0 / (9 * c)) ** 0.5
+    keep = max(1, round(density * w.numel()))
+    threshold = w.abs().flatten().kthvalue(w.numel() - keep + 1).values
+    return w * (w.abs() >= threshold)
+
+
+def _relu_like(c: int, size: int, density: float, gen: torch.Generator) -> torch.Tensor:
+    return torch.randn(c, size, size, generator=gen).abs() * (torch.rand(c, size, size, generator=gen) < density)
+
+
+def _time_graphs(fns: list[Callable[[], Any]], reps: int) -> tuple[Timing, list[Any]]:
+    """Capture each callable in its own CUDA graph and time replays alternating between them."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for fn in fns:
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graphs, outputs = [], []
+    for fn in fns:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            outputs.append(fn())
+        graphs.append(graph)
+    for i in range(5):
+        graphs[i % len(graphs)].replay()
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
+    for i, (start, end) in enumerate(events):
+        start.record()
+        graphs[i % len(graphs)].replay()
+        end.record()
+    torch.cuda.synchronize()
+    return summarize([s.elapsed_time(e) for s, e in events]), outputs
+
+
+def _relative_error(y: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((y.double() - ref.double()).abs().max() / ref.double().abs().max().clamp(min=1e-30))
+
+
+def _bench_layer(
+    ctx: Context, index: int, spec: tuple[int, int, int, float, float], gen: torch.Generator, reps: int, sms: int
+) -> dict[str, Any]:
+    """Time and check the three variants on one layer; returns its `extra.layers` entry."""
+    c, k, size, w_density, a_density = spec
+    name = f"conv{index + 1:02d} {c}->{k} @{size}"
+    g = ConvGeometry(c, k, (3, 3), (1, 1), (1, 1), 1, (size, size))
+    weight = _pruned_weight(k, c, w_density, gen).to(ctx.device)
+    bias = (torch.randn(k, generator=gen) * 0.1).to(ctx.device)
+    inputs = [_relu_like(c, size, a_density, gen).to(ctx.device) for _ in range(2)]
+    weights = SparseConvWeights.from_dense(weight, g)
+
+    cudnn, references = _time_graphs(
+        [lambda x=x: F.conv2d(x[None], weight, bias, padding=1)[0].relu_() for x in inputs], reps
+    )
+    ctx.add_timing(f"{name} cuDNN fp32", cudnn)
+
+    tiled = tiling.TiledWeights.prepare(weights, tiling.plan(g, target_blocks=2 * sms))
+    layout = ActivationLayout.for_conv(g)
+    flag = torch.zeros(1, dtype=torch.int32, device=ctx.device)
+    init = torch.empty(k, size, size, device=ctx.device)
+
+    def old(x: torch.Tensor) -> torch.Tensor:
+        acts = compress_triton.compress(x, layout, flag)
+        init.copy_(bias.view(-1, 1, 1).expand(k, size, size))
+        return conv_cuda.conv(acts, weights, tiled, init, relu=True)
+
+    old_timing, old_out = _time_graphs([lambda x=x: old(x) for x in inputs], reps)
+    ctx.add_timing(f"{name} old shared-memory kernel", old_timing)
+    errors = {"old": _relative_error(old_out[-1], references[-1])}
+
+    def register_variant(layer: register_cuda.RegisterConvLayer) -> list[Callable[[], Any]]:
+        return [lambda x=x: register_cuda.conv(x, layer, bias, relu=True) for x in inputs]
+
+    register_times: dict[str, float] = {}
+    plan_rows = []
+    for rank, plan in enumerate(register_tiling.candidates(g, weights.density, sms)[: 1 + ALTERNATES]):
+        timing, outs = _time_graphs(register_variant(register_cuda.RegisterConvLayer.prepare(weights, plan)), reps)
+        label = "register" if rank == 0 else f"register alt {rank}"
+        ctx.add_timing(f"{name} {label}", timing)
+        register_times[label] = timing.median_ms
+        errors[label] = max(_relative_error(o, r) for o, r in zip(outs, references, strict=True))
+        plan_rows.append(
+            {
+                "label": label,
+                "ph_pw_kt_lanes_x": [plan.ph, plan.pw, plan.kt, plan.lanes_x],
+                "splits": plan.splits,
+                "c_chunk": plan.c_chunk,
+                "grid": list(plan.grid),
+                "shared_bytes": plan.shared_bytes,
+                "estimate_us": round(register_tiling.estimate_us(plan, weights.density, sms), 1),
+                "ms": round(timing.median_ms, 4),
+            }
+        )
+    for variant, err in errors.items():
+        ctx.add_value(f"{name} {variant}", "rel_err_vs_cudnn_fp32", err)
+    best = min(register_times.values())
+    print(f"{name}: cuDNN {cudnn.median_ms:.4f} ms, old {old_timing.median_ms:.4f}, register {register_times}")
+    return {
+        "layer": name,
+        "weight_density": round(weights.density, 4),
+        "activation_density": a_density,
+        "cudnn_ms": round(cudnn.median_ms, 4),
+        "old_ms": round(old_timing.median_ms, 4),
+        "register_best_ms": round(best, 4),
+        "register_speedup_vs_cudnn": round(cudnn.median_ms / best, 3),
+        "useful_tmacs_per_s": round(weights.nnz * size * size / best / 1e9, 2),
+        "plans": plan_rows,
+    }
+
+
+@register("sparse-conv-kernels", "VGG-16 conv layers: old SCNN kernel vs register-tiled kernel vs cuDNN fp32 (graphs)")
+def run(ctx: Context) -> None:
+    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
+    reps = 20 if ctx.quick else 60
+    sms = torch.cuda.get_device_properties(ctx.device).multi_processor_count
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        layers = [_bench_layer(ctx, i, spec, gen, reps, sms) for i, spec in enumerate(VGG16_LAYERS)]
+    ctx.extra["layers"] = layers
+    totals = {key: sum(layer[f"{key}_ms"] for layer in layers) for key in ("cudnn", "old", "register_best")}
+    ctx.add_value("vgg16 conv layers cuDNN fp32", "sum_ms", totals["cudnn"])
+    ctx.add_value("vgg16 conv layers old shared-memory kernel", "sum_ms", totals["old"])
+    ctx.add_value("vgg16 conv layers register (best plan per layer)", "sum_ms", totals["register_best"])
+    ctx.target("vgg16_conv_register_speedup_vs_cudnn_fp32", totals["cudnn"] / totals["register_best"], Goal(">", 1))
+    ctx.target("vgg16_conv_register_speedup_vs_old", totals["old"] / totals["register_best"], Goal(">", 1))
+    ctx.note(
+        "old = Triton compression + init copy + shared-memory SCNN kernel (what a layer on it runs); register = "
+        "register-tiled sparse-weight kernel on the dense input with bias+ReLU fused, its planner's pick and "
+        f"{ALTERNATES} alternates (the sums take the best plan per layer); all inside CUDA graphs, fp32, TF32 off"
+    )
