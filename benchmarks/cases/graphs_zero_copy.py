@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -281,6 +282,7 @@ def run(ctx: Context) -> None:
         Variant("carried", carried, lambda s: device_step(carried, s), nullcontext),
     ]
     results: dict[int, dict[str, float]] = {}
+    timed_mispredictions: dict[str, dict[str, dict[str, int]]] = {}  # per length and variant, after the warm-up
     with torch.inference_mode():
         for length in lengths:
             start = prefix(model.config, length, device, dtype)
@@ -298,9 +300,14 @@ def run(ctx: Context) -> None:
             steady: dict[str, list[float]] = {v.name: [] for v in variants}
             host: dict[str, list[float]] = {v.name: [] for v in variants}
             copies: list[float] = []
+            before = {v.name: Counter(v.fast.stats.mispredictions) for v in variants}
             for _ in range(reps):
                 for variant in variants:
                     _timed_rep(variant, start, times[variant.name], steady[variant.name], host[variant.name])
+            timed_mispredictions[str(length)] = {
+                v.name: {reason.name: count for reason, count in (v.fast.stats.mispredictions - before[v.name]).items()}
+                for v in variants
+            }
             for _ in range(device_reps):
                 for variant in variants:
                     _device_rep(variant, start, device_times[variant.name])
@@ -334,6 +341,7 @@ def run(ctx: Context) -> None:
             "misprediction_details": {reason.name: detail for reason, detail in stats.misprediction_details.items()},
         }
     ctx.extra["per_length"] = {str(length): row for length, row in results.items()}
+    ctx.extra["timed_mispredictions"] = timed_mispredictions
     measured = TARGET_LENGTH if TARGET_LENGTH in results else lengths[-1]
     row = results[measured]
     if measured != TARGET_LENGTH:
