@@ -26,6 +26,7 @@ A batch is run one sample at a time (the engine is built for batch-1 latency).
 from __future__ import annotations
 
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -214,6 +215,10 @@ class LayerReport:
     dense_weight_bytes: int
 
 
+AGREEMENT_RTOL = 1e-5
+"""Largest relative error (Frobenius norm) of a tuned candidate's layer output against the shared-memory kernel."""
+
+
 class SparseNetwork:
     """Runs a plan built by `tendril.sparse.convert`; call it like the model it came from."""
 
@@ -225,6 +230,8 @@ class SparseNetwork:
         self.backend = "cuda" if device.type == "cuda" else "cpu"
         self.threads = 1
         self._state = RunState(self.backend, self.threads, torch.zeros(1, dtype=torch.int32, device=device))
+        self.rejected_kernels: dict[str, str] = {}
+        """`{layer: why}` for register-tiled kernels `tune` refused (failed to build or run, or disagreed)."""
 
     def set_backend(self, backend: str, threads: int = 1) -> SparseNetwork:
         """Choose `"cuda"`, `"triton"` or `"cpu"` (with `threads` workers for the CPU backend)."""
@@ -281,6 +288,10 @@ class SparseNetwork:
         Runs one forward, and for every convolution times the kernels on the activations it really
         sees (host syncs: call it once, after conversion, never inside a graph capture). Returns
         `{layer: kernel}`; the choice is used by the `"cuda"` backend.
+
+        The register-tiled kernel is a candidate only once its layer output agrees with the shared-memory
+        kernel's (relative error <= `AGREEMENT_RTOL`); one that fails to build or run, or disagrees, is left
+        out, with the reason in `rejected_kernels` and a warning.
         """
         if self.device.type != "cuda" or self.backend != "cuda":
             return {}
@@ -291,9 +302,30 @@ class SparseNetwork:
             if isinstance(step, SparseConvStep) and step.tiled is not None:
                 acts = self._state.compress(step.name, inputs[0][0], step.layout)
                 times = self._time_conv_kernels(step, acts, inputs[0][0].contiguous(), reps)
+                if "register" in times:
+                    rejection = self._register_rejection(step, inputs)
+                    if rejection is not None:
+                        del times["register"]
+                        self.rejected_kernels[step.name] = rejection
+                        warnings.warn(f"{step.name}: register-tiled kernel not used: {rejection}", stacklevel=2)
                 step.conv_kernel = choice[step.name] = min(times, key=lambda k: times[k])
             values[step.output] = step.run(inputs, self._state)
         return choice
+
+    def _register_rejection(self, step: SparseConvStep, inputs: list[torch.Tensor]) -> str | None:
+        """Why the register-tiled kernel must not serve `step` (None: its output agrees with the shared-memory
+        kernel's on this input)."""
+        step.conv_kernel = "cuda"
+        expected = step.run(inputs, self._state).clone()
+        step.conv_kernel = "register"
+        try:
+            got = step.run(inputs, self._state)
+        except Exception as error:  # a kernel that cannot run here is a rejected candidate, not a failed tune
+            return f"{type(error).__name__}: {error}"
+        error_norm = (got - expected).norm() / expected.norm().clamp_min(torch.finfo(expected.dtype).tiny)
+        if not torch.isfinite(got).all() or error_norm > AGREEMENT_RTOL:
+            return f"relative error {float(error_norm):.2e} against the shared-memory kernel (limit {AGREEMENT_RTOL})"
+        return None
 
     def _time_conv_kernels(
         self, step: SparseConvStep, acts: CompressedActivations, dense_input: torch.Tensor, reps: int
@@ -305,13 +337,20 @@ class SparseNetwork:
             "cuda": lambda: step.convolve(acts, init, self._state),
             "triton": lambda: step.convolve(acts, init, self._state),
         }
-        if register_tiling.unsupported_reason(g) is None:
-            if step.register is None:
-                sms = torch.cuda.get_device_properties(self.device).multi_processor_count
-                plan = register_tiling.plan(g, step.weights.density, sms)
-                step.register = register_cuda.RegisterConvLayer.prepare(step.weights, plan)
-            layer = step.register
-            candidates["register"] = lambda: register_cuda.conv(dense_input, layer, step.bias, relu=step.relu)
+        if register_tiling.unsupported_reason(g) is None and step.name not in self.rejected_kernels:
+            try:
+                if step.register is None:
+                    sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+                    plan = register_tiling.plan(g, step.weights.density, sms)
+                    step.register = register_cuda.RegisterConvLayer.prepare(step.weights, plan)
+                layer = step.register
+                register_cuda.conv(dense_input, layer, step.bias, relu=step.relu)  # compiles it
+            except Exception as error:  # e.g. an NVRTC that rejects the source: the other kernels still serve
+                self.rejected_kernels[step.name] = f"{type(error).__name__}: {error}"
+                warnings.warn(f"{step.name}: register-tiled kernel not used: {self.rejected_kernels[step.name]}",
+                              stacklevel=3)
+            else:
+                candidates["register"] = lambda: register_cuda.conv(dense_input, layer, step.bias, relu=step.relu)
         times = {}
         for kernel, run_kernel in candidates.items():
             step.conv_kernel = kernel
