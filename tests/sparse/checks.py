@@ -128,3 +128,24 @@ def check_linear(
     acts = compress(x.to(device).view(1, 1, features), layout)
     y = linear(poisoned(acts), weights, bias.to(device).clone())
     assert relative_error(y.cpu(), ref) <= REL_TOL
+
+
+def assert_network_matches_dense(net, model: torch.nn.Module, placeholder: torch.Tensor, replays: int) -> None:
+    """`net` agrees with `model` eagerly on `placeholder` and, captured in a CUDA graph reading `placeholder`,
+    on `replays` fresh random inputs, with the graph's output poisoned (NaN) before each replay."""
+    with torch.no_grad():
+        assert relative_error(net(placeholder), model(placeholder)) <= REL_TOL
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            net(placeholder)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = net(placeholder)
+        for _ in range(replays):
+            x = torch.randn_like(placeholder)
+            placeholder.copy_(x)
+            out.fill_(float("nan"))
+            graph.replay()
+            assert relative_error(out, model(x)) <= REL_TOL

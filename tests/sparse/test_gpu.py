@@ -18,6 +18,7 @@ from tests.sparse.checks import (
     CONV_CASES,
     REL_TOL,
     ConvCase,
+    assert_network_matches_dense,
     assert_same_compression,
     check_conv,
     check_linear,
@@ -155,22 +156,7 @@ def test_network_matches_dense_pytorch_eager_and_inside_a_cuda_graph(index, back
     prune(model, densities)
     placeholder = torch.randn(1, 3, size, size, device=CUDA)
     net = convert(model, placeholder).set_backend(backend)
-    with torch.no_grad():
-        assert relative_error(net(placeholder), model(placeholder)) <= REL_TOL
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            net(placeholder)
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = net(placeholder)
-        for _ in range(5):
-            x = torch.randn(1, 3, size, size, device=CUDA)
-            placeholder.copy_(x)
-            out.fill_(float("nan"))
-            graph.replay()
-            assert relative_error(out, model(x)) <= REL_TOL
+    assert_network_matches_dense(net, model, placeholder, replays=5)
     net.check_overflow()
 
 

@@ -15,7 +15,14 @@ from tendril.sparse import convert, prune
 from tendril.sparse.network import SparseConvStep
 from tendril.sparse.ops.conv import register_cuda, register_tiling
 from tendril.sparse.ops.conv.register_cuda import RegisterConvLayer
-from tests.sparse.checks import CONV_CASES, REL_TOL, ConvCase, conv_operands, relative_error
+from tests.sparse.checks import (
+    CONV_CASES,
+    REL_TOL,
+    ConvCase,
+    assert_network_matches_dense,
+    conv_operands,
+    relative_error,
+)
 from tests.sparse.models import BasicBlock, ResNetLike, alexnet_like, randomize_batchnorm, vgg_like
 from tests.sparse.test_register_conv import random_cases, small_plan
 
@@ -138,22 +145,7 @@ def test_network_on_the_register_kernel_matches_dense_eager_and_in_a_graph(index
             step.conv_kernel = "register"
             forced += 1
     assert forced > 0
-    with torch.no_grad():
-        assert relative_error(net(placeholder), model(placeholder)) <= REL_TOL
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            net(placeholder)
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = net(placeholder)
-        for _ in range(3):
-            x = torch.randn(1, 3, size, size, device=CUDA)
-            placeholder.copy_(x)
-            out.fill_(float("nan"))
-            graph.replay()
-            assert relative_error(out, model(x)) <= REL_TOL
+    assert_network_matches_dense(net, model, placeholder, replays=3)
     for report in net.layers():
         if report.kind == "conv":
             assert report.activation_density is not None and 0.0 <= report.activation_density <= 1.0
