@@ -1,8 +1,9 @@
 """`tendril demo`: side-by-side runs of what tendril does against what users do today.
 
-Each module in this package defines `SECTION`, a `DemoSection`; `sections()` finds them all, so a
-feature adds its demo by adding one module. A section runs for real on the device it is given (no
-canned numbers) and, without a GPU, runs its CPU paths and says plainly what needs a GPU.
+Each section module in this package defines `SECTION`, a `DemoSection`; `sections()` finds them all,
+so a feature adds its demo by adding one module (`models.py`, with no section, holds what sections
+share). A section runs for real on the device it is given (no canned numbers) and, without a GPU,
+runs its CPU paths and says plainly what needs a GPU.
 """
 
 from __future__ import annotations

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import dataclasses
 import random
-import warnings
 
 import torch
 
 from tendril.demo import DemoSection, Row, SectionResult
-from tendril.graphs.callable import GraphedCallable, GraphFallbackWarning, graphed
+from tendril.demo.models import eager_fallback_note, gpt2
+from tendril.graphs.callable import GraphedCallable, graphed
 from tendril.utils.device_memory import device_memory_in_use
 from tendril.utils.timing import time_callable
 
@@ -23,21 +23,10 @@ MIB = 1 << 20
 TITLE = "Many graphs in little memory"
 
 
-def _gpt2(device: torch.device) -> tuple[torch.nn.Module, int]:
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    if device.type == "cuda":
-        config, dtype = GPT2Config(use_cache=False), torch.float16
-    else:  # small enough to run quickly on a CPU
-        config, dtype = GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=1000, use_cache=False), torch.float32
-    model: torch.nn.Module = GPT2LMHeadModel(config)
-    return model.to(device=device, dtype=dtype).eval(), config.vocab_size
-
-
 def run(device: torch.device, quick: bool) -> SectionResult:
     torch.manual_seed(0)
     rng = random.Random(0)
-    model, vocab = _gpt2(device)
+    model, vocab = gpt2(device)
     lengths = list(range(1, 17 if quick else 257))
     sequence = [rng.choice(lengths) for _ in range(16 if quick else 128)]
     inputs = [(torch.randint(0, vocab, (1, n), device=device),) for n in sequence]
@@ -47,12 +36,7 @@ def run(device: torch.device, quick: bool) -> SectionResult:
         eager = time_callable(model, inputs, device=device, warmup=2, reps=reps)
         rows = [Row("eager PyTorch", "kernels launched from the CPU", eager.median_ms, baseline=True)]
         if device.type != "cuda":
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", GraphFallbackWarning)
-                fast = graphed(model, graph_memory_budget="16MiB")
-                fast(*inputs[0])
-            reason = next(iter(fast.stats.fallback_details.values()))
-            notes.append(f"tendril.graphed runs eagerly here ({reason}); graphs need an NVIDIA GPU.")
+            notes.append(eager_fallback_note(model, inputs[0], graph_memory_budget="16MiB"))
             return SectionResult(TITLE, rows, notes)
         dedicated, dedicated_row = _graphed_row(model, inputs, lengths, device, reps, None)
         budgeted, budgeted_row = _graphed_row(model, inputs, lengths, device, reps, "16MiB")

@@ -8,13 +8,13 @@ captures one graph per length into a single shared pool, largest first, and disp
 from __future__ import annotations
 
 import random
-import warnings
 
 import torch
 from torch.nn.attention import sdpa_kernel
 
 from tendril.demo import DemoSection, Row, SectionResult
-from tendril.graphs.callable import GraphFallbackWarning, graphed
+from tendril.demo.models import eager_fallback_note, gpt2
+from tendril.graphs.callable import graphed
 from tendril.graphs.capture import GRAPH_SDPA_BACKENDS
 from tendril.utils.device_memory import device_memory_in_use
 from tendril.utils.timing import time_callable
@@ -22,23 +22,10 @@ from tendril.utils.timing import time_callable
 MIB = 1 << 20
 
 
-def _gpt2(device: torch.device, quick: bool) -> tuple[torch.nn.Module, int]:
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    if device.type == "cuda":
-        config = GPT2Config(use_cache=False)
-        dtype = torch.float16
-    else:  # small enough to run quickly on a CPU
-        config = GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=1000, use_cache=False)
-        dtype = torch.float32
-    model: torch.nn.Module = GPT2LMHeadModel(config)
-    return model.to(device=device, dtype=dtype).eval(), config.vocab_size
-
-
 def run(device: torch.device, quick: bool) -> SectionResult:
     torch.manual_seed(0)
     rng = random.Random(0)
-    model, vocab = _gpt2(device, quick)
+    model, vocab = gpt2(device)
     lengths = list(range(1, 17 if quick else 129))
     sequence = [rng.choice(lengths) for _ in range(16 if quick else 64)]
     inputs = [(torch.randint(0, vocab, (1, n), device=device),) for n in sequence]
@@ -48,12 +35,7 @@ def run(device: torch.device, quick: bool) -> SectionResult:
         eager = time_callable(model, inputs, device=device, warmup=2, reps=reps)
         rows = [Row("eager PyTorch", "kernels launched from the CPU", eager.median_ms, baseline=True)]
         if device.type != "cuda":
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", GraphFallbackWarning)
-                fast = graphed(model)
-                fast(*inputs[0])
-            reason = next(iter(fast.stats.fallback_details.values()))
-            notes.append(f"tendril.graphed runs eagerly here ({reason}); graphs need an NVIDIA GPU.")
+            notes.append(eager_fallback_note(model, inputs[0]))
             return SectionResult("Dynamic shapes as CUDA graphs", rows, notes)
         rows += _graphed_rows(model, vocab, inputs, lengths, device, reps)
     return SectionResult("Dynamic shapes as CUDA graphs", rows, notes)
