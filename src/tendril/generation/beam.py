@@ -197,7 +197,9 @@ class BeamSearch:
 
 
 def beam_result(carried: Carried, batch_size: int, prompt_len: int, num_return_sequences: int) -> torch.Tensor:
-    """The best `num_return_sequences` hypotheses per batch item, cropped as HF crops them (one host sync, after the loop)."""
+    """The best `num_return_sequences` hypotheses per batch item, cropped as HF crops them.
+
+    One host sync, after the loop (the crop length is data-dependent)."""
     sequences, beam_indices = carried[3], carried[8]
     r = num_return_sequences
     sequences = sequences[:, :r].reshape(batch_size * r, -1)
