@@ -13,7 +13,7 @@ consecutive steps each):
   them where the next call reads them (`tendril.graphs.carry`).
 
 The loop never synchronises with the host (no early stopping), so the GPU sets the pace unless the
-host falls behind (`host_ms_per_step` is the host's own time per step: the dispatch mode of (b) costs
+host falls behind (`host_ms_per_step` is the host's own time per step: the function mode of (b) costs
 host time per op). `ms_per_step` is what a user's loop runs at: CUDA-event intervals between
 consecutive steps, medians over interleaved repetitions of the steady-state steps (every step after
 the first of a repetition). `device_ms_per_step` is the device time alone: the same steps enqueued

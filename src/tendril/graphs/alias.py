@@ -3,18 +3,20 @@
 Grape's alias predictor, made safe. A host loop around a graphed callable (a decode step) produces
 the next call's inputs with ordinary ops (`index_select` on beam indices, `cat`, `add`) and the call
 then copies them into the graph's placeholders. Under `with fast.zero_copy():` a `ZeroCopyMode`
-(a `TorchDispatchMode`) sees every op between two calls and:
+(a `TorchFunctionMode`) sees every torch function and tensor method the program calls between two
+calls and:
 
-1. **learns**: each op output is tagged with a `ProducerKey`, the op overload and how many times that
-   overload ran since the callable's last call (robust to unrelated ops inserted elsewhere; code
-   positions would break under helper functions and loops, op streams do not care). When a call
+1. **learns**: each op output is tagged with a `ProducerKey`, the function and how many times it ran
+   since the callable's last call (robust to unrelated ops inserted elsewhere; code positions would
+   break under helper functions and loops, op streams do not care). When a call
    copies a tensor into its placeholder at argument leaf `position`, the tensor's producer is linked
    to that position, with the producer's *signature* (argument dtypes, devices and constants, which
    fix the output dtype). A link is confirmed when two consecutive calls agree on it, and dropped
    when its producer runs but the next call does not meet its output (a setup `clone` that fed the
    first call once must not start writing into placeholders);
 2. **redirects**: when a confirmed producer runs again with the same signature, it runs in its `out=`
-   form into the placeholder buffer of that position, as a zero-length tensor at the buffer's start
+   form (`out_call`: the `torch.<name>` binding of a function whose aten op has an `out=` overload, so
+   never a view) into the placeholder buffer of that position, as a zero-length tensor at the buffer's start
    that the op resizes to its output shape. Buffers are shared by all shapes (`PlaceholderArena`), so
    one redirect serves whatever key the call turns out to have;
 3. **verifies**: the call skips the copy only where the argument *is* its placeholder (same address
@@ -49,12 +51,16 @@ wrong value. Tensors written by redirects live in the callable's placeholder mem
 valid while the program references them (no later redirect reuses their slot), and while the
 callable is alive.
 
-Costs. Every op inside the block passes through a Python dispatch mode: about 5 µs of host time per
-op for the mode machinery itself on our 2-core CI host, plus ~2 µs of ours for an op that is no
-linked producer (a counter, a lookup, a weak reference to its output); signatures are computed only
-for linked producers, and a redirect adds its checks, the zero-length target and the `out=` call (made
-through torch's generated binding, cheaper than the overload object). That is hidden while the GPU
-is the bottleneck, as in a decode loop that does not synchronise. A key can have up to three graphs
+Costs. Every torch call inside the block passes through the mode: about 3 µs of host time for the
+mode machinery on our 2-core CI host, plus ~2 µs of ours for a call that is no linked producer (a
+counter, a lookup, a weak reference to its output); signatures are computed only for linked
+producers, and a redirect adds its checks, the zero-length target and the `out=` call. A function
+mode sees the program's calls only, not the aten ops underneath them, and while a call of the
+callable runs the mode is lifted off torch's mode stack (`enter_call`), so the call's own tensor
+handling costs nothing extra. (A `TorchDispatchMode`, the first design, saw every aten op and cost
+about 10 µs per op in torch's machinery alone: on the H200 the host then fell behind the GPU in the
+`graphs-zero-copy` decode loop.) Host time is hidden while the GPU is the bottleneck, as in a decode
+loop that does not synchronise. A key can have up to three graphs
 (lanes 0, 1, 2), captured lazily as calls need them; they share the callable's pool, but each has its
 own driver memory. Bucketed calls are padded into fresh tensors, so zero-copy helps unbucketed
 callables only.
@@ -72,8 +78,8 @@ from typing import Any, NamedTuple
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
+from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from tendril.graphs.key import Flattened, GraphKey, TensorSpec
 from tendril.graphs.memory import PlaceholderArena
@@ -108,22 +114,30 @@ def partner(lane: int) -> int:
 
 @dataclass(frozen=True)
 class ProducerKey:
-    """Which op produced a tensor: the op overload and its occurrence count since the callable's last call."""
+    """Which op produced a tensor: the torch function (or, inside a capture, the aten overload) and its
+    occurrence count since the callable's last call."""
 
-    op: torch._ops.OpOverload
+    op: Any
     occurrence: int
 
     def __str__(self) -> str:
-        return f"{self.op}#{self.occurrence}"
+        return f"{op_name(self.op)}#{self.occurrence}"
+
+
+def op_name(op: Any) -> str:
+    """`index_select` for `torch.Tensor.index_select`, `aten.index_select.default` for an aten overload."""
+    if isinstance(op, torch._ops.OpOverload):
+        return str(op)
+    return getattr(op, "__qualname__", None) or repr(op)
 
 
 @dataclass
 class Link:
     """A learned prediction: this producer's output is the argument at leaf `position`."""
 
-    op: torch._ops.OpOverload
+    op: Callable[..., Any]
     out_op: Callable[..., Any]
-    """How a redirect runs the op's `out=` overload (`out_call(op)`)."""
+    """How a redirect runs the op with `out=` (`out_call(op)`)."""
     position: int
     signature: tuple[Any, ...] | None
     """Argument dtypes/devices/constants of the run whose output the last call met (None: not seen yet, so the
@@ -149,7 +163,7 @@ class _Produced(NamedTuple):
 
     ref: weakref.ref[torch.Tensor]
     slot: _Slot
-    op: torch._ops.OpOverload
+    op: Callable[..., Any]
     signature: tuple[Any, ...] | None
     """Only computed for linked producers (the only ones a call can confirm or a redirect can check)."""
 
@@ -157,7 +171,7 @@ class _Produced(NamedTuple):
 class _Redirected(NamedTuple):
     ref: weakref.ref[torch.Tensor]
     slot: _Slot
-    op: torch._ops.OpOverload
+    op: Callable[..., Any]
     position: int
 
 
@@ -178,35 +192,38 @@ def out_form(op: torch._ops.OpOverload) -> torch._ops.OpOverload | None:
     return None
 
 
-def out_call(op: torch._ops.OpOverload) -> Callable[..., Any] | None:
-    """The fastest way to call `out_form(op)`: torch's generated binding of the same name when there is one.
+def out_call(func: Callable[..., Any]) -> Callable[..., Any] | None:
+    """How to run torch function or tensor method `func` with `out=`: the `torch.<name>` binding, or None.
 
-    `torch.<name>` bindings are generated from the same native-function schemas as the op overloads, with
-    the same argument order, and pick the `out=` overload from the argument types; calling one costs a
-    few microseconds less host time than the overload object's generic call. Hand-written Python
-    functions of that name (`torch.split`, ...) are not used, and a binding that rejects an op's
-    arguments (`TypeError`, before anything runs) is replaced by the overload for good (`refuse_binding`).
+    Only a public builtin `torch.<name>`, called directly or as the tensor method of that name, whose aten
+    op has an `out=` overload: aten ops with an `out=` form compute new values (views and in-place ops
+    have none), and the binding takes the method's receiver as its first argument. Python functions
+    of the same name (`torch.nn.functional.relu`, `torch.split`) are not used; a binding that then
+    rejects the arguments raises `TypeError` before anything runs, and the producer is unlinked.
     """
-    try:
-        return _OUT_CALLS[op]
-    except KeyError:
-        pass
-    call: Callable[..., Any] | None = out_form(op)
-    name = op.overloadpacket.__name__
-    binding = getattr(torch, name, None)
-    if call is not None and isinstance(binding, types.BuiltinFunctionType) and not name.startswith("_"):
-        call = binding
-    _OUT_CALLS[op] = call
+    if func in _OUT_CALLS:
+        return _OUT_CALLS[func]
+    name = getattr(func, "__name__", None)
+    call = None
+    if isinstance(name, str) and not name.startswith("_"):
+        binding = getattr(torch, name, None)
+        packet = getattr(torch.ops.aten, name, None) if isinstance(binding, types.BuiltinFunctionType) else None
+        is_it = func is binding or func is getattr(torch._C.TensorBase, name, None)
+        if is_it and isinstance(packet, torch._ops.OpOverloadPacket) and _has_out_overload(packet):
+            call = binding
+    _OUT_CALLS[func] = call
     return call
 
 
-def refuse_binding(op: torch._ops.OpOverload) -> Callable[..., Any] | None:
-    """Call `op`'s out= form through its overload from now on; returns it (None if it has none)."""
-    _OUT_CALLS[op] = out_form(op)
-    return _OUT_CALLS[op]
+def _has_out_overload(packet: torch._ops.OpOverloadPacket) -> bool:
+    for name in packet.overloads():
+        outs = [argument for argument in getattr(packet, name)._schema.arguments if argument.is_out]
+        if len(outs) == 1 and outs[0].name == "out":
+            return True
+    return False
 
 
-_OUT_CALLS: dict[torch._ops.OpOverload, Callable[..., Any] | None] = {}
+_OUT_CALLS: dict[Any, Callable[..., Any] | None] = {}
 
 
 def signature(args: Sequence[Any], kwargs: dict[str, Any]) -> tuple[Any, ...]:
@@ -465,7 +482,7 @@ class ZeroCopyPredictor:
 
     # -- between calls -------------------------------------------------------------------------------
 
-    def dispatch(self, op: torch._ops.OpOverload, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
+    def dispatch(self, op: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
         if self.suspended:
             return op(*args, **kwargs)
         op_id = id(op)
@@ -489,7 +506,7 @@ class ZeroCopyPredictor:
             self._record(result, slot, op, learned)
         return result
 
-    def _record(self, result: torch.Tensor, slot: _Slot, op: torch._ops.OpOverload, learned: Any) -> None:
+    def _record(self, result: torch.Tensor, slot: _Slot, op: Callable[..., Any], learned: Any) -> None:
         produced = self.produced
         produced[id(result)] = _Produced(weakref.ref(result), slot, op, learned)
         if len(produced) >= self._prune_at:
@@ -524,16 +541,8 @@ class ZeroCopyPredictor:
             if address < end and start < address + storage.nbytes():
                 self._miss(Misprediction.READS_PLACEHOLDER, f"{_name(link, slot)} reads the buffer it would write")
                 return None
-        target = empty_at(buffer)
         try:
-            try:
-                result = link.out_op(*args, **kwargs, out=target)
-            except TypeError:  # the binding does not take these arguments (nothing ran): use the overload
-                out_op = refuse_binding(link.op)
-                if out_op is None or out_op is link.out_op:
-                    raise
-                link.out_op = out_op
-                result = out_op(*args, **kwargs, out=target)
+            result = link.out_op(*args, **kwargs, out=empty_at(buffer))
         except (RuntimeError, TypeError) as error:  # raised before writing: the output does not fit, or out= refused
             first_line = str(error).splitlines()[0] if str(error) else type(error).__name__
             if "not resizable" not in first_line:
@@ -589,7 +598,8 @@ class ZeroCopyPredictor:
             return
         out_op = out_call(produced.op)
         if out_op is None:
-            self._miss(Misprediction.NO_OUT_FORM, f"leaf {position} comes from {produced.op}, which has no out= form")
+            detail = f"leaf {position} comes from {op_name(produced.op)}, which has no out= form"
+            self._miss(Misprediction.NO_OUT_FORM, detail)
             return
         known = self.links.get(produced.slot)
         agrees = (
@@ -629,12 +639,15 @@ class ZeroCopyPredictor:
         self.met.clear()
         self.occurrences.clear()
 
-    def enter_call(self) -> None:
-        """A call of the callable starts: its own ops are not producers."""
+    def enter_call(self) -> ZeroCopyMode | None:
+        """A call of the callable starts: its own ops are not producers. Returns the mode it lifted off
+        torch's mode stack for the call (`lift_mode`), to give back to `exit_call`."""
         self.suspended += 1
+        return lift_mode(self)
 
-    def exit_call(self) -> None:
+    def exit_call(self, lifted: ZeroCopyMode | None) -> None:
         """The call is over: the next interval starts."""
+        restore_mode(lifted)
         self.suspended -= 1
         self.end_interval()
 
@@ -648,41 +661,35 @@ def _name(link: Link, slot: _Slot) -> ProducerKey:
     return ProducerKey(link.op, slot[1])
 
 
-_set_eval_frame: Callable[[Any], Any] | None
-try:
-    from torch._C._dynamo.eval_frame import set_eval_frame as _set_eval_frame
-except ImportError:  # pragma: no cover - a build without dynamo
-    _set_eval_frame = None
-
-
-class ZeroCopyMode(TorchDispatchMode):
-    """Routes every op between calls through a `ZeroCopyPredictor`.
-
-    torch wraps every mode's `__torch_dispatch__` in dynamo's `disable` (so that torch.compile never
-    traces into a mode's handler), which costs more host time per op than the handler itself. This mode
-    opts out of the wrapper and does the same thing directly: it clears dynamo's frame callback while
-    the handler runs and restores it after (two C calls), so nothing under the handler is compiled.
-    """
-
-    @classmethod
-    def _should_skip_dynamo(cls) -> bool:
-        return _set_eval_frame is None
+class ZeroCopyMode(TorchFunctionMode):
+    """Routes every torch call between calls of the callable through a `ZeroCopyPredictor`."""
 
     def __init__(self, predictor: ZeroCopyPredictor) -> None:
         super().__init__()
         self.predictor = predictor
 
-    def __torch_dispatch__(
+    def __torch_function__(
         self,
-        func: torch._ops.OpOverload,
+        func: Callable[..., Any],
         types: Any,
-        args: tuple[Any, ...] = (),
+        args: Sequence[Any] = (),
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
-        if _set_eval_frame is None:
-            return self.predictor.dispatch(func, args, kwargs or {})
-        prior = _set_eval_frame(None)
-        try:
-            return self.predictor.dispatch(func, args, kwargs or {})
-        finally:
-            _set_eval_frame(prior)
+        return self.predictor.dispatch(func, args, kwargs or {})
+
+
+def lift_mode(predictor: ZeroCopyPredictor) -> ZeroCopyMode | None:
+    """Take `predictor`'s mode off torch's function-mode stack if it is on top (else None): a call of the
+    callable then runs without the mode's per-call cost. `restore_mode` puts it back."""
+    depth = torch._C._len_torch_function_stack()
+    if depth == 0:
+        return None
+    top = torch._C._get_function_stack_at(depth - 1)
+    if not isinstance(top, ZeroCopyMode) or top.predictor is not predictor:
+        return None
+    return torch._C._pop_torch_function_stack()
+
+
+def restore_mode(mode: ZeroCopyMode | None) -> None:
+    if mode is not None:
+        torch._C._push_on_torch_function_stack(mode)

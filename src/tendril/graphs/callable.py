@@ -141,11 +141,11 @@ class GraphedCallable:
         predictor = self._predictor
         if not predictor.active:
             return self._call(args, kwargs)
-        predictor.enter_call()
+        lifted = predictor.enter_call()
         try:
             return self._call(args, kwargs)
         finally:
-            predictor.exit_call()
+            predictor.exit_call(lifted)
 
     def _call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         self.stats.calls += 1
