@@ -118,6 +118,8 @@ def test_an_update_does_not_disturb_the_replay_still_running():
     memory = [record.memory for record in budgeted.stats.graphs.values()]
     assert sum(m.instantiations for m in memory) == 1, "both graphs should share one executable"
     assert sum(m.updates for m in memory) >= 10
+    (cache,) = budgeted._backend.executable_caches().values()  # type: ignore[attr-defined]
+    assert cache.driver.waits >= 5, "each update found the sleeping launch running and waited for it"
 
 
 def _slow_when_doubling(x: torch.Tensor, scale: float) -> torch.Tensor:

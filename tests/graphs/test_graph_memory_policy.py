@@ -142,6 +142,22 @@ def test_lru_evicts_the_least_recently_used_executable():
     assert memories["d"].executable_bytes == 100 * PRIOR_BYTES_PER_NODE
 
 
+def test_eviction_spares_the_last_executable_of_a_family():
+    """Under a budget the least recently used executable goes first, unless it is its family's last: then
+    the least recently used of a family that keeps another one goes, so every family can still switch by
+    update (GPT-2's lengths alternate between long families and families of one length)."""
+    graphs = _graphs(("s1", 100, "S"), ("a1", 100, "A"), ("a2", 100, "A"), ("c1", 100, "C"))
+    budget = 3 * 100 * PRIOR_BYTES_PER_NODE
+    cache, driver, memories = _cache(MemoryStrategy.AUTO, budget, list(graphs.values()))
+    for name in ("s1", "a1", "a2", "c1"):
+        _acquire(cache, driver, graphs, name)
+    assert memories["s1"].evictions == 0 and memories["a1"].evictions == 1
+    assert sorted(cache.holder_keys()) == ["a2", "c1", "s1"]
+    _acquire(cache, driver, graphs, "s1")
+    _acquire(cache, driver, graphs, "a1")  # switches family A's executable instead of instantiating
+    assert memories["s1"].instantiations == 1 and memories["a1"].instantiations == 1 and memories["a1"].updates == 1
+
+
 def test_update_keeps_one_executable_per_family():
     graphs = _graphs(("L1", 50, "gpt"), ("L2", 50, "gpt"), ("L3", 50, "gpt"), ("W1", 80, "wav"), ("W2", 80, "wav"))
     cache, driver, memories = _cache(MemoryStrategy.UPDATE, None, list(graphs.values()))

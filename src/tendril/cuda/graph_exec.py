@@ -14,7 +14,8 @@ What CUDA guarantees about executables that are still running (and why no host w
 - `cuGraphExecDestroy`: "If the executable graph is in-flight, it will not be terminated, but rather
   freed asynchronously on completion" (CUDA driver API reference).
 
-So the host may update or destroy an executable right after launching it. What the host must order
+So the host may update or destroy an executable right after launching it, as documented. (tendril's
+policy driver, `CudaExecutables`, still waits for the last launch first: see there.) What the host must order
 is the *memory* the graphs share (pool, placeholders, outputs): that is stream ordering, handled by
 the caller (`tendril.graphs.executables`). Launches go to the stream given, normally torch's current
 stream. A failed update is reported, never raised: the caller destroys that executable and

@@ -221,11 +221,35 @@ class CudaBackend:
 
 class CudaExecutables:
     """`ExecutableDriver` over cuda-python for torch `CUDAGraph`s of one device, measuring driver memory around
-    each instantiation (cudaMemGetInfo)."""
+    each instantiation (cudaMemGetInfo).
+
+    An executable is updated or destroyed only once its last launch has completed: an event recorded after
+    every launch is waited for on the host when it has not completed yet (counted in `waits`). CUDA
+    documents both operations as safe on an executable still running, but the full `graphs-memory` run on
+    the H200 (driver 580) hit an illegal instruction while executables were switched right after their
+    launches, which a run with `CUDA_LAUNCH_BLOCKING=1` did not reproduce; the wait rules that timing out.
+    It is usually free: the executable switched is the least recently used of its family.
+    """
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.measured_total = 0
+        self.waits = 0
+        """Updates and destructions that waited on the host for the executable's last launch to complete."""
+        self._launched: dict[int, torch.cuda.Event] = {}
+
+    def launch(self, executable: int, stream: torch.cuda.Stream) -> None:
+        graph_exec.launch(executable, stream.cuda_stream)
+        event = self._launched.get(executable)
+        if event is None:
+            event = self._launched[executable] = torch.cuda.Event()
+        event.record(stream)
+
+    def _settle(self, executable: int) -> None:
+        event = self._launched.get(executable)
+        if event is not None and not event.query():
+            self.waits += 1
+            event.synchronize()
 
     def instantiate(self, graph: torch.cuda.CUDAGraph) -> tuple[int, int | None]:
         with torch.cuda.device(self.device):
@@ -236,10 +260,13 @@ class CudaExecutables:
         return handle, measured
 
     def update(self, executable: int, graph: torch.cuda.CUDAGraph) -> UpdateOutcome:
+        self._settle(executable)
         with torch.cuda.device(self.device):
             return graph_exec.update(executable, graph.raw_cuda_graph())
 
     def destroy(self, executable: int) -> None:
+        self._settle(executable)
+        self._launched.pop(executable, None)
         with torch.cuda.device(self.device):
             graph_exec.destroy(executable)
 
@@ -252,8 +279,11 @@ class _ManagedReplay:
     def __init__(
         self, backend: CudaBackend, cache: ExecutableCache, key: GraphKey, device: torch.device, graph: CapturedGraph
     ) -> None:
+        if not isinstance(cache.driver, CudaExecutables):
+            raise TypeError(f"a CUDA replay needs CudaExecutables, got {type(cache.driver).__name__}")
         self._backend = backend
         self._cache = cache
+        self._driver = cache.driver
         self._key = key
         self._device = device
         self._graph = graph
@@ -264,7 +294,7 @@ class _ManagedReplay:
                 self()
             return
         handle = self._cache.acquire(self._key)
-        graph_exec.launch(handle, torch.cuda.current_stream(self._device).cuda_stream)
+        self._driver.launch(handle, torch.cuda.current_stream(self._device))
 
 
 class _OrderAfterPrevious:

@@ -29,9 +29,11 @@ node worth `PRIOR_NODES` nodes of evidence. The budget holds for these charges; 
 not be evicted (`reserve`) count against it too. One executable larger than the budget is still
 instantiated (a graph must run) and counted in `over_budget`.
 
-Ordering. Updating or destroying an executable never waits for the GPU: CUDA applies updates to later
-launches only and frees a destroyed executable after its running launch completes
-(`tendril.cuda.graph_exec`). The memory the graphs share is ordered by the stream (see `CudaBackend`).
+Ordering. CUDA applies updates to later launches only and frees a destroyed executable after its running
+launch completes (`tendril.cuda.graph_exec`); the CUDA driver of this policy still waits for an
+executable's last launch before updating or destroying it (`CudaExecutables`, after an illegal instruction
+on the H200 that timing alone could explain). The memory the graphs share is ordered by the stream (see
+`CudaBackend`).
 """
 
 from __future__ import annotations
@@ -124,11 +126,16 @@ class ExecutableCache:
         """Instantiations that left the charges above the budget (one executable larger than all of it)."""
         self._sources: dict[Hashable, _Source] = {}
         self._live: list[_Executable] = []
+        self._families: dict[str, list[_Executable]] = {}
+        """The live executables of each family (a switch looks at its graph's family only)."""
         self._holding: dict[Hashable, _Executable] = {}
         self._clock = 0
         self._measured_bytes = 0
         self._measured_nodes = 0
         self._splits = 0
+        self._charged: int | None = 0
+        """Sum of the live executables' charges; None when it must be recomputed (the live set or the rate
+        changed). Updates change neither, so the per-call path of a switch stays O(family)."""
 
     # -- accounting ----------------------------------------------------------------------------------
 
@@ -145,7 +152,9 @@ class ExecutableCache:
     @property
     def live_bytes(self) -> int:
         """Charges of the live executables plus reserved bytes; at most the budget (bar `over_budget`)."""
-        return sum(self.charge(e.nodes) for e in self._live) + self.reserved_bytes
+        if self._charged is None:
+            self._charged = sum(self.charge(e.nodes) for e in self._live)
+        return self._charged + self.reserved_bytes
 
     @property
     def executables(self) -> int:
@@ -187,7 +196,6 @@ class ExecutableCache:
         executable = self._switch_or_instantiate(key, source)
         executable.last_used = self._clock
         source.memory.switch_ms += (time.perf_counter() - start) * 1e3
-        self._refresh_charges()
         return executable.handle
 
     def discard(self, key: Hashable) -> None:
@@ -203,7 +211,9 @@ class ExecutableCache:
             self.driver.destroy(executable.handle)
             self._sources[executable.holder].memory.executable_bytes = 0
         self._live.clear()
+        self._families.clear()
         self._holding.clear()
+        self._charged = 0
 
     # -- policy --------------------------------------------------------------------------------------
 
@@ -213,7 +223,7 @@ class ExecutableCache:
         fits = self.budget is None or self.live_bytes + self.charge(source.nodes) <= self.budget
         if self.strategy is MemoryStrategy.AUTO and fits:
             return self._instantiate(key, source)
-        family = [e for e in self._live if e.family == source.family]
+        family = self._families.get(source.family)
         if not family:
             return self._instantiate(key, source)
         target = min(family, key=lambda e: e.last_used)
@@ -224,6 +234,7 @@ class ExecutableCache:
             target.holder = key
             self._holding[key] = target
             source.memory.updates += 1
+            source.memory.executable_bytes = self.charge(target.nodes)
             return target
         source.memory.update_failures += 1
         self._splits += 1
@@ -241,21 +252,32 @@ class ExecutableCache:
         source.memory.instantiations += 1
         executable = _Executable(handle, source.family, source.nodes, key, self._clock)
         self._live.append(executable)
+        self._families.setdefault(executable.family, []).append(executable)
         self._holding[key] = executable
+        self._charged = None
+        self._refresh_charges()
         if self.budget is not None and self.live_bytes > self.budget:
             self.over_budget += 1
         return executable
 
     def _make_room(self, needed: int) -> None:
-        """Evict least recently used executables until `needed` more bytes fit the budget (or none is left)."""
+        """Evict executables until `needed` more bytes fit the budget (or none is left): the least recently
+        used of those whose family keeps another executable, else the least recently used. A family's last
+        executable is what lets its other graphs switch by update instead of instantiating again."""
         if self.budget is None:
             return
         while self._live and self.live_bytes + needed > self.budget:
-            self._evict(min(self._live, key=lambda e: e.last_used))
+            spare = [e for e in self._live if len(self._families[e.family]) > 1]
+            self._evict(min(spare or self._live, key=lambda e: e.last_used))
 
     def _evict(self, executable: _Executable) -> None:
         self.driver.destroy(executable.handle)
         self._live.remove(executable)
+        family = self._families[executable.family]
+        family.remove(executable)
+        if not family:
+            del self._families[executable.family]
+        self._charged = None
         del self._holding[executable.holder]
         memory = self._sources[executable.holder].memory
         memory.executable_bytes = 0
