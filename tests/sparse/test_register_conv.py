@@ -1,7 +1,8 @@
 """The register-tiled sparse-weight convolution on the CPU: its exact algorithm (tiles, halos,
-channel chunks and splits, row records, ticketed split reduction, fused epilogue, nonzero counts)
-emulated against the dense convolution; the weight layout and planner invariants; and the CUDA
-source compiled with NVRTC for sm_90 when the NVRTC library loads here (no GPU needed)."""
+channel chunks and splits, row-group records, ticketed split reduction, fused epilogue, nonzero
+counts) emulated against the dense convolution; the weight layout, the bank-conflict model and
+planner invariants; and the CUDA source compiled with NVRTC for sm_90 when the NVRTC library loads
+here (no GPU needed): no spills, no local memory."""
 
 from __future__ import annotations
 
@@ -54,7 +55,7 @@ def small_plan(g: ConvGeometry, rng: random.Random) -> RegisterTilePlan:
         ph=rng.choice([1, 2]),
         pw=rng.choice([1, 2, 4]),
         kt=rng.choice([1, 2]),
-        lanes_x=rng.choice([4, 8]),
+        lanes_x=rng.choice([4, 8, 3, 7]),  # 3 and 7 leave idle lanes
         splits=rng.randint(1, min(3, group_in)),
         c_chunk=rng.randint(1, 2),
         warps=2,
@@ -104,23 +105,28 @@ def test_emulated_register_conv_with_small_tiles_splits_and_fused_epilogue(index
     )
 
 
-def test_row_records_decode_to_the_dense_weights():
-    case = ConvCase(6, 10, (9, 9), 5, 2, 2, 2, 0.4, 0.5)
+@pytest.mark.parametrize(
+    ("case", "record_rows"),
+    [(ConvCase(6, 10, (9, 9), 5, 2, 2, 2, 0.4, 0.5), 1), (ConvCase(4, 7, (6, 6), 3, 1, 1, 1, 0.5, 0.5), 3)],
+)
+def test_records_decode_to_the_dense_weights(case, record_rows):
     weights, *_ = conv_operands(case, CPU)
     g = weights.geometry
     plan = RegisterTilePlan(g, 2, 2, 2, 8, 1, 2, warps=2)
+    assert plan.record_rows == record_rows  # 5×5: a record per kernel row; 3×3: one for all 9 taps
     packed = RowMaskWeights.prepare(weights, plan)
     (r, s), dense = g.kernel, weights.to_dense()
     decoded = torch.zeros(plan.k_blocks * plan.k_block, plan.group_in, r, s)
     for kb in range(plan.k_blocks):
         for c in range(plan.group_in):
             start = int(packed.chan_ptr[kb, c])
-            for k in range(plan.k_block):
-                for row in range(r):
-                    record = int(packed.records[kb, c, k, row])
-                    taps = [t for t in range(s) if record >> t & 1]
+            for group in range(plan.record_groups):
+                for k in range(plan.k_block):
+                    record = int(packed.records[kb, c, group, k])
+                    taps = [t for t in range(record_rows * s) if record >> t & 1]
                     values = packed.values[start + (record >> 16) : start + (record >> 16) + len(taps)]
-                    decoded[kb * plan.k_block + k, c, row, taps] = values
+                    for tap, value in zip(taps, values, strict=True):
+                        decoded[kb * plan.k_block + k, c, group * record_rows + tap // s, tap % s] = value
     k = torch.arange(g.out_channels)
     group, local = k // plan.group_out, k % plan.group_out
     blocked_index = (group * plan.k_blocks_per_group * plan.k_block + local).long()
@@ -146,8 +152,9 @@ def test_planner_fits_limits_and_fills_the_gpu(channels, out_channels, size, ker
     g = ConvGeometry(channels, out_channels, (kernel, kernel), (stride, stride), (padding, padding), 1, (size, size))
     plan = register_tiling.plan(g, 0.3, 132)
     assert plan.shared_bytes <= register_tiling.SHARED_BYTES
-    assert plan.kt * plan.ph * plan.pw <= register_tiling.MAX_ACCUMULATORS
-    assert plan.ph * plan.patch_w <= register_tiling.MAX_PATCH_FLOATS
+    assert plan.registers <= register_tiling.MAX_REGISTERS
+    assert plan.pitch >= plan.in_hw[1] and plan.pitch % plan.vector == 0
+    assert plan.active_lanes >= 28
     tiles_y, tiles_x = plan.tiles
     assert tiles_y * plan.tile_hw[0] >= g.out_hw[0] and tiles_x * plan.tile_hw[1] >= g.out_hw[1]
     assert plan.k_blocks * plan.k_block >= out_channels and plan.split_channels * plan.splits >= channels
@@ -161,6 +168,7 @@ def test_planner_fits_limits_and_fills_the_gpu(channels, out_channels, size, ker
 def test_wide_kernels_are_reported_unsupported():
     g = ConvGeometry(4, 4, (3, 17), (1, 1), (1, 8), 1, (20, 40))
     assert "tap bits" in (register_tiling.unsupported_reason(g) or "")
+    assert register_tiling.unsupported_reason(ConvGeometry(4, 4, (5, 16), (1, 1), (2, 8), 1, (20, 40))) is None
     with pytest.raises(ValueError, match="tap bits"):
         register_tiling.plan(g, 0.5, 132)
 
@@ -177,6 +185,44 @@ def test_emulation_reads_no_stale_workspace_when_split_ranges_are_uneven():
     assert relative_error(y, F.conv2d(x[None].double(), weight.double(), padding=1)[0]) <= REL_TOL
 
 
+@pytest.mark.parametrize(
+    ("pattern", "floats", "wavefronts"),
+    [
+        ((8, 4, 1024, 4), 4, 4),  # float4 per lane, 8 lanes a row: each quarter warp reads 32 adjacent words
+        ((8, 4, 1040, 4), 1, 4),  # scalar, lanes 4 words apart, rows 16 banks apart: 8 banks, 4 words each
+        ((16, 2, 1032, 2), 2, 2),  # float2, 16 lanes 2 words apart: each half warp reads 32 adjacent words
+        ((28, 1, 1024, 2), 2, 2),  # 4 idle lanes read what lane 27 reads: broadcast, no conflict
+        ((4, 8, 1040, 4), 4, 4),  # float4, 4 lanes a row, the next lane row 16 banks on: conflict-free
+        ((4, 8, 1024, 4), 4, 8),  # float4, 4 lanes a row, lane rows in the same banks: 2-way conflict
+    ],
+)
+def test_bank_model_counts_wavefronts(pattern, floats, wavefronts):
+    assert register_tiling._wavefronts(pattern, floats) == wavefronts
+
+
+def test_pitch_avoids_the_conflicts_that_a_packed_row_would_have():
+    g = ConvGeometry(8, 8, (3, 3), (1, 1), (1, 1), 1, (32, 32))
+    plan = RegisterTilePlan(g, 1, 1, 1, 8, 1, 4)  # 4 lane rows of 8 lanes, 3 scalar loads per window row
+    assert plan.in_hw[1] == 10 and plan.vector == 1
+    packed_row = 3 * register_tiling._wavefronts((8, 4, 10 + 1024, 1), 1)  # pitch 10: lane rows 0 and 3 collide
+    assert packed_row == 6
+    assert plan.pitch % 32 in (8, 24) and plan.window_row_wavefronts == 3  # lane rows in disjoint banks
+
+
+@pytest.mark.parametrize(
+    ("kernel", "stride", "ph", "peak_rows"),
+    [(3, 1, 4, 6), (3, 1, 1, 3), (11, 4, 1, 1), (7, 2, 2, 3), (1, 2, 4, 4)],
+)
+def test_window_rows_are_loaded_at_first_use_and_the_live_window_is_bounded(kernel, stride, ph, peak_rows):
+    pad = kernel // 2
+    g = ConvGeometry(4, 4, (kernel, kernel), (stride, stride), (pad, pad), 1, (40, 40))
+    plan = RegisterTilePlan(g, ph, 2, 1, 8, 1, 1)
+    rows, width = plan.window_hw
+    used = [q for q in range(rows) if register_tiling.first_use(plan, q) is not None]
+    assert used == [q for q in range(rows) if any(0 <= q - i * stride < kernel for i in range(ph))]
+    assert register_tiling._peak_window_floats(plan) == peak_rows * width
+
+
 def _nvrtc_available() -> bool:
     try:
         from tendril.cuda.nvrtc import nvrtc_version
@@ -191,16 +237,21 @@ def _nvrtc_available() -> bool:
 @pytest.mark.parametrize(
     "geometry",
     [
-        ConvGeometry(64, 64, (3, 3), (1, 1), (1, 1), 1, (224, 224)),  # vector loads, 4 channels per warp
+        ConvGeometry(64, 64, (3, 3), (1, 1), (1, 1), 1, (224, 224)),  # VGG-16 conv1_2
+        ConvGeometry(256, 256, (3, 3), (1, 1), (1, 1), 1, (56, 56)),  # VGG-16 conv3_2
         ConvGeometry(512, 512, (3, 3), (1, 1), (1, 1), 1, (14, 14)),  # channel splits
-        ConvGeometry(3, 64, (11, 11), (4, 4), (2, 2), 1, (224, 224)),  # AlexNet's first layer
+        ConvGeometry(3, 64, (11, 11), (4, 4), (2, 2), 1, (224, 224)),  # AlexNet's first layer: row records
+        ConvGeometry(3, 64, (7, 7), (2, 2), (3, 3), 1, (224, 224)),  # ResNet's first layer
+        ConvGeometry(1024, 512, (1, 1), (2, 2), (0, 0), 1, (14, 14)),  # ResNet's strided 1×1 downsample
         ConvGeometry(8, 8, (5, 5), (2, 2), (2, 2), 2, (30, 30)),  # groups, stride 2
     ],
 )
-def test_cuda_source_compiles_for_sm90_without_spills(geometry):
+def test_cuda_source_compiles_for_sm90_without_spills_or_local_memory(geometry):
     from tendril.sparse.ops.conv import register_cuda
 
     plan = register_tiling.plan(geometry, 0.3, 132)
     cubin, log = register_cuda.compile_for(plan, "sm_90", ("-Xptxas=-v",))
     assert cubin
-    assert "0 bytes spill stores" in log, log
+    assert "0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads" in log, log
+    used = int(log.split("Used ")[1].split(" registers")[0])
+    assert used * plan.warps * 32 * plan.blocks_per_sm <= register_tiling.SM_REGISTERS, log

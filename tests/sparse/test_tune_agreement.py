@@ -1,51 +1,125 @@
-"""`SparseNetwork.tune` admits the register-tiled kernel only when its layer output agrees with the shared-memory
-kernel's: the agreement check on the CPU, with a step whose kernels are stubs."""
+"""`SparseNetwork.tune` admits the register-tiled kernel only when a layer's output agrees with the layer's
+float64 dense reference: the agreement check on the CPU, on real converted layers whose register kernel is
+the CPU emulation of its exact algorithm.
+
+The check once compared against the shared-memory kernel instead, which is wrong by design when a reduced
+activation capacity overflows: on the GPU a correct register kernel was then refused ("relative error
+3.72e-01 against the shared-memory kernel"). `test_a_correct_kernel_is_admitted_when_the_shared_memory_kernel_is_wrong`
+is that case.
+"""
 
 from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
+from torch import nn
 
-from tendril.sparse.network import AGREEMENT_RTOL, SparseNetwork
-
-
-class StubStep:
-    """A conv step whose "cuda" kernel gives `expected` and whose "register" kernel gives `register(expected)`."""
-
-    def __init__(self, register) -> None:
-        self.conv_kernel = "cuda"
-        self.expected = torch.randn(8, 5, 5)
-        self.register = register
-
-    def run(self, inputs, state):
-        if self.conv_kernel == "cuda":
-            return self.expected.clone()
-        return self.register(self.expected)
+from tendril.sparse import convert, prune
+from tendril.sparse.network import AGREEMENT_RTOL, RunState, SparseConvStep, SparseNetwork
+from tendril.sparse.ops.conv import register_cuda, register_emulation, register_tiling
+from tests.sparse.models import BasicBlock, ResNetLike, randomize_batchnorm, vgg_like
 
 
-def _rejection(register):
-    network = SparseNetwork([], "x", "y", torch.device("cpu"))
-    return network._register_rejection(StubStep(register), [torch.zeros(1)])
+def _emulated_register_conv(x, layer, bias, *, residual=None, relu=False, out=None):
+    y, counts = register_emulation.conv(x, layer.weights, bias, residual=residual, relu=relu)
+    layer.counts.copy_(counts)
+    return y
 
 
-def test_an_agreeing_kernel_is_admitted():
-    assert _rejection(lambda y: y * (1 + AGREEMENT_RTOL / 10)) is None
+@pytest.fixture
+def overflowed_shared_memory_kernel(monkeypatch):
+    """Under the "cuda" backend, the register kernel runs as its CPU emulation and the shared-memory path
+    (compression + kernel) returns garbage, as it does when a reduced activation capacity overflowed."""
+    monkeypatch.setattr(register_cuda, "conv", _emulated_register_conv)
+    monkeypatch.setattr(RunState, "compress", lambda self, step, x, layout: None)
+    monkeypatch.setattr(SparseConvStep, "convolve", lambda self, acts, init, state: torch.full_like(init, 1e6))
+
+
+@torch.no_grad()
+def _network_and_inputs(model: nn.Module, size: int) -> tuple[SparseNetwork, dict[str, list[torch.Tensor]]]:
+    """A CPU network with every conv's register layer prepared, each conv step's real inputs, and the network
+    then switched to the "cuda" backend's dispatch (the kernels themselves are patched by the tests)."""
+    torch.manual_seed(0)
+    model = randomize_batchnorm(model).eval()
+    prune(model, 0.4)
+    x = torch.randn(1, 3, size, size)
+    net = convert(model, x)
+    values = {net.input_name: x}
+    inputs = {}
+    for step in net.steps:
+        args = [values[name] for name in step.inputs]
+        if isinstance(step, SparseConvStep):
+            inputs[step.name] = args
+            plan = register_tiling.plan(step.weights.geometry, step.weights.density, 132)
+            step.register = register_cuda.RegisterConvLayer.prepare(step.weights, plan)
+        values[step.output] = step.run(args, net._state)
+    net._state = RunState("cuda", 1, net._state.overflow)
+    return net, inputs
 
 
 @pytest.mark.parametrize(
-    ("register", "reason"),
+    ("build", "size"), [(lambda: vgg_like(width=4), 16), (lambda: ResNetLike(BasicBlock, (1, 1)), 16)]
+)
+def test_a_correct_kernel_is_admitted_when_the_shared_memory_kernel_is_wrong(
+    overflowed_shared_memory_kernel, build, size
+):
+    net, inputs = _network_and_inputs(build(), size)
+    assert inputs
+    for step in net.steps:
+        if isinstance(step, SparseConvStep):
+            step.conv_kernel = "cuda"
+            assert float(step.run(inputs[step.name], net._state).min()) == 1e6  # the shared-memory path is wrong
+            assert net._register_rejection(step, inputs[step.name]) is None, step.name
+
+
+@torch.no_grad()
+def test_the_reference_is_the_dense_layer_with_its_fused_epilogue():
+    net, inputs = _network_and_inputs(ResNetLike(BasicBlock, (1, 1)), 16)
+    steps = [s for s in net.steps if isinstance(s, SparseConvStep)]
+    assert any(s.residual for s in steps) and any(s.relu for s in steps)
+    for step in steps:
+        args = inputs[step.name]
+        g = step.weights.geometry
+        y = F.conv2d(args[0], step.weights.to_dense(), step.bias, stride=g.stride, padding=g.padding, groups=g.groups)
+        y = y + args[1] if step.residual else y
+        y = y.relu() if step.relu else y
+        reference = step.reference(args)
+        assert reference.dtype == torch.float64
+        assert torch.allclose(reference, y.double(), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("wrong", "reason"),
     [
-        (lambda y: y * (1 + AGREEMENT_RTOL * 10), "relative error 1.00e-04"),
+        (lambda y: y * (1 + AGREEMENT_RTOL * 10), "relative error 1.00e-04 against the dense reference"),
         (lambda y: torch.full_like(y, float("nan")), "relative error nan"),
-        (lambda y: y.flip(0), "relative error"),
+        (lambda y: y.flip(1), "relative error"),
     ],
 )
-def test_a_disagreeing_kernel_is_rejected_with_its_error(register, reason):
-    assert reason in _rejection(register)
+def test_a_disagreeing_kernel_is_rejected_with_its_error(monkeypatch, wrong, reason):
+    net, inputs = _network_and_inputs(vgg_like(width=4), 16)
+    monkeypatch.setattr(register_cuda, "conv", lambda *a, **k: wrong(_emulated_register_conv(*a, **k)))
+    step = next(s for s in net.steps if isinstance(s, SparseConvStep))
+    rejection = net._register_rejection(step, inputs[step.name])
+    assert rejection is not None and reason in rejection
 
 
-def test_a_kernel_that_cannot_run_is_rejected_with_the_exception():
-    def broken(y):
+def test_a_slightly_perturbed_kernel_is_still_admitted(monkeypatch):
+    net, inputs = _network_and_inputs(vgg_like(width=4), 16)
+    monkeypatch.setattr(
+        register_cuda, "conv", lambda *a, **k: _emulated_register_conv(*a, **k) * (1 + AGREEMENT_RTOL / 10)
+    )
+    step = next(s for s in net.steps if isinstance(s, SparseConvStep))
+    assert net._register_rejection(step, inputs[step.name]) is None
+
+
+def test_a_kernel_that_cannot_run_is_rejected_with_the_exception(monkeypatch):
+    net, inputs = _network_and_inputs(vgg_like(width=4), 16)
+
+    def broken(*args, **kwargs):
         raise RuntimeError("NVRTC: unsupported option")
 
-    assert _rejection(broken) == "RuntimeError: NVRTC: unsupported option"
+    monkeypatch.setattr(register_cuda, "conv", broken)
+    step = next(s for s in net.steps if isinstance(s, SparseConvStep))
+    assert net._register_rejection(step, inputs[step.name]) == "RuntimeError: NVRTC: unsupported option"

@@ -25,12 +25,14 @@ A batch is run one sample at a time (the engine is built for batch-1 latency).
 
 from __future__ import annotations
 
+import functools
 import time
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 
 from tendril.sparse.format import ActivationLayout, CompressedActivations, SparseConvWeights, SparseLinearWeights
 from tendril.sparse.ops.compress import cpu as compress_cpu
@@ -108,6 +110,22 @@ class SparseConvStep:
         else:
             y = conv_triton.conv(acts, self.weights, init)
         return y.relu_() if self.relu else y
+
+    def reference(self, values: Sequence[torch.Tensor]) -> torch.Tensor:
+        """The layer's exact output in float64: dense `F.conv2d` on the same pruned weights, plus bias,
+        the residual and ReLU as fused here (what every kernel must agree with)."""
+        g = self.weights.geometry
+        y = F.conv2d(
+            values[0].double(),
+            self.weights.to_dense().double(),
+            self.bias.double(),
+            stride=g.stride,
+            padding=g.padding,
+            groups=g.groups,
+        )
+        if self.residual:
+            y = y + values[1].double()
+        return y.relu() if self.relu else y
 
     def run(self, values: Sequence[torch.Tensor], state: RunState) -> torch.Tensor:
         x = values[0]
@@ -216,7 +234,10 @@ class LayerReport:
 
 
 AGREEMENT_RTOL = 1e-5
-"""Largest relative error (Frobenius norm) of a tuned candidate's layer output against the shared-memory kernel."""
+"""Largest relative error (Frobenius norm) of the register-tiled kernel's layer output against the layer's
+float64 dense reference (`SparseConvStep.reference`) for `tune` to admit it."""
+REGISTER_PLANS_TIMED = 2
+"""How many of the register planner's best-predicted plans `tune` times on each layer (it keeps the fastest)."""
 
 
 class SparseNetwork:
@@ -289,9 +310,12 @@ class SparseNetwork:
         sees (host syncs: call it once, after conversion, never inside a graph capture). Returns
         `{layer: kernel}`; the choice is used by the `"cuda"` backend.
 
-        The register-tiled kernel is a candidate only once its layer output agrees with the shared-memory
-        kernel's (relative error <= `AGREEMENT_RTOL`); one that fails to build or run, or disagrees, is left
-        out, with the reason in `rejected_kernels` and a warning.
+        The register-tiled kernel is timed with the planner's `REGISTER_PLANS_TIMED` best plans (the fastest
+        stays) and is a candidate only once its layer output agrees with the layer's float64 dense reference
+        (`SparseConvStep.reference`, relative error <= `AGREEMENT_RTOL`); one that fails to build or run, or
+        disagrees, is left out, with the reason in `rejected_kernels` and a warning. (The reference is not
+        another kernel: the shared-memory kernel is wrong by design when a reduced activation capacity
+        overflows, and would make a correct register kernel look wrong.)
         """
         if self.device.type != "cuda" or self.backend != "cuda":
             return {}
@@ -313,18 +337,16 @@ class SparseNetwork:
         return choice
 
     def _register_rejection(self, step: SparseConvStep, inputs: list[torch.Tensor]) -> str | None:
-        """Why the register-tiled kernel must not serve `step` (None: its output agrees with the shared-memory
-        kernel's on this input)."""
-        step.conv_kernel = "cuda"
-        expected = step.run(inputs, self._state).clone()
-        step.conv_kernel = "register"
+        """Why the register-tiled kernel must not serve `step` (None: its output agrees with the layer's
+        float64 dense reference on this input)."""
+        expected = step.reference(inputs)
         try:
-            got = step.run(inputs, self._state)
+            got = step._run_register(inputs[0], inputs[1] if step.residual else None, self._state)
         except Exception as error:  # a kernel that cannot run here is a rejected candidate, not a failed tune
             return f"{type(error).__name__}: {error}"
-        error_norm = (got - expected).norm() / expected.norm().clamp_min(torch.finfo(expected.dtype).tiny)
+        error_norm = (got.double() - expected).norm() / expected.norm().clamp_min(torch.finfo(torch.float32).tiny)
         if not torch.isfinite(got).all() or error_norm > AGREEMENT_RTOL:
-            return f"relative error {float(error_norm):.2e} against the shared-memory kernel (limit {AGREEMENT_RTOL})"
+            return f"relative error {float(error_norm):.2e} against the dense reference (limit {AGREEMENT_RTOL})"
         return None
 
     def _time_conv_kernels(
@@ -337,20 +359,11 @@ class SparseNetwork:
             "cuda": lambda: step.convolve(acts, init, self._state),
             "triton": lambda: step.convolve(acts, init, self._state),
         }
-        if register_tiling.unsupported_reason(g) is None and step.name not in self.rejected_kernels:
-            try:
-                if step.register is None:
-                    sms = torch.cuda.get_device_properties(self.device).multi_processor_count
-                    plan = register_tiling.plan(g, step.weights.density, sms)
-                    step.register = register_cuda.RegisterConvLayer.prepare(step.weights, plan)
-                layer = step.register
-                register_cuda.conv(dense_input, layer, step.bias, relu=step.relu)  # compiles it
-            except Exception as error:  # e.g. an NVRTC that rejects the source: the other kernels still serve
-                self.rejected_kernels[step.name] = f"{type(error).__name__}: {error}"
-                warnings.warn(f"{step.name}: register-tiled kernel not used: {self.rejected_kernels[step.name]}",
-                              stacklevel=3)
-            else:
-                candidates["register"] = lambda: register_cuda.conv(dense_input, layer, step.bias, relu=step.relu)
+        layers = self._register_layers(step, dense_input)
+        for rank, layer in enumerate(layers):
+            candidates[f"register {rank}"] = functools.partial(
+                register_cuda.conv, dense_input, layer, step.bias, relu=step.relu
+            )
         times = {}
         for kernel, run_kernel in candidates.items():
             step.conv_kernel = kernel
@@ -362,7 +375,38 @@ class SparseNetwork:
             end.record()
             end.synchronize()
             times[kernel] = start.elapsed_time(end)
-        return times
+        step.conv_kernel = "cuda"
+        if layers:
+            fastest = min(range(len(layers)), key=lambda rank: times[f"register {rank}"])
+            step.register = layers[fastest]
+            times["register"] = times[f"register {fastest}"]
+        return {k: t for k, t in times.items() if not k.startswith("register ")}
+
+    def _register_layers(
+        self, step: SparseConvStep, dense_input: torch.Tensor
+    ) -> list[register_cuda.RegisterConvLayer]:
+        """The register-tiled kernel's candidate layers for `step`, built and run once (compiled): the one
+        prepared before, else the planner's `REGISTER_PLANS_TIMED` best plans; none where the planner does
+        not support the geometry or the kernel was rejected (a failure to build or run is recorded here)."""
+        g = step.weights.geometry
+        if register_tiling.unsupported_reason(g) is not None or step.name in self.rejected_kernels:
+            return []
+        try:
+            if step.register is not None:
+                layers = [step.register]
+            else:
+                sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+                plans = register_tiling.candidates(g, step.weights.density, sms)[:REGISTER_PLANS_TIMED]
+                layers = [register_cuda.RegisterConvLayer.prepare(step.weights, plan) for plan in plans]
+            for layer in layers:
+                register_cuda.conv(dense_input, layer, step.bias, relu=step.relu)  # compiles it
+        except Exception as error:  # e.g. an NVRTC that rejects the source: the other kernels still serve
+            self.rejected_kernels[step.name] = f"{type(error).__name__}: {error}"
+            warnings.warn(
+                f"{step.name}: register-tiled kernel not used: {self.rejected_kernels[step.name]}", stacklevel=4
+            )
+            return []
+        return layers
 
     def reset_overflow(self) -> None:
         self._state.overflow.zero_()

@@ -2,12 +2,13 @@
 
 Same grid (tiles × k-blocks × channel splits, blocks run in a caller-chosen order so that any block
 can be the last of its tile), same staging (input tile with halo, zeros in the padding; `c_chunk`
-channels per round; the round's nonzero values must fit `value_capacity`), same decoding of the row
-records (a tap's value is found at the row's offset plus the set bits below it), the same skip of a
-staged channel tile that is all zeros, the same split reduction (partials in a NaN-poisoned
-workspace, the last block of a tile sums them in split order) and fused epilogue, and the same
-per-tile nonzero counts. A warp's lanes partition the tile, so the emulation computes a block's
-tile as a whole. Slow by design: use it on small shapes.
+channels per round; the round's nonzero values must fit `value_capacity`), same decoding of the
+records (one per (k, c, row group); a tap's value is found at the record's offset plus the set bits
+below it), the same split reduction (partials in a NaN-poisoned workspace, the last block of a tile
+sums them in split order) and fused epilogue, and the same per-tile nonzero counts. A warp's lanes
+partition the tile (idle lanes write nothing), and double buffering only reorders copies, so the
+emulation computes a block's tile as a whole, one staged round at a time. Slow by design: use it on
+small shapes.
 """
 
 from __future__ import annotations
@@ -77,7 +78,7 @@ def _block_sums(x: torch.Tensor, weights: RowMaskWeights, tile: int, kb: int, sp
     """One block's `[k_block, tile_h, tile_w]` accumulators over its split of the input channels."""
     plan = weights.plan
     g = plan.geometry
-    (r_size, s_size), (sh, sw), (th, tw), (in_h, in_w) = g.kernel, g.stride, plan.tile_hw, plan.in_hw
+    s_size, (sh, sw), (th, tw), (in_h, in_w) = g.kernel[1], g.stride, plan.tile_hw, plan.in_hw
     tiles_x = plan.tiles[1]
     iy0 = (tile // tiles_x) * th * sh - g.padding[0]
     ix0 = (tile % tiles_x) * tw * sw - g.padding[1]
@@ -89,22 +90,21 @@ def _block_sums(x: torch.Tensor, weights: RowMaskWeights, tile: int, kb: int, sp
         chunk = min(plan.c_chunk, c_end - c0)
         channels = group * plan.group_in + c0
         staged = _stage(x[channels : channels + chunk], iy0, ix0, in_h, in_w)
-        records = weights.records[kb, c0 : c0 + chunk].long()  # [chunk, k_block, R]
+        records = weights.records[kb, c0 : c0 + chunk].long()  # [chunk, row groups, k_block]
         v_begin = int(weights.chan_ptr[kb, c0])
         v_count = int(weights.chan_ptr[kb, c0 + chunk]) - v_begin
         assert v_count <= plan.value_capacity, "a round's nonzero values overflow the staged value buffer"
         values = weights.values[v_begin : v_begin + v_count]
         for cc in range(chunk):
-            if not bool((staged[cc] != 0).any()):
-                continue
             base = int(weights.chan_ptr[kb, c0 + cc]) - v_begin
-            for r in range(r_size):
-                record = records[cc, :, r]
+            for row_group in range(plan.record_groups):
+                record = records[cc, row_group]
                 mask, offset = record & 0xFFFF, record >> 16
                 below = torch.zeros_like(mask)
-                for s in range(s_size):
-                    present = ((mask >> s) & 1).bool()
+                for t in range(plan.record_rows * s_size):
+                    present = ((mask >> t) & 1).bool()
                     if present.any():
+                        r, s = row_group * plan.record_rows + t // s_size, t % s_size
                         index = (base + offset + below).clamp(max=max(v_count - 1, 0))
                         weight = torch.where(present, values[index], 0.0)
                         patch = staged[cc, r : r + (th - 1) * sh + 1 : sh, s : s + (tw - 1) * sw + 1 : sw]

@@ -1,26 +1,31 @@
-"""Tiling and weight layout of the register-tiled sparse-weight convolution (`register_cuda.py`),
-shared with its CPU emulation (`register_emulation.py`).
+"""Tiling, weight layout and planner of the register-tiled sparse-weight convolution
+(`register_cuda.py`), shared with its CPU emulation (`register_emulation.py`).
 
 Dataflow (output-stationary; zero weights skipped, activations read densely from shared memory):
 a thread block of `warps` warps owns an output tile of `tile_h × tile_w` pixels × `k_block`
 output channels (`kt` per warp) and one contiguous range of the group's input channels (its
 *split*). Every lane of a warp owns the same `kt` output channels and its own `ph × pw` output
-pixels, all held in registers (`kt × ph × pw` accumulators); the 32 lanes of a warp cover the whole
-pixel tile (`lanes_x` lanes along x, `32 / lanes_x` along y), so the warps of a block share the
-staged activations and differ only in their output channels, and every branch on a weight is
-warp-uniform. Per round the block stages `c_chunk` input channels into shared memory: the input
-tile with its halo (`in_h × in_w`, zeros where the padding is), the channels' weight row records
-and their nonzero values. Then for each staged channel and kernel row r each lane loads its patch
-row (`ph` rows × `(pw - 1) * sw + s` columns) into registers once, and each nonzero weight
-(k, c, r, s) of the warp's channels adds `w × patch` to its `ph × pw` accumulators: one weight
-load for `ph × pw` FMAs, and one patch load shared by the warp's `kt` channels and the row's taps.
-A channel whose staged tile is all zeros (ReLU's whole-zero planes) is skipped by the whole block.
+pixels, all held in registers (`kt × ph × pw` accumulators); the lanes of a warp cover the whole
+pixel tile (`lanes_x` along x, `lanes_y = 32 // lanes_x` along y; lanes past `lanes_x × lanes_y`
+idle), so the warps of a block share the staged activations and differ only in their output
+channels, and every branch on a weight is warp-uniform.
 
-Weight layout (`RowMaskWeights`), per (k-block, input channel of the group, output channel of the
-block, kernel row): one record `mask | offset << 16`, where bit s of the mask says tap (r, s) is
+The block stages `c_chunk` input channels per round into shared memory with `cp.async`, double
+buffered (the next round's copies fly while this round computes): the input tile with its halo
+(`in_h × in_w`, zeros where the padding is, rows `pitch` floats apart), the channels' row records
+and their nonzero values. For each staged channel a lane loads its input *window*
+(`((ph - 1) sh + R) × ((pw - 1) sw + S)` floats, with vector loads where aligned) into registers
+once, each row at the first kernel row that needs it, and every nonzero weight (k, c, r, s) of the
+warp's channels adds `w × window[i sh + r][j sw + s]` to its `ph × pw` accumulators, all indices
+compile-time constants (no local memory). So a staged float is read from shared memory once per
+channel and lane, not once per kernel row, and feeds `kt × taps` FMAs.
+
+Weight layout (`RowMaskWeights`), per (k-block, input channel of the group, kernel row, output
+channel of the block): one record `mask | offset << 16`, where bit s of the mask says tap (r, s) is
 nonzero and `offset` is where the row's values start among the (k-block, channel)'s nonzero values
-(kept in (k, r, s) order; `chan_ptr[kb, c]` is the global start). Bytes per nonzero: 4 for the
-value plus 4 per (k, c, r) record: `4 + 4 / (S × density)`, about 8.4 at 3×3 and 30% density.
+(kept in (r, k, s) order; `chan_ptr[kb, c]` is the global start). A warp's `kt` records of one row
+are adjacent, so they load as one vector. Bytes per nonzero: 4 for the value plus 4 per (k, c, r)
+record: `4 + 4 / (S × density)`, about 8.4 at 3×3 and 30% density.
 
 Channel splits: when tiles × k-blocks leave SMs idle, the group's input channels are cut into
 `splits` ranges (grid z); each block writes its partial sums to a workspace, and the last block
@@ -28,13 +33,16 @@ of a tile to arrive (a ticket counter per tile, reset by that block) adds the pa
 order, so the result is deterministic, then applies bias, residual and ReLU. With one split the
 epilogue is fused into the accumulator write-out.
 
-`plan` picks (ph, pw, kt, lanes_x, splits) with `estimate_us`, a count of issued warp instructions
-per SM (patch loads, weight records, tap tests, FMAs) plus the split reduction's traffic; the
-network then measures the pick against the other kernels (`SparseNetwork.tune`).
+`plan` picks (ph, pw, kt, lanes_x, warps, splits) with `estimate_us`, a model of the busiest SM:
+issue slots (window and record loads, tap tests, weight loads, FMAs) against shared-memory
+wavefronts (bank conflicts of the window loads simulated for the chosen pitch), the occupancy the
+registers allow, and the L2 traffic of staging and of the split reduction; the network then
+measures the best few plans on the device (`SparseNetwork.tune`).
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -45,21 +53,30 @@ from tendril.sparse.format import ConvGeometry, SparseConvWeights
 WARPS = 8
 SHARED_BYTES = 46 * 1024
 """Static shared memory a block may use (48 KiB limit, less a margin for the kernel's scalars)."""
+SM_SHARED_BYTES = 227 * 1024
+SM_REGISTERS = 65536
+SM_MAX_WARPS = 64
 MAX_C_CHUNK = 8
-MAX_ACCUMULATORS = 64
-MAX_PATCH_FLOATS = 48
-MAX_TAPS_PER_ROW = 16
-"""A row record's mask has 16 bits: kernels up to 16 taps wide."""
+MAX_REGISTERS = 232
+"""Estimated registers per thread a plan may need (255 is the hardware limit; margin for the estimate)."""
+MAX_TAPS_PER_RECORD = 16
+"""A record's mask has 16 bits: kernels up to 16 taps wide (one record per row), or whole kernels of up to
+16 taps (one record per (k, c))."""
 MAX_SPLITS = 16
 MIN_CHANNELS_PER_SPLIT = 16
-BLOCKS_PER_SM = 2
+LANES_X_CHOICES = (1, 2, 3, 4, 5, 6, 7, 8, 10, 14, 15, 16, 28, 32)
+"""Lane columns per warp: every count that keeps at least 28 of the 32 lanes busy (14 × 2, 7 × 4, ...)."""
 
-# Cost model of the H200 (estimate_us): issue slots, clock, memory bandwidth, achieved issue fraction.
+# Cost model of the H200 (estimate_us). Per SM and cycle: 4 warp instructions issued, 1 shared-memory
+# wavefront (32 banks × 4 bytes); the fraction of issue slots a well-occupied SM fills; L2 bandwidth.
 WARP_INSTRUCTIONS_PER_CYCLE = 4
 CLOCK_GHZ = 1.98
-BYTES_PER_US = 3.0e6
-ISSUE_EFFICIENCY = 0.6
+ISSUE_EFFICIENCY = 0.7
+WARPS_TO_HIDE_LATENCY = 16
+L2_BYTES_PER_US = 5.5e6
 LAUNCH_US = 3.0
+RECORD_INSTRUCTIONS = 12
+"""Per record: the uniform reduction, moves, tap predicates and the address of its values (sm_90 SASS)."""
 
 
 @dataclass(frozen=True)
@@ -80,6 +97,10 @@ class RegisterTilePlan:
         return 32 // self.lanes_x
 
     @property
+    def active_lanes(self) -> int:
+        return self.lanes_x * self.lanes_y
+
+    @property
     def tile_hw(self) -> tuple[int, int]:
         return self.lanes_y * self.ph, self.lanes_x * self.pw
 
@@ -88,8 +109,10 @@ class RegisterTilePlan:
         return self.warps * self.kt
 
     @property
-    def patch_w(self) -> int:
-        return (self.pw - 1) * self.geometry.stride[1] + self.geometry.kernel[1]
+    def window_hw(self) -> tuple[int, int]:
+        """Input floats one lane reads per channel: rows × columns."""
+        (sh, sw), (r, s) = self.geometry.stride, self.geometry.kernel
+        return (self.ph - 1) * sh + r, (self.pw - 1) * sw + s
 
     @property
     def in_hw(self) -> tuple[int, int]:
@@ -98,13 +121,25 @@ class RegisterTilePlan:
         return (th - 1) * sh + r, (tw - 1) * sw + s
 
     @property
-    def in_w_pad(self) -> int:
-        """Row stride of the staged tile: a multiple of 4 so that patch rows load as float4."""
-        return -(-self.in_hw[1] // 4) * 4
+    def vector(self) -> int:
+        """Widest load (floats) at which every lane's window rows are aligned: 4, 2 or 1."""
+        step = self.pw * self.geometry.stride[1]
+        return 4 if step % 4 == 0 else 2 if step % 2 == 0 else 1
 
     @property
-    def vector_loads(self) -> bool:
-        return self.geometry.stride[1] == 1 and self.pw % 4 == 0
+    def pitch(self) -> int:
+        """Row stride (floats) of the staged tile: a multiple of `vector`, chosen for the fewest bank conflicts."""
+        return _best_pitch(self.in_hw[1], self.vector, self._lane_step(), self.window_hw[1])[0]
+
+    @property
+    def window_row_wavefronts(self) -> int:
+        """Shared-memory wavefronts a warp's load of one window row costs (bank conflicts included)."""
+        return _best_pitch(self.in_hw[1], self.vector, self._lane_step(), self.window_hw[1])[1]
+
+    def _lane_step(self) -> tuple[int, int, int, int]:
+        """(lanes_x, lanes_y, rows between lane rows, columns between lane columns) for the bank model."""
+        (sh, sw) = self.geometry.stride
+        return self.lanes_x, self.lanes_y, self.ph * sh, self.pw * sw
 
     @property
     def tiles(self) -> tuple[int, int]:
@@ -137,6 +172,16 @@ class RegisterTilePlan:
         return ty * tx, self.k_blocks, self.splits
 
     @property
+    def record_rows(self) -> int:
+        """Kernel rows one record covers: all of them when their taps fit its 16 mask bits (3×3, 1×1), else one."""
+        r, s = self.geometry.kernel
+        return r if r * s <= MAX_TAPS_PER_RECORD else 1
+
+    @property
+    def record_groups(self) -> int:
+        return self.geometry.kernel[0] // self.record_rows
+
+    @property
     def value_capacity(self) -> int:
         """Nonzero values one staged round can hold (every weight of `c_chunk` channels nonzero)."""
         r, s = self.geometry.kernel
@@ -145,6 +190,19 @@ class RegisterTilePlan:
     @property
     def shared_bytes(self) -> int:
         return _shared_bytes(self, self.c_chunk)
+
+    @property
+    def registers(self) -> int:
+        """Estimated registers per thread: accumulators, the live window, records and ~40 for addresses."""
+        return self.kt * self.ph * self.pw + _peak_window_floats(self) + self.kt + 40
+
+    @property
+    def blocks_per_sm(self) -> int:
+        """Blocks an SM holds at once (registers, shared memory, warps), at most 4; the launch bound."""
+        threads = 32 * self.warps
+        by_registers = SM_REGISTERS // (threads * (-(-self.registers // 8) * 8))
+        by_shared = SM_SHARED_BYTES // (self.shared_bytes + 1024)
+        return max(1, min(4, by_registers, by_shared, SM_MAX_WARPS // self.warps))
 
     def defines(self) -> tuple[str, ...]:
         """The NVRTC `-D` options that specialise the kernel source for this plan."""
@@ -160,56 +218,160 @@ class RegisterTilePlan:
             "PW": self.pw,
             "KT": self.kt,
             "LANES_X": self.lanes_x,
+            "LANES_Y": self.lanes_y,
             "WARPS": self.warps,
             "C_CHUNK": self.c_chunk,
+            "RECORD_ROWS": self.record_rows,
             "IN_H": self.in_hw[0],
             "IN_W": self.in_hw[1],
-            "IN_W_PAD": self.in_w_pad,
+            "PITCH": self.pitch,
+            "VEC": self.vector,
             "VAL_CAP": self.value_capacity,
-            "VECTOR_LOADS": int(self.vector_loads),
+            "CHAN_CAP": self.split_channels + 1,
+            "MIN_BLOCKS": self.blocks_per_sm,
         }
         return tuple(f"-D{k}={v}" for k, v in values.items())
 
 
 def _shared_bytes(plan: RegisterTilePlan, c_chunk: int) -> int:
-    (in_h, _), (r, s) = plan.in_hw, plan.geometry.kernel
-    act = c_chunk * in_h * plan.in_w_pad
-    records = c_chunk * plan.k_block * r
+    """Two staging buffers (activations, records, values) plus the split's channel starts."""
+    r, s = plan.geometry.kernel
+    act = c_chunk * plan.in_hw[0] * plan.pitch
+    records = c_chunk * plan.record_groups * plan.k_block
     values = c_chunk * plan.k_block * r * s
-    return 4 * (act + records + values + 2 * c_chunk + 1)
+    return 4 * (2 * (act + records + values) + plan.split_channels + 2)
+
+
+def _row_group_uses(plan: RegisterTilePlan, q: int) -> tuple[int, ...]:
+    """The row groups whose pass reads window row `q` (`i sh + r == q`)."""
+    return _uses(plan.geometry.stride[0], plan.geometry.kernel[0], plan.ph, plan.record_rows, q)
+
+
+@functools.lru_cache(maxsize=8192)
+def _uses(sh: int, r_size: int, ph: int, record_rows: int, q: int) -> tuple[int, ...]:
+    return tuple(r // record_rows for r in range(r_size) for i in range(ph) if i * sh + r == q)
+
+
+def first_use(plan: RegisterTilePlan, q: int) -> int | None:
+    """The first row group whose pass reads window row `q`, None when none does (the kernel loads it then)."""
+    uses = _row_group_uses(plan, q)
+    return min(uses) if uses else None
+
+
+@functools.lru_cache(maxsize=8192)
+def _peak_window_floats(plan: RegisterTilePlan) -> int:
+    """Most window floats live at once when each row is loaded at its first use and dropped after its last."""
+    rows, width = plan.window_hw
+    spans = [(min(u), max(u)) for u in (_row_group_uses(plan, q) for q in range(rows)) if u]
+    return width * max(sum(1 for lo, hi in spans if lo <= g <= hi) for g in range(plan.record_groups))
+
+
+def _row_loads(width: int, vector: int) -> list[tuple[int, int]]:
+    """(first column, floats) of the loads that read one window row: widest vectors first, as the kernel does."""
+    loads, j = [], 0
+    for v in (4, 2, 1):
+        if v > vector:
+            continue
+        while j + v <= width and j % v == 0:
+            loads.append((j, v))
+            j += v
+    return loads
+
+
+@functools.lru_cache(maxsize=4096)
+def _best_pitch(in_w: int, vector: int, lanes: tuple[int, int, int, int], width: int) -> tuple[int, int]:
+    """(pitch, wavefronts per window row) with the fewest wavefronts, the smallest such pitch. A load's
+    conflicts do not depend on its column (all lanes shift alike), only on the pitch modulo 32."""
+    base = -(-in_w // vector) * vector
+    best = None
+    lanes_x, lanes_y, row_step, col_step = lanes
+    for pitch in range(base, base + 32, vector):
+        # Banks depend on offsets modulo 32; adding 1024 keeps the words of different lane rows distinct.
+        pattern = (lanes_x, lanes_y, row_step * pitch % 32 + 1024, col_step)
+        wavefronts = sum(_wavefronts(pattern, v) for _, v in _row_loads(width, vector))
+        if best is None or wavefronts < best[1]:
+            best = (pitch, wavefronts)
+    assert best is not None
+    return best
+
+
+@functools.lru_cache(maxsize=8192)
+def _wavefronts(pattern: tuple[int, int, int, int], floats: int) -> int:
+    """Wavefronts of one warp-wide shared load of `floats` per lane: the warp is served in groups of
+    lanes (the whole warp for 4-byte loads, halves for 8-byte, quarters for 16-byte ones), and within a
+    group each extra distinct word that falls in an already used bank costs a wavefront. `pattern` is
+    (lanes_x, lanes_y, words between lane rows, words between lane columns)."""
+    lanes_x, lanes_y, row_words, col_words = pattern
+    group = 32 // floats if floats > 1 else 32
+    total = 0
+    for first in range(0, 32, group):
+        banks: dict[int, set[int]] = {}
+        for lane in range(first, first + group):
+            source = min(lane, lanes_x * lanes_y - 1)  # idle lanes read what the last active lane reads
+            word = (source // lanes_x) * row_words + (source % lanes_x) * col_words
+            for f in range(floats):
+                banks.setdefault((word + f) % 32, set()).add(word + f)
+        total += max(len(words) for words in banks.values())
+    return total
 
 
 def unsupported_reason(geometry: ConvGeometry) -> str | None:
     """Why the kernel cannot run this geometry, or None when it can."""
-    if geometry.kernel[1] > MAX_TAPS_PER_ROW:
-        return f"kernel width {geometry.kernel[1]} exceeds the row record's {MAX_TAPS_PER_ROW} tap bits"
-    if not candidates(geometry, 1.0, 132):
+    if geometry.kernel[1] > MAX_TAPS_PER_RECORD:
+        return f"kernel width {geometry.kernel[1]} exceeds the row record's {MAX_TAPS_PER_RECORD} tap bits"
+    if not _feasible(geometry, 132):
         return "no tile configuration fits the shared memory and register limits"
     return None
 
 
+@functools.lru_cache(maxsize=256)
+def _feasible(geometry: ConvGeometry, sms: int) -> tuple[RegisterTilePlan, ...]:
+    """Every plan that fits the limits (split counts chosen to fill `sms`), in no particular order."""
+    if geometry.kernel[1] > MAX_TAPS_PER_RECORD:
+        return ()
+    (oh, ow) = geometry.out_hw
+    plans = []
+    for warps in (8, 4):
+        for ph in (8, 4, 2, 1):
+            for pw in (8, 4, 2, 1):
+                for kt in (8, 4, 2, 1):
+                    for lanes_x in LANES_X_CHOICES:
+                        base = RegisterTilePlan(geometry, ph, pw, kt, lanes_x, 1, 1, warps)
+                        if not _worth_planning(base, oh, ow) or base.registers > MAX_REGISTERS:
+                            continue
+                        if _shared_bytes(base, 1) > SHARED_BYTES:
+                            continue
+                        c_chunk = min(MAX_C_CHUNK, base.group_in)
+                        while c_chunk > 1 and _shared_bytes(base, c_chunk) > SHARED_BYTES:
+                            c_chunk -= 1
+                        blocks = base.grid[0] * base.k_blocks
+                        useful = max(1, min(MAX_SPLITS, base.group_in // MIN_CHANNELS_PER_SPLIT))
+                        wanted = -(-base.blocks_per_sm * sms // blocks)
+                        for splits in sorted({1, min(useful, wanted), min(useful, 2 * wanted)}):
+                            plan = RegisterTilePlan(geometry, ph, pw, kt, lanes_x, splits, c_chunk, warps)
+                            if plan.splits > 1 and (plan.splits - 1) * plan.split_channels >= plan.group_in:
+                                continue  # an empty split
+                            if plan.shared_bytes <= SHARED_BYTES:
+                                plans.append(plan)
+    return tuple(plans)
+
+
+def _worth_planning(plan: RegisterTilePlan, oh: int, ow: int) -> bool:
+    """Skip tiles much larger than the output and k-blocks that leave most of a block's warps idle."""
+    th, tw = plan.tile_hw
+    if (th > 2 * oh and plan.ph > 1) or (tw > 2 * ow and plan.pw > 1):
+        return False
+    return plan.k_block <= 2 * plan.group_out or plan.kt == 1
+
+
 def candidates(geometry: ConvGeometry, weight_density: float, sms: int) -> list[RegisterTilePlan]:
     """Every feasible plan for this geometry, cheapest first by `estimate_us`."""
-    plans = []
-    for ph in (4, 2, 1):
-        for pw in (4, 2, 1):
-            for kt in (4, 2, 1):
-                for lanes_x in (4, 8, 16):
-                    base = RegisterTilePlan(geometry, ph, pw, kt, lanes_x, 1, 1)
-                    if kt * ph * pw > MAX_ACCUMULATORS or ph * base.patch_w > MAX_PATCH_FLOATS:
-                        continue
-                    if geometry.kernel[1] > MAX_TAPS_PER_ROW or _shared_bytes(base, 1) > SHARED_BYTES:
-                        continue
-                    c_chunk = min(MAX_C_CHUNK, base.group_in)
-                    while _shared_bytes(base, c_chunk) > SHARED_BYTES:
-                        c_chunk -= 1
-                    tiles = base.grid[0] * base.k_blocks
-                    useful = max(1, base.group_in // MIN_CHANNELS_PER_SPLIT)
-                    wanted = -(-BLOCKS_PER_SM * sms // tiles)
-                    for splits in sorted({1, max(1, min(MAX_SPLITS, useful, wanted))}):
-                        plan = RegisterTilePlan(geometry, ph, pw, kt, lanes_x, splits, min(c_chunk, base.group_in))
-                        plans.append(plan)
-    return sorted(plans, key=lambda p: estimate_us(p, weight_density, sms))
+    return list(_ranked(geometry, round(weight_density, 4), sms))
+
+
+@functools.lru_cache(maxsize=256)
+def _ranked(geometry: ConvGeometry, weight_density: float, sms: int) -> tuple[RegisterTilePlan, ...]:
+    return tuple(sorted(_feasible(geometry, sms), key=lambda p: estimate_us(p, weight_density, sms)))
 
 
 def plan(geometry: ConvGeometry, weight_density: float, sms: int) -> RegisterTilePlan:
@@ -221,21 +383,40 @@ def plan(geometry: ConvGeometry, weight_density: float, sms: int) -> RegisterTil
 
 
 def estimate_us(plan: RegisterTilePlan, weight_density: float, sms: int) -> float:
-    """Predicted microseconds on an H200-class GPU: warp instructions issued by the busiest SM, plus
-    the split reduction's workspace traffic and a launch."""
+    """Predicted microseconds on an H200-class GPU: the busiest SM's issue slots or shared-memory
+    wavefronts (whichever binds, slowed when too few warps hide latency), or the L2 traffic of staging
+    and split partials if that takes longer, plus a launch."""
     g = plan.geometry
     r, s = g.kernel
-    patch_instructions = plan.ph * (math.ceil(plan.patch_w / 4) + 1 if plan.vector_loads else plan.patch_w)
-    taps = s * weight_density
-    per_row = patch_instructions + plan.kt * (3 + s + taps * (plan.ph * plan.pw + 2))
-    per_channel = r * per_row
-    blocks = plan.grid[0] * plan.grid[1] * plan.grid[2]
-    staging = plan.in_hw[0] * plan.in_w_pad / 32 * 3 / plan.warps
-    per_block = plan.warps * plan.split_channels * (per_channel + staging)
-    waves = math.ceil(blocks / (BLOCKS_PER_SM * sms))
-    cycles = waves * BLOCKS_PER_SM * per_block / (WARP_INSTRUCTIONS_PER_CYCLE * ISSUE_EFFICIENCY)
-    split_bytes = 0 if plan.splits == 1 else 8 * plan.splits * g.out_channels * g.out_hw[0] * g.out_hw[1]
-    return LAUNCH_US + cycles / (CLOCK_GHZ * 1e3) + split_bytes / BYTES_PER_US
+    rows, width = plan.window_hw
+    loaded_rows = sum(1 for q in range(rows) if first_use(plan, q) is not None)
+    taps = r * s * weight_density * plan.kt  # nonzero weights a warp meets per channel
+    groups, group_taps = plan.record_groups, plan.record_rows * s
+    record_loads = groups * math.ceil(plan.kt / min(plan.kt, 4))
+    instructions = (
+        loaded_rows * len(_row_loads(width, plan.vector))
+        + record_loads
+        + plan.kt * groups * (RECORD_INSTRUCTIONS + 2 * group_taps)
+        + taps * (2 + plan.ph * plan.pw)
+        + 8
+    )
+    wavefronts = loaded_rows * plan.window_row_wavefronts + record_loads + taps
+    tiles, k_blocks, splits = plan.grid
+    blocks = tiles * k_blocks * splits
+    staging_instructions = plan.in_hw[0] * -(-plan.in_hw[1] // 32) * 6 / plan.warps
+    per_channel = max(
+        plan.warps * (instructions + staging_instructions) / (WARP_INSTRUCTIONS_PER_CYCLE * ISSUE_EFFICIENCY),
+        plan.warps * wavefronts,
+    )
+    blocks_on_busiest = math.ceil(blocks / sms)
+    resident_warps = min(blocks_on_busiest, plan.blocks_per_sm) * plan.warps
+    latency_factor = max(1.0, WARPS_TO_HIDE_LATENCY / resident_warps)
+    cycles = blocks_on_busiest * plan.split_channels * per_channel * latency_factor
+    out_bytes = 4 * g.out_channels * g.out_hw[0] * g.out_hw[1]
+    staged_bytes = 4 * blocks * plan.split_channels * plan.in_hw[0] * plan.in_hw[1]
+    split_bytes = 0 if splits == 1 else 2 * splits * out_bytes
+    memory_us = (staged_bytes + split_bytes + out_bytes) / L2_BYTES_PER_US
+    return LAUNCH_US + max(cycles / (CLOCK_GHZ * 1e3), memory_us)
 
 
 @dataclass(frozen=True)
@@ -244,9 +425,10 @@ class RowMaskWeights:
 
     plan: RegisterTilePlan
     values: torch.Tensor
-    """fp32 nonzeros in (k-block, channel, k, r, s) order."""
+    """fp32 nonzeros in (k-block, channel, row group, k, row of the group, s) order."""
     records: torch.Tensor
-    """`[k_blocks, group_in, k_block, R]` int32: `tap mask | offset << 16`."""
+    """`[k_blocks, group_in, row groups, k_block]` int32: `tap mask | offset << 16`; bit `rr × S + s` is tap
+    (group × record_rows + rr, s)."""
     chan_ptr: torch.Tensor
     """`[k_blocks, group_in + 1]` int32: start of each (k-block, channel)'s values in `values`."""
 
@@ -260,16 +442,22 @@ class RowMaskWeights:
         if tile_plan.geometry != g:
             raise ValueError("the plan was made for a different geometry")
         (r, s), kb = g.kernel, tile_plan.k_block
+        groups, rows = tile_plan.record_groups, tile_plan.record_rows
         dense = weights.to_dense()  # [K, group_in, R, S]
         padded_out = tile_plan.k_blocks_per_group * kb
         grouped = dense.view(g.groups, tile_plan.group_out, tile_plan.group_in, r, s)
         padded = torch.zeros(g.groups, padded_out, tile_plan.group_in, r, s, device=dense.device)
         padded[:, : tile_plan.group_out] = grouped
-        blocked = padded.view(tile_plan.k_blocks, kb, tile_plan.group_in, r, s).permute(0, 2, 1, 3, 4).contiguous()
+        # [k_blocks, group_in, row groups, k_block, rows × S]: a (k-block, channel)'s values in record order
+        blocked = (
+            padded.view(tile_plan.k_blocks, kb, tile_plan.group_in, groups, rows * s)
+            .permute(0, 2, 3, 1, 4)
+            .contiguous()
+        )
         nonzero = blocked != 0
-        bits = torch.tensor([1 << t for t in range(s)], dtype=torch.int64, device=dense.device)
-        masks = (nonzero.long() * bits).sum(-1)  # [k_blocks, group_in, kb, R]
-        per_row = nonzero.sum(-1).view(tile_plan.k_blocks, tile_plan.group_in, kb * r)
+        bits = torch.tensor([1 << t for t in range(rows * s)], dtype=torch.int64, device=dense.device)
+        masks = (nonzero.long() * bits).sum(-1)  # [k_blocks, group_in, groups, kb]
+        per_row = nonzero.sum(-1).view(tile_plan.k_blocks, tile_plan.group_in, groups * kb)
         offsets = (torch.cumsum(per_row, -1) - per_row).view_as(masks)
         per_channel = per_row.sum(-1)  # [k_blocks, group_in]
         chan_ptr = _channel_starts(per_channel)
