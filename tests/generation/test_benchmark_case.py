@@ -31,6 +31,12 @@ def test_targets_follow_the_issue_contract():
     case.report_targets(compiled, {**times, ("tendril compiled step", 1): 32.0}, case.Workload())
     assert compiled.targets["greedy_tok_per_s"] == pytest.approx(4000.0)
     assert "targets for greedy use 'tendril compiled step'" in compiled.notes
+    inexact = Context(device=torch.device("cpu"), quick=True)
+    fused = {**times, ("tendril compiled step", 1): 32.0, ("tendril fused step", 1): 16.0}
+    exact = {("tendril", 1): True, ("tendril compiled step", 1): True, ("tendril fused step", 1): False}
+    case.report_targets(inexact, fused, case.Workload(), exact)
+    assert inexact.targets["greedy_tok_per_s"] == pytest.approx(4000.0)
+    assert "greedy: 'tendril fused step' is left out of the targets: its tokens differ from HF eager's" in inexact.notes
     partial = Context(device=torch.device("cpu"), quick=True)
     case.report_targets(partial, {("tendril", 1): 64.0}, case.Workload())
     assert set(partial.targets) == {"greedy_tok_per_s"}

@@ -106,7 +106,7 @@ def generate(
     early_stopping: bool | str = False,
     num_return_sequences: int = 1,
     seed: int | None = None,
-    compile_step: bool = False,
+    compile_step: bool | str = False,
     unsupported: str = "raise",
     **other: Any,
 ) -> torch.Tensor:
@@ -114,8 +114,10 @@ def generate(
 
     Defaults are HF's. `eos_token_id=None` takes the model's `generation_config` (as HF does); pass `[]`
     to disable stopping on eos. `seed` makes sampling reproducible (torch's default generator otherwise).
-    `compile_step=True` runs the one-token decode forward through `torch.compile` (fused Triton kernels,
-    captured inside the same loop graph; the first call per shape pays the compilation).
+    `compile_step` chooses how the one-token decode forward runs inside the loop graph: False (the
+    architecture's forward, eager kernels), True or "inductor" (`torch.compile`d; the first call per shape
+    pays the compilation), "fused" (tendril's fused Triton kernels: five per layer, no compilation step;
+    GPT-2, GPT-J and the Llama family; the fastest at batch 1, see `tendril.generation.kernels`).
     `unsupported='hf'` runs HF's own `generate` eagerly for models tendril has no decode path for.
     """
     if other:
@@ -131,6 +133,7 @@ def generate(
                          "for num_return_sequences > 1")
     if num_beams > 1 and num_return_sequences > num_beams:
         raise ValueError(f"num_return_sequences ({num_return_sequences}) must be <= num_beams ({num_beams})")
+    step_mode = _step_mode(compile_step)
     eos = _eos_ids(model, eos_token_id)
     pad = _pad_id(model, pad_token_id, eos)
     try:
@@ -159,7 +162,7 @@ def generate(
         # HF's fill value for beam outputs is `pad_token_id or eos_token_id[0]`: a pad id of 0 falls through
         beam_fill_token_id=pad if pad else (eos[0] if eos else -1),
         num_beams=num_beams, length_penalty=float(length_penalty), early_stopping=early_stopping,
-        compile_step=compile_step,
+        step_mode=step_mode,
     )
     device = input_ids.device
     batch, prompt_len = input_ids.shape
@@ -186,7 +189,8 @@ class Plan:
     num_beams: int
     length_penalty: float
     early_stopping: bool | str
-    compile_step: bool = False
+    step_mode: str = "eager"
+    """How the one-token forward runs: one of `STEP_MODES`."""
 
 
 class DecodeLoop:
@@ -198,14 +202,14 @@ class DecodeLoop:
         weight = next(model.parameters())
         self.cache_dtype = weight.dtype
         self.eos = torch.tensor(plan.eos, dtype=torch.long, device=weight.device)
-        self.step_forward = compiled_step(arch) if plan.compile_step else None
+        self.step_forward = step_forward(arch, plan.step_mode)
         self.__qualname__ = f"generate[{type(model).__name__}]"
 
     def __call__(self, prompt: torch.Tensor, mask: torch.Tensor, noise_key: torch.Tensor) -> tuple[torch.Tensor, ...]:
         search = self.search(prompt, mask, noise_key)
         carried = search.start(search.decoder.prefill())
         if self.step_forward is not None and not _capturing():
-            _warm_compiled_step(search.decoder)
+            _warm_step(search.decoder)
         return while_loop(search.cond, search.body, carried, max_iterations=self.plan.max_new_tokens,
                           name=f"generate ({type(search).__name__})")
 
@@ -224,8 +228,8 @@ def _capturing() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
-def _warm_compiled_step(decoder: Decoder) -> None:
-    """Run the compiled step once for these shapes, so it is never compiled while a graph is being captured
+def _warm_step(decoder: Decoder) -> None:
+    """Run the step once for these shapes, so it is never compiled while a graph is being captured
     (a loop that stops at once would otherwise first call it during capture). It writes the last cache
     slot, which no step reads: queries only see earlier slots, and the last token is never forwarded."""
     rows = decoder.prompt.shape[0]
@@ -237,9 +241,30 @@ COMPILE_BACKEND = "inductor"
 """`torch.compile` backend of `compile_step` (tests use "eager" to check tracing without code generation)."""
 
 
+STEP_MODES = ("eager", "inductor", "fused")
+"""`compile_step` values (False is "eager", True "inductor")."""
+
+
+def _step_mode(compile_step: bool | str) -> str:
+    if compile_step is False or compile_step is True:
+        return "inductor" if compile_step else "eager"
+    if compile_step not in STEP_MODES:
+        raise ValueError(f"compile_step must be True, False, 'inductor' or 'fused', got {compile_step!r}")
+    return str(compile_step)
+
+
 def compiled_step(arch: DecoderArchitecture) -> StepForward:
     """`arch.forward` compiled for one-token steps: static shapes, one graph (no breaks, so no host code)."""
     return torch.compile(arch.forward, backend=COMPILE_BACKEND, fullgraph=True, dynamic=False)
+
+
+def step_forward(arch: DecoderArchitecture, mode: str) -> StepForward | None:
+    """What runs the one-token forward in `mode` (None: `arch.forward` itself)."""
+    if mode == "inductor":
+        return compiled_step(arch)
+    if mode == "fused":
+        return arch.fused_step()
+    return None
 
 
 @dataclass

@@ -7,16 +7,14 @@ memory and is recomputed by each replay: nothing is decided on the host.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from tendril.generation.architectures import DecoderArchitecture
+from tendril.generation.architectures.base import StepForward
 from tendril.generation.cache import StaticKVCache
 from tendril.generation.processors import LogitsProcessing, seen_tokens
-
-StepForward = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, StaticKVCache], torch.Tensor]
 
 
 @dataclass

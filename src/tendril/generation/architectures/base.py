@@ -24,6 +24,10 @@ class CacheLayout:
     head_dim: int
 
 
+StepForward = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, StaticKVCache], torch.Tensor]
+"""(tokens [rows, 1], positions [rows, 1], query_slots [1], cache) -> float32 logits [rows, vocab]."""
+
+
 class DecoderArchitecture(ABC):
     """A forward of one HF causal LM over tendril's static KV cache, reusing the model's modules.
 
@@ -60,6 +64,14 @@ class DecoderArchitecture(ABC):
 
         tokens, positions: [rows, T] long; query_slots: [T] long, the cache slots these tokens occupy.
         """
+
+    def fused_step(self) -> StepForward:
+        """`forward` for one-token steps through tendril's fused kernels (`generation.kernels`): per layer
+        one kernel per projection (norm, bias, activation and residual fused in) and one attention kernel
+        (cache write included). Built once per model; raises `UnsupportedModelError` when the
+        architecture (or one of its options) has no fused path."""
+        raise UnsupportedModelError(f"compile_step='fused' has no fused decode kernels for {type(self).__name__} "
+                                    f"(model types {', '.join(self.model_types)}); use compile_step=True")
 
 
 _REGISTRY: dict[str, type[DecoderArchitecture]] = {}
@@ -113,6 +125,12 @@ def merge_heads(x: torch.Tensor) -> torch.Tensor:
     """[rows, heads, T, head_dim] -> [rows, T, heads * head_dim]."""
     rows, _, length, _ = x.shape
     return x.transpose(1, 2).reshape(rows, length, -1)
+
+
+def one_token(tokens: torch.Tensor) -> None:
+    """Fused steps decode one token per row: check `tokens` is [rows, 1]."""
+    if tokens.dim() != 2 or tokens.shape[1] != 1:
+        raise ValueError(f"fused decode steps take one token per row ([rows, 1]), got {tuple(tokens.shape)}")
 
 
 def last_logits(lm_head: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor) -> torch.Tensor:

@@ -1,4 +1,8 @@
-"""GPT-2 (`model_type` gpt2): learned positions, fused QKV projection (Conv1D), pre-LN blocks."""
+"""GPT-2 (`model_type` gpt2): learned positions, fused QKV projection (Conv1D), pre-LN blocks.
+
+Its fused step runs five kernels a layer: LN1 + QKV, attention (cache write included), output projection
++ residual, LN2 + FC + GELU, MLP projection + residual; then the final LN with the LM head.
+"""
 
 from __future__ import annotations
 
@@ -9,13 +13,16 @@ import torch
 from tendril.generation.architectures.base import (
     CacheLayout,
     DecoderArchitecture,
+    StepForward,
     last_logits,
     merge_heads,
+    one_token,
     register,
     require,
     split_heads,
 )
 from tendril.generation.cache import StaticKVCache
+from tendril.generation.kernels import Norm, Projection, activation_for, decode_attention, fused_linear
 
 
 @register
@@ -55,3 +62,33 @@ class GPT2(DecoderArchitecture):
             hidden = hidden + attn.c_proj(merge_heads(out))
             hidden = hidden + block.mlp(block.ln_2(hidden))
         return last_logits(self.model.lm_head, transformer.ln_f(hidden))
+
+    def fused_step(self) -> StepForward:
+        activation = activation_for(self.config.activation_function)
+        require(activation is not None, f"compile_step='fused' does not reproduce GPT-2's activation "
+                f"{self.config.activation_function!r}; use compile_step=True")
+        assert activation is not None
+        transformer = self.model.transformer
+        layers = [
+            (Norm.of(b.ln_1), Projection.of(b.attn.c_attn), Projection.of(b.attn.c_proj), Norm.of(b.ln_2),
+             Projection.of(b.mlp.c_fc), Projection.of(b.mlp.c_proj), self._scale(i))
+            for i, b in enumerate(transformer.h)
+        ]
+        final_norm, head = Norm.of(transformer.ln_f), Projection.of(self.model.lm_head)
+
+        def forward(
+            tokens: torch.Tensor, positions: torch.Tensor, query_slots: torch.Tensor, cache: StaticKVCache
+        ) -> torch.Tensor:
+            one_token(tokens)
+            hidden = (transformer.wte(tokens) + transformer.wpe(positions))[:, 0]
+            width = hidden.shape[-1]
+            for index, (ln_1, qkv, attn_out, ln_2, fc, mlp_out, scale) in enumerate(layers):
+                query, key, value = fused_linear(hidden, qkv, norm=ln_1).split(width, dim=1)
+                out = decode_attention(query, key, value, cache.keys[index], cache.values[index], cache.key_valid,
+                                       query_slots, scale)
+                hidden = fused_linear(out, attn_out, addends=(hidden,))
+                hidden = fused_linear(fused_linear(hidden, fc, norm=ln_2, activation=activation), mlp_out,
+                                      addends=(hidden,))
+            return fused_linear(hidden, head, norm=final_norm).float()
+
+        return forward

@@ -5,6 +5,9 @@ The sin/cos table is built once with the modeling module's own `create_sinusoida
 rotation uses its `rotate_every_two`, with HF's formula `x * cos + rotate_every_two(x) * sin`. The
 per-pair duplication of sin/cos is an `expand` here instead of HF's `repeat_interleave` (same values;
 `repeat_interleave` may compute its output size on the host).
+
+The fused step rotates inside the attention kernel (pairs, first `rotary_dim` channels) and runs five
+kernels a layer: LN + q/k/v, attention, out_proj, LN + fc_in + GELU, fc_out + attention output + residual.
 """
 
 from __future__ import annotations
@@ -17,11 +20,15 @@ import torch
 from tendril.generation.architectures.base import (
     CacheLayout,
     DecoderArchitecture,
+    StepForward,
     last_logits,
     merge_heads,
+    one_token,
     register,
+    require,
 )
 from tendril.generation.cache import StaticKVCache
+from tendril.generation.kernels import Norm, Projection, activation_for, decode_attention, fused_linear
 
 
 @register
@@ -54,8 +61,7 @@ class GPTJ(DecoderArchitecture):
         rows, length = tokens.shape
         head_dim = self.layout().head_dim
         hidden = transformer.wte(tokens)
-        sincos = self.sincos[positions].to(hidden.dtype)
-        sin, cos = (_pairs(t) for t in torch.split(sincos, sincos.shape[-1] // 2, dim=-1))
+        sin, cos = self._sin_cos(positions, hidden.dtype)
         mask = cache.attention_mask(query_slots)
         for index, block in enumerate(transformer.h):
             attn = block.attn
@@ -66,6 +72,44 @@ class GPTJ(DecoderArchitecture):
             out = cache.attend(index, query, key, value, query_slots, mask, self.scale)
             hidden = hidden + attn.out_proj(merge_heads(out)) + block.mlp(normed)
         return last_logits(self.model.lm_head, transformer.ln_f(hidden))
+
+
+    def _sin_cos(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """[rows, T, 1, rotary_dim] sin and cos of `positions`, pairs duplicated, in `dtype` (as HF)."""
+        sincos = self.sincos[positions].to(dtype)
+        sin, cos = (_pairs(t) for t in torch.split(sincos, sincos.shape[-1] // 2, dim=-1))
+        return sin, cos
+
+    def fused_step(self) -> StepForward:
+        activation = activation_for(self.config.activation_function)
+        require(activation is not None, f"compile_step='fused' does not reproduce GPT-J's activation "
+                f"{self.config.activation_function!r}; use compile_step=True")
+        assert activation is not None
+        transformer = self.model.transformer
+        layers = [
+            (Norm.of(b.ln_1), Projection.of(b.attn.q_proj, b.attn.k_proj, b.attn.v_proj),
+             Projection.of(b.attn.out_proj), Projection.of(b.mlp.fc_in), Projection.of(b.mlp.fc_out))
+            for b in transformer.h
+        ]
+        final_norm, head = Norm.of(transformer.ln_f), Projection.of(self.model.lm_head)
+
+        def forward(
+            tokens: torch.Tensor, positions: torch.Tensor, query_slots: torch.Tensor, cache: StaticKVCache
+        ) -> torch.Tensor:
+            one_token(tokens)
+            hidden = transformer.wte(tokens)[:, 0]
+            sin, cos = self._sin_cos(positions, hidden.dtype)
+            rotary = ("interleaved", cos[:, 0, 0], sin[:, 0, 0])
+            for index, (ln_1, qkv, attn_out, fc_in, fc_out) in enumerate(layers):
+                query, key, value = fused_linear(hidden, qkv, norm=ln_1).split(qkv.out_sizes, dim=1)
+                out = decode_attention(query, key, value, cache.keys[index], cache.values[index], cache.key_valid,
+                                       query_slots, self.scale, rotary)
+                attended = fused_linear(out, attn_out)
+                hidden = fused_linear(fused_linear(hidden, fc_in, norm=ln_1, activation=activation), fc_out,
+                                      addends=(attended, hidden))
+            return fused_linear(hidden, head, norm=final_norm).float()
+
+        return forward
 
 
 def _pairs(table: torch.Tensor) -> torch.Tensor:

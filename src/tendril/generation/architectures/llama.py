@@ -1,7 +1,9 @@
 """The Llama family (Llama, Mistral, Qwen2): RoPE, RMSNorm, grouped-query attention, gated MLP.
 
 Rotary embeddings come from the model's own `rotary_emb` module and its modeling module's
-`apply_rotary_pos_emb`, so each family member keeps its exact numerics.
+`apply_rotary_pos_emb`, so each family member keeps its exact numerics. The fused step takes cos/sin
+from the same `rotary_emb` and rotates inside the attention kernel (with HF's fp16 roundings); five
+kernels a layer: RMSNorm + q/k/v, attention, o_proj + residual, RMSNorm + gate/up + act * up, down + residual.
 """
 
 from __future__ import annotations
@@ -14,13 +16,16 @@ import torch
 from tendril.generation.architectures.base import (
     CacheLayout,
     DecoderArchitecture,
+    StepForward,
     last_logits,
     merge_heads,
+    one_token,
     register,
     require,
     split_heads,
 )
 from tendril.generation.cache import StaticKVCache
+from tendril.generation.kernels import Norm, Projection, activation_for, decode_attention, fused_linear
 
 _STATIC_ROPE = {"default", "linear", "llama3", "yarn"}
 """RoPE types whose frequencies do not depend on the sequence length (no host decision per step)."""
@@ -73,3 +78,42 @@ class Llama(DecoderArchitecture):
             hidden = hidden + attn.o_proj(merge_heads(out))
             hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
         return last_logits(self.model.lm_head, base.norm(hidden))
+
+    def fused_step(self) -> StepForward:
+        activation = activation_for(self.config.hidden_act)
+        require(activation is not None, f"compile_step='fused' does not reproduce the activation "
+                f"{self.config.hidden_act!r}; use compile_step=True")
+        assert activation is not None
+        base = self.model.model
+        for layer in base.layers:
+            require(all(hasattr(layer.mlp, name) for name in ("gate_proj", "up_proj", "down_proj")),
+                    f"compile_step='fused' expects a gated MLP (gate/up/down projections), got "
+                    f"{type(layer.mlp).__name__}; use compile_step=True")
+        layers = [
+            (Norm.of(layer.input_layernorm),
+             Projection.of(layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj),
+             Projection.of(layer.self_attn.o_proj), Norm.of(layer.post_attention_layernorm),
+             Projection.of(layer.mlp.gate_proj, layer.mlp.up_proj), Projection.of(layer.mlp.down_proj),
+             float(layer.self_attn.scaling))
+            for layer in base.layers
+        ]
+        final_norm, head = Norm.of(base.norm), Projection.of(self.model.lm_head)
+
+        def forward(
+            tokens: torch.Tensor, positions: torch.Tensor, query_slots: torch.Tensor, cache: StaticKVCache
+        ) -> torch.Tensor:
+            one_token(tokens)
+            hidden = base.embed_tokens(tokens)
+            cos, sin = base.rotary_emb(hidden, positions)
+            rotary = ("half", cos[:, 0], sin[:, 0])
+            hidden = hidden[:, 0]
+            for index, (norm_1, qkv, attn_out, norm_2, gate_up, down, scale) in enumerate(layers):
+                query, key, value = fused_linear(hidden, qkv, norm=norm_1).split(qkv.out_sizes, dim=1)
+                out = decode_attention(query, key, value, cache.keys[index], cache.values[index], cache.key_valid,
+                                       query_slots, scale, rotary)
+                hidden = fused_linear(out, attn_out, addends=(hidden,))
+                gated = fused_linear(hidden, gate_up, norm=norm_2, activation=activation, gated=True)
+                hidden = fused_linear(gated, down, addends=(hidden,))
+            return fused_linear(hidden, head, norm=final_norm).float()
+
+        return forward

@@ -1,0 +1,339 @@
+"""Kernel-level profile of tendril's greedy decode step on GPT-2 124M fp16, batch 1 (the `generation` case's model).
+
+For each step variant (`compile_step` mode, optionally with inductor options):
+- end to end: warm-up seconds, ms per call and per token of `tendril.generate` (128 new tokens, eos off),
+  and whether the tokens equal HF eager `generate`;
+- the decode step alone: tendril's loop body captured as one CUDA graph (the variant's forward plus token
+  choice) and replayed back to back: ms per step, and under `torch.profiler` (CUDA activity; kernels of a
+  graph are traced one by one) the kernels per step grouped by name, with count, mean and total
+  microseconds, busy time (sum of kernel durations) and the idle gaps between kernels (launch latency);
+- the whole loop graph under the profiler: GPU operations per call, to see what the loop adds to the step.
+`--sweep` also times the fused linear kernel over block sizes for GPT-2's five projection shapes against
+cuBLAS (each in a CUDA graph of repeated launches, weights rotated through more memory than L2 holds).
+
+    PYTHONPATH=src:. python3 -m benchmarks.tools.profile_generation --out OUT [--variants eager,inductor,fused]
+
+Writes OUT/profile_generation.json and OUT/profile_generation.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import statistics
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from benchmarks.cases import generation as case
+from tendril.generation import generate
+from tendril.generation.api import graphed_runners, release_graphs
+from tendril.generation.noise import draw_key
+from tendril.graphs.capture import GRAPH_SDPA_BACKENDS, capture
+from tendril.utils.timing import time_callable
+
+INDUCTOR_OPTIONS: dict[str, dict[str, Any]] = {
+    "cdt": {"coordinate_descent_tuning": True},
+    "autotune": {"max_autotune": True, "coordinate_descent_tuning": True},
+}
+"""Variant suffixes: `inductor-cdt` compiles with these `torch._inductor.config` options patched in."""
+
+GAP_LIMIT_US = 50.0
+"""Idle time between consecutive kernels shorter than this counts as launch latency inside a graph."""
+
+
+@dataclass
+class KernelGroup:
+    name: str
+    per_call: float
+    mean_us: float
+    total_us_per_call: float
+
+
+@dataclass
+class KernelProfile:
+    calls: int
+    operations_per_call: float
+    busy_us_per_call: float
+    gap_us_per_call: float
+    groups: list[KernelGroup] = field(default_factory=list)
+
+
+def kernel_profile(fn: Callable[[], Any], calls: int) -> KernelProfile:
+    """The GPU operations of `calls` calls of `fn`, traced by the profiler and grouped by name."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    events = sorted((e for e in prof.events() if e.device_type == DeviceType.CUDA), key=lambda e: e.time_range.start)
+    durations: dict[str, list[float]] = collections.defaultdict(list)
+    gaps = 0.0
+    for previous, event in zip([None, *events[:-1]], events, strict=True):
+        durations[event.name].append(event.time_range.elapsed_us())
+        if previous is not None:
+            gap = event.time_range.start - previous.time_range.end
+            if 0 < gap < GAP_LIMIT_US:
+                gaps += gap
+    groups = [KernelGroup(name[:240], len(d) / calls, statistics.fmean(d), sum(d) / calls)
+              for name, d in durations.items()]
+    groups.sort(key=lambda g: -g.total_us_per_call)
+    busy = sum(g.total_us_per_call for g in groups)
+    return KernelProfile(calls, len(events) / calls, busy, gaps / calls, groups)
+
+
+class StepGraph:
+    """The variant's decode step (loop body) captured alone, replayed from a fixed starting state."""
+
+    def __init__(self, model: nn.Module, prompt: torch.Tensor) -> None:
+        (runner,) = graphed_runners(model)
+        loop = runner.fn
+        with torch.inference_mode():
+            self.search = loop.search(prompt.clone(), torch.ones_like(prompt), draw_key(prompt.device, 0))
+            self.start = [t.clone() for t in self.search.start(self.search.decoder.prefill())]
+            self.state = [t.clone() for t in self.start]
+            self.graph = capture(self._step, sdpa_backends=GRAPH_SDPA_BACKENDS)
+        self.max_replays = self.search.decoder.max_new_tokens - 4  # capture's warm-up ran the step twice
+
+    def _step(self) -> None:
+        for buffer, value in zip(self.state, self.search.body(*self.state), strict=True):
+            buffer.copy_(value)
+
+    def reset(self) -> None:
+        for buffer, value in zip(self.state, self.start, strict=True):
+            buffer.copy_(value)
+
+    def replay(self, times: int) -> None:
+        self.reset()
+        for _ in range(times):
+            self.graph.graph.replay()
+
+    def ms_per_step(self, replays: int, reps: int = 5) -> float:
+        samples = []
+        for _ in range(reps):
+            self.reset()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(replays):
+                self.graph.graph.replay()
+            end.record()
+            torch.cuda.synchronize()
+            samples.append(start.elapsed_time(end) / replays)
+        return statistics.median(samples)
+
+
+def run_variant(variant: str, model: nn.Module, prompts: list[torch.Tensor], reference: torch.Tensor,
+                new_tokens: int, reps: int) -> dict[str, Any]:
+    mode, _, suffix = variant.partition("-")
+    compile_step: bool | str = {"eager": False, "inductor": "inductor", "fused": "fused"}[mode]
+    options = INDUCTOR_OPTIONS[suffix] if suffix else {}
+    release_graphs(model)
+    torch._dynamo.reset()
+
+    def call(prompt: torch.Tensor) -> torch.Tensor:
+        return generate(model, prompt, max_new_tokens=new_tokens, eos_token_id=[], pad_token_id=0,
+                        compile_step=compile_step)
+
+    torch.cuda.synchronize()
+    begin = time.perf_counter()
+    with torch._inductor.config.patch(**options):
+        first = call(prompts[0]).clone()
+    torch.cuda.synchronize()
+    result: dict[str, Any] = {"variant": variant, "warmup_s": time.perf_counter() - begin,
+                              "matches_hf": bool(first.shape == reference.shape and torch.equal(first, reference))}
+    timing = time_callable(call, [(p,) for p in prompts], device="cuda", warmup=1, reps=reps)
+    result["ms_per_call"] = timing.median_ms
+    result["ms_per_token"] = timing.median_ms / new_tokens
+    result["tok_per_s"] = new_tokens / (timing.median_ms / 1e3)
+    loop = kernel_profile(lambda: call(prompts[0]), calls=2)
+    result["loop_operations_per_call"] = loop.operations_per_call
+    result["loop_busy_us_per_call"] = loop.busy_us_per_call
+    step = StepGraph(model, prompts[0])
+    replays = min(64, step.max_replays)
+    result["step_graph_ms"] = step.ms_per_step(replays)
+    profiled = kernel_profile(lambda: step.replay(replays), calls=1)
+    result["step"] = {
+        "operations": profiled.operations_per_call / replays,
+        "busy_us": profiled.busy_us_per_call / replays,
+        "gap_us": profiled.gap_us_per_call / replays,
+        "kernels": [{"name": g.name, "per_step": g.per_call / replays, "mean_us": g.mean_us,
+                     "total_us": g.total_us_per_call / replays} for g in profiled.groups],
+    }
+    return result
+
+
+# ------------------------------------------------------------------------------------ linear sweep
+
+GPT2_SHAPES = [
+    # (label, out, in, weight layout, norm, activation, residual)
+    ("ln_1+c_attn", 2304, 768, "conv1d", True, "none", False),
+    ("attn.c_proj+res", 768, 768, "conv1d", False, "none", True),
+    ("ln_2+c_fc+gelu", 3072, 768, "conv1d", True, "gelu_tanh", False),
+    ("mlp.c_proj+res", 768, 3072, "conv1d", False, "none", True),
+    ("ln_f+lm_head", 50257, 768, "linear", True, "none", False),
+]
+
+
+def _graph_time_us(fn: Callable[[int], Any], copies: int, launches: int = 24, reps: int = 10) -> float:
+    """Microseconds per launch of `fn(copy)` captured `launches` times in one CUDA graph (rotating copies)."""
+    for i in range(2):
+        fn(i % copies)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(launches):
+            fn(i % copies)
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1e3 / (reps * launches)
+
+
+SWEEP_CONFIGS = [(n, k, w) for n in (8, 16, 32, 64, 128) for k in (64, 128, 256, 512) if 1024 <= n * k <= 8192
+                 for w in ((4, 8) if n * k == 8192 else (4,))]
+"""(BLOCK_N, BLOCK_K, num_warps) tried by `--sweep`."""
+
+
+def _sweep_shape(label: str, out_f: int, in_f: int, layout: str, with_norm: bool, activation: str,
+                 residual: bool) -> dict[str, Any]:
+    from tendril.generation.kernels import linear
+    from tendril.generation.kernels.layers import Norm, Projection
+
+    device = torch.device("cuda")
+    dtype = torch.float16
+    copies = max(2, min(64, -(-160 * 2**20 // (out_f * in_f * 2))))
+    projections = []
+    for _ in range(copies):
+        w = torch.randn(out_f, in_f, device=device, dtype=dtype) * 0.02
+        if layout == "conv1d":
+            w = w.t().contiguous().t()  # an [out, in] view of an [in, out] tensor, like Conv1D's
+        bias = None if layout == "linear" else torch.randn(out_f, device=device, dtype=dtype) * 0.02
+        projections.append(Projection((w,), (bias,)))
+    x = torch.randn(1, in_f, device=device, dtype=dtype)
+    norm = Norm("layer", torch.ones(in_f, device=device, dtype=dtype), torch.zeros(in_f, device=device, dtype=dtype),
+                1e-5) if with_norm else None
+    addends = (torch.randn(1, out_f, device=device, dtype=dtype),) if residual else ()
+    out = torch.empty(1, out_f, device=device, dtype=dtype)
+
+    def cublas(i: int) -> torch.Tensor:
+        return torch.nn.functional.linear(x, projections[i].weights[0], projections[i].biases[0])
+
+    entry: dict[str, Any] = {"shape": label, "cublas_us": _graph_time_us(cublas, copies), "configs": []}
+    default = linear.block_sizes(out_f, in_f)
+    for block_n, block_k, warps in SWEEP_CONFIGS:
+        def fused(i: int, bn: int = block_n, bk: int = block_k, nw: int = warps) -> torch.Tensor:
+            return linear.fused_linear(x, projections[i], norm=norm, activation=activation, addends=addends,
+                                       out=out, block_n=bn, block_k=bk, num_warps=nw)
+
+        config: dict[str, Any] = {"block_n": block_n, "block_k": block_k, "warps": warps,
+                                  "default": (block_n, block_k) == default and warps == 4}
+        try:
+            config["us"] = _graph_time_us(fused, copies)
+        except Exception as error:  # a configuration that does not compile is reported
+            config["error"] = f"{type(error).__name__}: {error}"[:200]
+        entry["configs"].append(config)
+    timed = [c for c in entry["configs"] if "us" in c]
+    entry["best"] = min(timed, key=lambda c: c["us"]) if timed else None
+    return entry
+
+
+def sweep_linear() -> list[dict[str, Any]]:
+    results = []
+    for shape in GPT2_SHAPES:
+        entry = _sweep_shape(*shape)
+        results.append(entry)
+        print(f"sweep {entry['shape']}: cublas {entry['cublas_us']:.2f} us, best {entry['best']}", flush=True)
+    return results
+
+
+# ---------------------------------------------------------------------------------------- report
+
+
+def markdown(report: dict[str, Any]) -> str:
+    lines = ["# Profile of the greedy decode step (GPT-2 124M fp16, batch 1)", "",
+             f"- device: {report['device']}; torch {report['torch']}; {report['new_tokens']} new tokens, "
+             f"prompt {report['prompt_len']}", "",
+             "| variant | tok/s | ms/token | warm-up s | = HF | step graph ms | ops/step | busy us/step | "
+             "gaps us/step | loop ops/call |",
+             "|---|---:|---:|---:|---|---:|---:|---:|---:|---:|"]
+    for r in report["variants"]:
+        if "error" in r:
+            lines.append(f"| {r['variant']} | failed: {r['error'][:120]} |||||||||")
+            continue
+        s = r["step"]
+        lines.append(f"| {r['variant']} | {r['tok_per_s']:.0f} | {r['ms_per_token']:.4f} | {r['warmup_s']:.2f} | "
+                     f"{'yes' if r['matches_hf'] else 'NO'} | {r['step_graph_ms']:.4f} | {s['operations']:.1f} | "
+                     f"{s['busy_us']:.1f} | {s['gap_us']:.1f} | {r['loop_operations_per_call']:.0f} |")
+    for r in report["variants"]:
+        if "error" in r:
+            continue
+        lines += ["", f"## {r['variant']}: kernels per step", "", "| kernel | per step | mean us | us/step |",
+                  "|---|---:|---:|---:|"]
+        for k in r["step"]["kernels"][:40]:
+            name = k["name"].replace("|", "\\|")[:140]
+            lines.append(f"| `{name}` | {k['per_step']:.2f} | {k['mean_us']:.2f} | {k['total_us']:.2f} |")
+    if report.get("sweep"):
+        lines += ["", "## Fused linear kernel: block-size sweep (us per launch inside a CUDA graph)", "",
+                  "| shape | cuBLAS | default | best | best config |", "|---|---:|---:|---:|---|"]
+        for e in report["sweep"]:
+            default = next((c["us"] for c in e["configs"] if c.get("default")), float("nan"))
+            best = e["best"] or {}
+            best_us = best.get("us", float("nan"))
+            lines.append(f"| {e['shape']} | {e['cublas_us']:.2f} | {default:.2f} | {best_us:.2f} | "
+                         f"n={best.get('block_n')} k={best.get('block_k')} warps={best.get('warps')} |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True, type=Path)
+    parser.add_argument("--variants", default="eager,inductor,fused",
+                        help="comma-separated: eager, inductor, inductor-cdt, inductor-autotune, fused")
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--prompt-len", type=int, default=16)
+    parser.add_argument("--reps", type=int, default=10)
+    parser.add_argument("--sweep", action="store_true", help="also sweep the fused linear kernel's block sizes")
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    device = torch.device("cuda")
+    model = case.gpt2(device)
+    generator = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 50257, (1, args.prompt_len), generator=generator).to(device) for _ in range(4)]
+    reference = case.hf_eager(model, args.new_tokens, 1)(prompts[0])
+    report: dict[str, Any] = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                              "new_tokens": args.new_tokens, "prompt_len": args.prompt_len, "variants": []}
+    for variant in args.variants.split(","):
+        print(f"variant {variant} ...", flush=True)
+        try:
+            result = run_variant(variant, model, prompts, reference, args.new_tokens, args.reps)
+        except Exception as error:  # one failing variant must not hide the others
+            traceback.print_exc()
+            result = {"variant": variant, "error": f"{type(error).__name__}: {error}"[:500]}
+        report["variants"].append(result)
+        print(json.dumps({k: v for k, v in result.items() if k != "step"}), flush=True)
+        (args.out / "profile_generation.json").write_text(json.dumps(report, indent=1))
+    if args.sweep:
+        report["sweep"] = sweep_linear()
+    (args.out / "profile_generation.json").write_text(json.dumps(report, indent=1))
+    (args.out / "profile_generation.md").write_text(markdown(report))
+    print(markdown(report))
+
+
+if __name__ == "__main__":
+    main()

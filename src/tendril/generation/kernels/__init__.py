@@ -1,0 +1,68 @@
+"""Fused kernels of one-token decode steps (`generate(compile_step="fused")`).
+
+`linear.py` (norm + projection + activation + residual adds), `attention.py` (cache write + rotary +
+attention of one query over the static cache), `reference.py` (plain PyTorch with the same numerics),
+`layers.py` (norms and projections read from HF modules). The functions here run the Triton kernels on
+CUDA tensors and the references elsewhere (the CPU), so a fused decode path runs, slowly, without a GPU;
+on the CPU under Triton's interpreter (`TRITON_INTERPRET=1`) they run the kernels (that is how CI tests
+them without a GPU).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Sequence
+
+import torch
+
+from tendril.generation.kernels import reference
+from tendril.generation.kernels.layers import Norm, Projection, activation_for
+
+__all__ = ["Norm", "Projection", "activation_for", "decode_attention", "fused_linear"]
+
+
+def _use_triton(x: torch.Tensor) -> bool:
+    if x.is_cuda:
+        return True
+    if importlib.util.find_spec("triton") is None:
+        return False
+    from tendril.generation.kernels import attention
+
+    return attention.INTERPRETED
+
+
+def fused_linear(
+    x: torch.Tensor,
+    projection: Projection,
+    *,
+    norm: Norm | None = None,
+    activation: str = "none",
+    gated: bool = False,
+    addends: Sequence[torch.Tensor] = (),
+) -> torch.Tensor:
+    """`addends + act(projection(norm(x)))` ([rows, in] -> [rows, out]); see `reference.fused_linear`."""
+    if _use_triton(x):
+        from tendril.generation.kernels import linear
+
+        return linear.fused_linear(x, projection, norm=norm, activation=activation, gated=gated, addends=addends)
+    return reference.fused_linear(x, projection, norm=norm, activation=activation, gated=gated, addends=addends)
+
+
+def decode_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    key_valid: torch.Tensor,
+    slot: torch.Tensor,
+    scale: float,
+    rotary: tuple[str, torch.Tensor, torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """One query token per row over the static cache, writing its key and value at `slot`; see
+    `reference.decode_attention`."""
+    if _use_triton(q):
+        from tendril.generation.kernels import attention
+
+        return attention.decode_attention(q, k, v, keys, values, key_valid, slot, scale, rotary)
+    return reference.decode_attention(q, k, v, keys, values, key_valid, slot, scale, rotary)

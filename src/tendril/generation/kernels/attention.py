@@ -1,0 +1,179 @@
+"""Attention of one query token per row over tendril's static KV cache, with the cache write, in one kernel.
+
+The unfused step builds a [rows, 1, 1, max_len] mask from the cache's `key_valid` and the query slot,
+writes the new key and value with two `index_copy_`s and calls SDPA: several kernels per layer. Here one
+program per (row, query head) loads its query and its kv head's new key and value (from the projection's
+output, in place), applies the rotary embedding when there is one, stores the key and value at the slot
+(the first query head of each kv group does; the others use the values in registers, so no program reads
+a slot another is writing), and runs an online softmax over the valid slots before the query's, in
+blocks of `BLOCK_S`, seeded with its own key. The slot is read on the device: the loop covers only slots
+written so far, and one compiled kernel serves every step.
+
+One program walks all earlier slots of its (row, head): right for the short caches of a decode step at
+batch 1 (a few hundred slots); long contexts would want the slots split across programs (flash decoding).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+_ROTARY = {None: 0, "half": 1, "interleaved": 2}
+
+
+@triton.jit
+def _decode_attention_kernel(
+    q_ptr,
+    stride_qm,
+    k_ptr,
+    stride_km,
+    v_ptr,
+    stride_vm,
+    cos_ptr,
+    sin_ptr,
+    stride_tm,
+    keys_ptr,
+    values_ptr,
+    stride_cr,
+    stride_ch,
+    stride_cs,
+    valid_ptr,
+    stride_valid,
+    slot_ptr,
+    out_ptr,
+    stride_om,
+    scale,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    ROTARY: tl.constexpr,
+    ROTARY_DIM: tl.constexpr,
+):
+    row = tl.program_id(0)
+    head = tl.program_id(1)
+    kv_head = head // GROUP
+    DTYPE = out_ptr.dtype.element_ty
+    CACHE_DTYPE = keys_ptr.dtype.element_ty
+    slot = tl.load(slot_ptr)
+
+    d = tl.arange(0, BLOCK_D)  # [BLOCK_D]
+    d_mask = d < HEAD_DIM
+    q_base = q_ptr + row * stride_qm + head * HEAD_DIM
+    k_base = k_ptr + row * stride_km + kv_head * HEAD_DIM
+    q = tl.load(q_base + d, mask=d_mask, other=0.0).to(tl.float32)
+    k_new = tl.load(k_base + d, mask=d_mask, other=0.0).to(tl.float32)
+    v_new = tl.load(v_ptr + row * stride_vm + kv_head * HEAD_DIM + d, mask=d_mask, other=0.0).to(tl.float32)
+    if ROTARY != 0:
+        r_mask = d < ROTARY_DIM
+        if ROTARY == 1:  # rotate_half: pairs (i, i + R/2)
+            first_half = d < ROTARY_DIM // 2
+            partner = tl.where(first_half, d + ROTARY_DIM // 2, d - ROTARY_DIM // 2)
+            sign = tl.where(first_half, -1.0, 1.0)
+        else:  # rotate_every_two: pairs (2i, 2i + 1)
+            partner = d ^ 1
+            sign = tl.where(d % 2 == 0, -1.0, 1.0)
+        cos = tl.load(cos_ptr + row * stride_tm + d, mask=r_mask, other=1.0).to(tl.float32)
+        sin = tl.load(sin_ptr + row * stride_tm + d, mask=r_mask, other=0.0).to(tl.float32)
+        # HF's x * cos + rotate(x) * sin, each product and the sum rounded to DTYPE (inline: the interpreter
+        # re-patches triton.language on every nested jit call)
+        q_other = tl.load(q_base + partner, mask=r_mask, other=0.0).to(tl.float32) * sign
+        q_rot = (q * cos).to(DTYPE).to(tl.float32) + (q_other * sin).to(DTYPE).to(tl.float32)
+        q = tl.where(r_mask, q_rot.to(DTYPE).to(tl.float32), q)
+        k_other = tl.load(k_base + partner, mask=r_mask, other=0.0).to(tl.float32) * sign
+        k_rot = (k_new * cos).to(DTYPE).to(tl.float32) + (k_other * sin).to(DTYPE).to(tl.float32)
+        k_new = tl.where(r_mask, k_rot.to(DTYPE).to(tl.float32), k_new)
+    k_new = k_new.to(CACHE_DTYPE).to(tl.float32)
+    v_new = v_new.to(CACHE_DTYPE).to(tl.float32)
+
+    cache_row = row * stride_cr + kv_head * stride_ch
+    if head % GROUP == 0:
+        tl.store(keys_ptr + cache_row + slot * stride_cs + d, k_new.to(CACHE_DTYPE), mask=d_mask)
+        tl.store(values_ptr + cache_row + slot * stride_cs + d, v_new.to(CACHE_DTYPE), mask=d_mask)
+
+    # online softmax, seeded with the query's own key (always visible, so every running max is finite)
+    m = tl.sum(q * k_new, axis=0) * scale
+    denominator = m * 0.0 + 1.0
+    acc = v_new
+    for start in range(0, slot, BLOCK_S):
+        s = start + tl.arange(0, BLOCK_S)  # [BLOCK_S]
+        valid = tl.load(valid_ptr + row * stride_valid + s, mask=s < slot, other=0) != 0
+        offsets = cache_row + s[:, None] * stride_cs + d[None, :]  # [BLOCK_S, BLOCK_D]
+        tile_mask = valid[:, None] & d_mask[None, :]
+        keys = tl.load(keys_ptr + offsets, mask=tile_mask, other=0.0).to(tl.float32)
+        scores = tl.where(valid, tl.sum(keys * q[None, :], axis=1) * scale, float("-inf"))
+        m_new = tl.maximum(m, tl.max(scores, axis=0))
+        alpha = tl.exp(m - m_new)
+        p = tl.exp(scores - m_new)  # [BLOCK_S]
+        values = tl.load(values_ptr + offsets, mask=tile_mask, other=0.0).to(tl.float32)
+        acc = acc * alpha + tl.sum(p[:, None] * values, axis=0)
+        denominator = denominator * alpha + tl.sum(p, axis=0)
+        m = m_new
+    tl.store(out_ptr + row * stride_om + head * HEAD_DIM + d, (acc / denominator).to(DTYPE), mask=d_mask)
+
+
+INTERPRETED = not isinstance(_decode_attention_kernel, triton.runtime.JITFunction)
+"""True when Triton runs kernels in its interpreter (TRITON_INTERPRET=1 when this module was imported)."""
+
+
+def decode_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    key_valid: torch.Tensor,
+    slot: torch.Tensor,
+    scale: float,
+    rotary: tuple[str, torch.Tensor, torch.Tensor] | None = None,
+    *,
+    out: torch.Tensor | None = None,
+    block_s: int = 64,
+    num_warps: int = 4,
+) -> torch.Tensor:
+    """The Triton kernel of `reference.decode_attention` (same arguments and result), writing into `out`
+    ([rows, heads * head_dim], contiguous rows) when given."""
+    rows, kv_heads, max_len, head_dim = keys.shape
+    if values.shape != keys.shape or values.stride() != keys.stride() or keys.stride(3) != 1:
+        raise ValueError(f"keys and values must share shape and strides with contiguous head_dim, got "
+                         f"{tuple(keys.shape)} {keys.stride()} and {tuple(values.shape)} {values.stride()}")
+    heads = q.shape[1] // head_dim
+    for name, t, width in (("q", q, heads * head_dim), ("k", k, kv_heads * head_dim), ("v", v, kv_heads * head_dim)):
+        if t.shape != (rows, width) or t.stride(1) != 1:
+            raise ValueError(f"{name} must be [{rows}, {width}] with contiguous rows, got {tuple(t.shape)} "
+                             f"strides {t.stride()}")
+    if heads % kv_heads != 0:
+        raise ValueError(f"{heads} query heads are not a multiple of {kv_heads} kv heads")
+    if key_valid.shape != (rows, max_len) or key_valid.dtype != torch.bool or key_valid.stride(1) != 1:
+        raise ValueError(f"key_valid must be a bool [{rows}, {max_len}] tensor, got {key_valid.dtype} "
+                         f"{tuple(key_valid.shape)}")
+    if slot.numel() != 1 or slot.dtype != torch.long:
+        raise ValueError(f"slot must be a one-element int64 tensor, got {slot.dtype} {tuple(slot.shape)}")
+    kind, cos, sin = rotary if rotary is not None else (None, q, q)
+    rotary_dim = cos.shape[-1] if rotary is not None else 0
+    if rotary is not None and (cos.shape != (rows, rotary_dim) or sin.stride() != cos.stride() or cos.stride(1) != 1
+                               or rotary_dim > head_dim or rotary_dim % 2):
+        raise ValueError(f"rotary cos/sin must be [{rows}, R] (R even, <= {head_dim}) with equal strides, got "
+                         f"{tuple(cos.shape)} and {tuple(sin.shape)}")
+    if out is None:
+        out = torch.empty(rows, heads * head_dim, dtype=q.dtype, device=q.device)
+    elif out.shape != (rows, heads * head_dim) or out.stride(1) != 1 or out.dtype != q.dtype:
+        raise ValueError(f"out must be a {q.dtype} [{rows}, {heads * head_dim}] tensor with contiguous rows")
+    _decode_attention_kernel[(rows, heads)](
+        q, q.stride(0), k, k.stride(0), v, v.stride(0),
+        cos, sin, cos.stride(0),
+        keys, values, keys.stride(0), keys.stride(1), keys.stride(2),
+        key_valid.view(torch.uint8), key_valid.stride(0),
+        slot,
+        out, out.stride(0),
+        float(scale),
+        GROUP=heads // kv_heads,
+        HEAD_DIM=head_dim,
+        BLOCK_D=triton.next_power_of_2(head_dim),
+        BLOCK_S=block_s,
+        ROTARY=_ROTARY[kind],
+        ROTARY_DIM=rotary_dim,
+        num_warps=num_warps,
+    )
+    return out

@@ -1,0 +1,106 @@
+"""What the fused decode kernels read from a Hugging Face model: norms and projections as plain tensors.
+
+A `Norm` is a LayerNorm (weight, bias) or an RMSNorm (Llama's: `weight * normalized.to(dtype)`); a
+`Projection` is one or more weight matrices whose outputs are concatenated (GPT-2's fused QKV is one
+matrix, Llama's q/k/v three). Every weight is held as an `[out, in]` view: `nn.Linear.weight` as it is,
+GPT-2's `Conv1D.weight` ([in, out]) transposed, so kernels take any layout through strides and nothing
+is copied. Modules are read once, when a decode path is built; the tensors are the model's own.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+ACTIVATIONS = {"none": 0, "gelu_tanh": 1, "gelu": 2, "silu": 3, "relu": 4}
+"""Activation codes of the kernels. `gelu_tanh` is HF's `gelu_new`/`gelu_pytorch_tanh` formula."""
+
+HF_ACTIVATIONS = {
+    "gelu_new": "gelu_tanh",
+    "gelu_pytorch_tanh": "gelu_tanh",
+    "gelu": "gelu",
+    "silu": "silu",
+    "swish": "silu",
+    "relu": "relu",
+}
+"""HF `activation_function`/`hidden_act` names -> kernel activations (None: not reproduced)."""
+
+
+def activation_for(hf_name: str) -> str | None:
+    """The kernel activation reproducing HF's `hf_name`, or None when the fused kernels have none."""
+    return HF_ACTIVATIONS.get(hf_name)
+
+
+@dataclass(frozen=True)
+class Norm:
+    """A normalization over the last dimension applied before a projection."""
+
+    kind: str
+    """"layer" (LayerNorm, with bias) or "rms" (RMSNorm as Llama computes it)."""
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+    eps: float
+
+    @classmethod
+    def of(cls, module: nn.Module) -> Norm:
+        """The norm of an `nn.LayerNorm` or a Llama-style RMSNorm (`weight`, `variance_epsilon` or `eps`)."""
+        if isinstance(module, nn.LayerNorm):
+            if module.weight is None:
+                raise ValueError("LayerNorm without elementwise affine weights is not supported by the fused kernels")
+            return cls("layer", module.weight, module.bias, float(module.eps))
+        eps = getattr(module, "variance_epsilon", None)
+        if eps is None:
+            eps = getattr(module, "eps", None)
+        weight = getattr(module, "weight", None)
+        if eps is None or not isinstance(weight, torch.Tensor) or getattr(module, "bias", None) is not None:
+            raise ValueError(f"{type(module).__name__} is neither nn.LayerNorm nor a Llama-style RMSNorm")
+        return cls("rms", weight, None, float(eps))
+
+
+@dataclass(frozen=True)
+class Projection:
+    """`x -> cat([x @ w.T + b for w, b in segments], -1)`: 1 to 3 weight matrices read through strides."""
+
+    weights: tuple[torch.Tensor, ...]
+    """[out_i, in] views, all with the same strides."""
+    biases: tuple[torch.Tensor | None, ...]
+
+    def __post_init__(self) -> None:
+        if not 1 <= len(self.weights) <= 3 or len(self.biases) != len(self.weights):
+            raise ValueError(f"a projection has 1 to 3 weights, each with a bias or None; got {len(self.weights)}")
+        first = self.weights[0]
+        for w in self.weights[1:]:
+            if w.stride() != first.stride() or w.shape[1] != first.shape[1] or w.dtype != first.dtype:
+                raise ValueError("the weights of a fused projection must share dtype, input size and strides")
+        if len({b is None for b in self.biases}) > 1:
+            raise ValueError("the weights of a fused projection must all have a bias or all have none")
+
+    @classmethod
+    def of(cls, *modules: Any) -> Projection:
+        """From `nn.Linear` modules or HF `Conv1D` modules (weight [in, out]), concatenated in order."""
+        weights, biases = [], []
+        for module in modules:
+            weight = module.weight
+            if isinstance(module, nn.Linear):
+                weights.append(weight)
+            elif type(module).__name__ == "Conv1D" and weight.dim() == 2:
+                weights.append(weight.t())
+            else:
+                raise ValueError(f"{type(module).__name__} is neither nn.Linear nor Conv1D")
+            biases.append(module.bias)
+        return cls(tuple(weights), tuple(biases))
+
+    @property
+    def in_features(self) -> int:
+        return int(self.weights[0].shape[1])
+
+    @property
+    def out_sizes(self) -> tuple[int, ...]:
+        return tuple(int(w.shape[0]) for w in self.weights)
+
+    @property
+    def out_features(self) -> int:
+        return sum(self.out_sizes)

@@ -1,0 +1,134 @@
+"""Plain-PyTorch references of the fused decode kernels, with the kernels' numerics.
+
+Each computes in float32 and rounds to the tensor dtype exactly where its kernel does, which is where
+Hugging Face's eager fp16 forward rounds too: a norm's output, a projection's output (bias added before
+rounding, as cuBLAS's epilogue), each product and sum of the rotary embedding, an activation's output, a
+residual sum. They are the oracle of the kernel tests and the CPU path of `compile_step="fused"`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from tendril.generation.kernels.layers import Norm, Projection
+
+
+def _round(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return x.to(dtype).float()
+
+
+def normalize(x: torch.Tensor, norm: Norm | None) -> torch.Tensor:
+    """`norm(x)` in x's dtype, as HF's LayerNorm / Llama's RMSNorm compute it."""
+    if norm is None:
+        return x
+    if norm.kind == "layer":
+        return F.layer_norm(x.float(), (x.shape[-1],), norm.weight.float(),
+                            None if norm.bias is None else norm.bias.float(), norm.eps).to(x.dtype)
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + norm.eps)
+    return (norm.weight.float() * _round(h, x.dtype)).to(x.dtype)
+
+
+def activate(y: torch.Tensor, activation: str) -> torch.Tensor:
+    """The activation of float32 `y`, in float32 (callers round)."""
+    if activation == "none":
+        return y
+    if activation == "gelu_tanh":
+        return 0.5 * y * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (y + 0.044715 * y * y * y)))
+    if activation == "gelu":
+        return 0.5 * y * (1.0 + torch.erf(y * (1.0 / math.sqrt(2.0))))
+    if activation == "silu":
+        return y * torch.sigmoid(y)
+    if activation == "relu":
+        return torch.relu(y)
+    raise ValueError(f"unknown activation {activation!r}")
+
+
+def _project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    y = x.float() @ weight.float().t()
+    return y if bias is None else y + bias.float()
+
+
+def fused_linear(
+    x: torch.Tensor,
+    projection: Projection,
+    *,
+    norm: Norm | None = None,
+    activation: str = "none",
+    gated: bool = False,
+    addends: Sequence[torch.Tensor] = (),
+) -> torch.Tensor:
+    """[rows, in] -> [rows, out] in x's dtype: `norm`, the projection, then the activation (on the first
+    of two segments times the second when `gated`), then each addend added in order."""
+    dtype = x.dtype
+    xn = normalize(x, norm)
+    outputs = [_round(_project(xn, w, b), dtype) for w, b in zip(projection.weights, projection.biases, strict=True)]
+    if gated:
+        gate, up = outputs
+        y = _round(activate(gate, activation), dtype) * up
+    else:
+        y = activate(torch.cat(outputs, dim=-1), activation)
+    y = _round(y, dtype)
+    for addend in addends:
+        y = _round(y + addend.float(), dtype)
+    return y.to(dtype)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kind: str) -> torch.Tensor:
+    """Rotary embedding of [rows, heads, head_dim] over the first `cos.shape[-1]` channels ([rows, R] tables).
+
+    `kind` "half" is Llama's `x * cos + rotate_half(x) * sin`, "interleaved" GPT-J's with
+    `rotate_every_two`; each product and the sum are rounded to x's dtype, as HF's fp16 ops do.
+    """
+    dims = cos.shape[-1]
+    part = x[..., :dims].float()
+    if kind == "half":
+        first, second = part[..., : dims // 2], part[..., dims // 2 :]
+        partner = torch.cat([-second, first], dim=-1)
+    elif kind == "interleaved":
+        partner = torch.stack([-part[..., 1::2], part[..., 0::2]], dim=-1).flatten(-2)
+    else:
+        raise ValueError(f"unknown rotary kind {kind!r}")
+    c, s = cos[:, None, :].float(), sin[:, None, :].float()
+    rotated = _round(_round(part * c, x.dtype) + _round(partner * s, x.dtype), x.dtype)
+    return torch.cat([rotated.to(x.dtype), x[..., dims:]], dim=-1)
+
+
+def decode_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    key_valid: torch.Tensor,
+    slot: torch.Tensor,
+    scale: float,
+    rotary: tuple[str, torch.Tensor, torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """One query token per row over a static cache, writing its own key and value first.
+
+    q: [rows, heads * D]; k, v: [rows, kv_heads * D]; keys/values: [rows, kv_heads, max_len, D] (written
+    at `slot`, a one-element long tensor); key_valid: [rows, max_len] bool. The query sees valid slots
+    before its own and its own. `rotary`: (kind, cos, sin) applied to q and k. Returns [rows, heads * D].
+    """
+    rows, kv_heads, _, head_dim = keys.shape
+    q = q.reshape(rows, -1, head_dim)
+    k = k.reshape(rows, kv_heads, head_dim)
+    v = v.reshape(rows, kv_heads, head_dim)
+    if rotary is not None:
+        kind, cos, sin = rotary
+        q, k = rotate(q, cos, sin, kind), rotate(k, cos, sin, kind)
+    slot = slot.reshape(1)
+    keys.index_copy_(2, slot, k[:, :, None].to(keys.dtype))
+    values.index_copy_(2, slot, v[:, :, None].to(values.dtype))
+    slots = torch.arange(keys.shape[2], device=keys.device)
+    visible = (key_valid & (slots < slot)) | (slots == slot)  # [rows, max_len]
+    group = q.shape[1] // kv_heads
+    scores = torch.einsum("rhd,rhsd->rhs", q.float(), keys.float().repeat_interleave(group, dim=1)) * scale
+    scores = scores.masked_fill(~visible[:, None, :], float("-inf"))
+    out = torch.einsum("rhs,rhsd->rhd", scores.softmax(-1), values.float().repeat_interleave(group, dim=1))
+    return out.to(q.dtype).reshape(rows, -1)

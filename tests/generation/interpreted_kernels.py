@@ -1,0 +1,26 @@
+"""The fused decode kernels on the CPU through Triton's interpreter; run by test_kernels.py in a subprocess
+with TRITON_INTERPRET=1 (the variable must be set before the kernels are defined)."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from tendril.generation.kernels import attention
+from tests.generation.kernel_cases import check_attention, check_linear
+
+
+def main() -> None:
+    assert os.environ.get("TRITON_INTERPRET") == "1" and attention.INTERPRETED, "run with TRITON_INTERPRET=1"
+    # the interpreter takes ~0.1 s a launch: a lean set here, the full one on the GPU (test_kernels_gpu.py);
+    # the architectures' fused forwards are checked on the CPU through the references (test_kernels.py)
+    assert check_linear(torch.float32, "cpu", rows=2, launches=((16, 16),)) > 0
+    assert check_linear(torch.float16, "cpu", rows=1, launches=((None, None),)) > 0
+    for dtype in (torch.float32, torch.float16):
+        assert check_attention(dtype, "cpu", slots=(0, 9)) > 0
+    print("interpreted checks passed")
+
+
+if __name__ == "__main__":
+    main()

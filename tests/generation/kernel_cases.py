@@ -1,0 +1,98 @@
+"""Checks of the fused decode kernels against their references, shared by the interpreter run (CPU) and the
+GPU tests: every option of each kernel, on odd sizes, into outputs poisoned with NaN."""
+
+from __future__ import annotations
+
+import torch
+
+from tendril.generation.kernels import attention, linear, reference
+from tendril.generation.kernels.layers import Norm, Projection
+
+
+def _tolerance(dtype: torch.dtype) -> dict[str, float]:
+    # fp16/bf16: the kernels round where the reference does, but sum in another order (a last-bit difference
+    # before a rounding point can move a result by an ulp: 2**-10 in fp16, 2**-7 in bf16; allow a few)
+    tolerance = {torch.float32: 1e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}[dtype]
+    return dict(rtol=tolerance, atol=tolerance)
+
+
+def _weight(out_f: int, in_f: int, dtype: torch.dtype, device: str, conv1d: bool) -> torch.Tensor:
+    w = torch.randn(out_f, in_f, device=device, dtype=torch.float32).mul_(in_f**-0.5).to(dtype)
+    return w.t().contiguous().t() if conv1d else w
+
+
+def linear_cases(dtype: torch.dtype, device: str) -> list[dict]:
+    """(projection, norm, activation, gated, addends) cases over sizes that do not divide the block sizes."""
+    torch.manual_seed(0)
+    k = 72
+
+    def vec(n: int) -> torch.Tensor:
+        return torch.randn(n, device=device, dtype=torch.float32).to(dtype)
+
+    layer = Norm("layer", vec(k), vec(k), 1e-5)
+    rms = Norm("rms", vec(k), None, 1e-6)
+    w = [_weight(n, k, dtype, device, conv1d=i == 0) for i, n in enumerate((40, 24, 24))]
+    return [
+        dict(projection=Projection((w[0],), (vec(40),)), norm=layer, activation="gelu_tanh"),
+        dict(projection=Projection((w[0],), (vec(40),)), norm=layer, activation="gelu"),
+        dict(projection=Projection((w[1], w[2]), (None, None)), norm=rms, activation="silu", gated=True),
+        dict(projection=Projection((_weight(40, k, dtype, device, False), w[1], w[2]), (vec(40), vec(24), vec(24))),
+             norm=rms),
+        dict(projection=Projection((w[1],), (None,)), activation="relu", addends=2),
+        dict(projection=Projection((w[0],), (vec(40),)), addends=1),
+    ]
+
+
+LAUNCHES = ((None, None), (16, 16), (32, 64))
+"""(BLOCK_N, BLOCK_K) of the linear kernel checked (None: its default)."""
+
+
+def check_linear(dtype: torch.dtype, device: str, rows: int = 3, launches=LAUNCHES) -> int:
+    """Every linear case at the `launches` configurations; returns the number of comparisons."""
+    checked = 0
+    for case in linear_cases(dtype, device):
+        projection = case["projection"]
+        out_f = projection.out_sizes[0] if case.get("gated") else projection.out_features
+        x = torch.randn(rows, projection.in_features, device=device).to(dtype)
+        addends = tuple(torch.randn(rows, out_f, device=device).to(dtype) for _ in range(case.get("addends", 0)))
+        options = dict(norm=case.get("norm"), activation=case.get("activation", "none"),
+                       gated=case.get("gated", False), addends=addends)
+        expected = reference.fused_linear(x, projection, **options)
+        for block_n, block_k in launches:
+            out = torch.full((rows, out_f), float("nan"), device=device, dtype=dtype)
+            got = linear.fused_linear(x, projection, out=out, block_n=block_n, block_k=block_k, **options)
+            assert got.data_ptr() == out.data_ptr() and not got.isnan().any()
+            torch.testing.assert_close(got, expected, **_tolerance(dtype))
+            checked += 1
+    return checked
+
+
+def check_attention(dtype: torch.dtype, device: str, slots=(0, 5, 20)) -> int:
+    """MHA and GQA, no/half/interleaved rotary, slots at 0, inside and past a block; cache writes exact."""
+    torch.manual_seed(1)
+    rows, max_len, head_dim = 2, 21, 16
+    checked = 0
+    for heads, kv_heads in ((4, 4), (4, 2)):
+        for kind, dims in ((None, 0), ("half", head_dim), ("interleaved", 8)):
+            for slot_value in slots:
+                keys = torch.randn(rows, kv_heads, max_len, head_dim, device=device).to(dtype)
+                values = torch.randn(rows, kv_heads, max_len, head_dim, device=device).to(dtype)
+                key_valid = torch.rand(rows, max_len, device=device) > 0.3
+                q = torch.randn(rows, heads * head_dim, device=device).to(dtype)
+                k = torch.randn(rows, kv_heads * head_dim, device=device).to(dtype)
+                v = torch.randn(rows, kv_heads * head_dim, device=device).to(dtype)
+                rotary = None
+                if kind is not None:
+                    angles = torch.rand(rows, dims // 2, device=device) * 6
+                    rotary = (kind, angles.cos().repeat(1, 2).to(dtype), angles.sin().repeat(1, 2).to(dtype))
+                slot = torch.tensor([slot_value], device=device)
+                ref_keys, ref_values = keys.clone(), values.clone()
+                expected = reference.decode_attention(q, k, v, ref_keys, ref_values, key_valid, slot, 0.25, rotary)
+                out = torch.full_like(expected, float("nan"))
+                got = attention.decode_attention(q, k, v, keys, values, key_valid, slot, 0.25, rotary, out=out,
+                                                 block_s=8)
+                assert not got.isnan().any()
+                torch.testing.assert_close(got, expected, **_tolerance(dtype))
+                assert torch.equal(keys, ref_keys) and torch.equal(values, ref_values)
+                checked += 1
+    return checked

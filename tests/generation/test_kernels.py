@@ -1,0 +1,136 @@
+"""The fused decode kernels' references against HF's modules and tendril's unfused path (CPU, float32), the
+fused step of every architecture against its forward, and the Triton kernels under the interpreter."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tendril.generation import UnsupportedModelError, generate
+from tendril.generation.api import _architecture
+from tendril.generation.cache import StaticKVCache
+from tendril.generation.kernels import Norm, Projection, reference
+from tendril.generation.processors import LogitsProcessing
+from tendril.generation.state import Decoder
+from tests.generation.models import hf_generate, left_padded, tiny_model
+
+ROOT = Path(__file__).resolve().parents[2]
+FAMILIES = ["gpt2", "gptj", "llama", "mistral", "qwen2"]
+
+
+def test_reference_linear_reproduces_hf_modules():
+    gpt2, llama = tiny_model("gpt2"), tiny_model("llama")
+    torch.manual_seed(0)
+    x = torch.randn(3, 64)
+    with torch.no_grad():
+        block = gpt2.transformer.h[0]
+        got = reference.fused_linear(x, Projection.of(block.mlp.c_fc), norm=Norm.of(block.ln_2), activation="gelu_tanh")
+        torch.testing.assert_close(got, block.mlp.act(block.mlp.c_fc(block.ln_2(x))), rtol=1e-5, atol=1e-5)
+        got = reference.fused_linear(x, Projection.of(block.attn.c_proj), addends=(x,))
+        torch.testing.assert_close(got, x + block.attn.c_proj(x), rtol=1e-5, atol=1e-5)
+        layer = llama.model.layers[1]
+        mlp = layer.mlp
+        gated = reference.fused_linear(x, Projection.of(mlp.gate_proj, mlp.up_proj),
+                                       norm=Norm.of(layer.post_attention_layernorm), activation="silu", gated=True)
+        got = reference.fused_linear(gated, Projection.of(mlp.down_proj), addends=(x,))
+        torch.testing.assert_close(got, x + mlp(layer.post_attention_layernorm(x)), rtol=1e-5, atol=1e-5)
+        attn = layer.self_attn
+        qkv = reference.fused_linear(x, Projection.of(attn.q_proj, attn.k_proj, attn.v_proj),
+                                     norm=Norm.of(layer.input_layernorm))
+        normed = layer.input_layernorm(x)
+        expected = torch.cat([attn.q_proj(normed), attn.k_proj(normed), attn.v_proj(normed)], dim=-1)
+        torch.testing.assert_close(qkv, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("heads, kv_heads", [(4, 4), (4, 2)])
+def test_reference_attention_matches_the_unfused_cache(heads, kv_heads):
+    torch.manual_seed(1)
+    rows, max_len, head_dim, slot = 3, 12, 8, 7
+    key_valid = torch.rand(rows, max_len) > 0.3
+    unfused = StaticKVCache(1, rows, kv_heads, max_len, head_dim, torch.float32, torch.device("cpu"), key_valid)
+    fused = StaticKVCache(1, rows, kv_heads, max_len, head_dim, torch.float32, torch.device("cpu"), key_valid)
+    for cache in (unfused, fused):
+        torch.manual_seed(2)
+        cache.keys[0].normal_()
+        cache.values[0].normal_()
+    q = torch.randn(rows, heads * head_dim)
+    k, v = torch.randn(rows, kv_heads * head_dim), torch.randn(rows, kv_heads * head_dim)
+    slots = torch.tensor([slot])
+
+    def heads_of(t: torch.Tensor) -> torch.Tensor:
+        return t.view(rows, -1, 1, head_dim)
+
+    expected = unfused.attend(0, heads_of(q), heads_of(k), heads_of(v), slots, unfused.attention_mask(slots), 0.3)
+    got = reference.decode_attention(q, k, v, fused.keys[0], fused.values[0], key_valid, slots, 0.3)
+    torch.testing.assert_close(got, expected.reshape(rows, -1), rtol=1e-5, atol=1e-5)
+    assert torch.equal(fused.keys[0], unfused.keys[0]) and torch.equal(fused.values[0], unfused.values[0])
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_fused_step_matches_the_architecture_forward(family):
+    model = tiny_model(family)
+    arch = _architecture(model)
+    ids, mask = left_padded([6, 3, 5])
+    no_eos, key = torch.tensor([], dtype=torch.long), torch.zeros((), dtype=torch.long)
+    decoders = [Decoder.build(arch, ids, mask, 6, LogitsProcessing(), no_eos, key, torch.float32, step)
+                for step in (None, arch.fused_step())]
+    tokens = torch.tensor([7, 9, 11])
+    with torch.no_grad():
+        for decoder in decoders:
+            decoder.prefill()
+        logits = []
+        for offset in range(3):
+            slot = torch.tensor(ids.shape[1] + offset)
+            logits.append([decoder.step(tokens + offset, slot) for decoder in decoders])
+    for unfused, fused in logits:
+        torch.testing.assert_close(fused, unfused, rtol=1e-4, atol=1e-4)
+    for a, b in zip(decoders[0].cache.keys + decoders[0].cache.values,
+                    decoders[1].cache.keys + decoders[1].cache.values, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("family, options", [("gpt2", dict(num_beams=3, num_return_sequences=2)),
+                                             *((family, dict()) for family in FAMILIES)])
+def test_fused_generate_matches_hf(family, options):
+    model = tiny_model(family)
+    ids, mask = left_padded([5, 3])
+    expected = hf_generate(model, ids, mask, None, max_new_tokens=6, **options)
+    got = generate(model, ids, mask, max_new_tokens=6, eos_token_id=[], pad_token_id=0, compile_step="fused",
+                   **options)
+    assert torch.equal(got, expected)
+
+
+def test_compile_step_values_are_checked(gpt2):
+    ids, mask = left_padded([3])
+    with pytest.raises(ValueError, match="compile_step must be"):
+        generate(gpt2, ids, mask, max_new_tokens=2, compile_step="fast")
+    model = tiny_model("gpt2")
+    model.config.activation_function = "gelu_fast"
+    with pytest.raises(UnsupportedModelError, match="activation 'gelu_fast'"):
+        generate(model, ids, mask, max_new_tokens=2, compile_step="fused")
+
+
+def test_projection_and_norm_read_hf_modules():
+    gpt2 = tiny_model("gpt2")
+    attn = gpt2.transformer.h[0].attn
+    projection = Projection.of(attn.c_attn)
+    assert projection.in_features == 64 and projection.out_sizes == (192,)
+    assert projection.weights[0].data_ptr() == attn.c_attn.weight.data_ptr()  # a view, not a copy
+    with pytest.raises(ValueError, match=r"neither nn\.Linear nor Conv1D"):
+        Projection.of(gpt2.transformer.h[0].ln_1)
+    with pytest.raises(ValueError, match="share dtype"):
+        Projection.of(attn.c_attn, torch.nn.Linear(32, 8))
+    assert Norm.of(tiny_model("llama").model.norm).kind == "rms"
+
+
+def test_triton_kernels_match_their_references_under_the_interpreter():
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT)])}
+    result = subprocess.run([sys.executable, "-m", "tests.generation.interpreted_kernels"], cwd=ROOT, env=env,
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "interpreted checks passed" in result.stdout

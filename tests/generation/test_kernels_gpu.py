@@ -1,0 +1,91 @@
+"""On the GPU: the fused decode kernels against their references (every option, odd and GPT-2 124M sizes,
+NaN-poisoned outputs), and `compile_step="fused"` graphed end to end, exact against HF for every family."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tendril.generation import generate
+from tendril.generation.api import graphed_runners
+from tendril.generation.kernels import linear, reference
+from tendril.generation.kernels.layers import Norm, Projection
+from tendril.generation.noise import draw_key
+from tests.generation.kernel_cases import check_attention, check_linear
+from tests.generation.models import hf_generate, left_padded, tiny_model
+
+pytestmark = pytest.mark.gpu
+NEW = 16
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_linear_kernel_matches_reference(dtype):
+    assert check_linear(dtype, "cuda", rows=1) > 0
+    assert check_linear(dtype, "cuda", rows=4) > 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_attention_kernel_matches_reference(dtype):
+    assert check_attention(dtype, "cuda") > 0
+
+
+@pytest.mark.parametrize("out_f, in_f, conv1d", [(2304, 768, True), (768, 3072, True), (50257, 768, False)])
+def test_linear_kernel_at_gpt2_sizes(out_f, in_f, conv1d):
+    torch.manual_seed(0)
+    w = (torch.randn(out_f, in_f, device="cuda") * 0.02).half()
+    if conv1d:
+        w = w.t().contiguous().t()
+    projection = Projection((w,), (None if not conv1d else (torch.randn(out_f, device="cuda") * 0.02).half(),))
+    norm = Norm("layer", torch.rand(in_f, device="cuda").half() + 0.5, torch.randn(in_f, device="cuda").half(), 1e-5)
+    x = torch.randn(1, in_f, device="cuda").half()
+    out = torch.full((1, out_f), float("nan"), device="cuda", dtype=torch.float16)
+    got = linear.fused_linear(x, projection, norm=norm, out=out)
+    expected = reference.fused_linear(x, projection, norm=norm)
+    assert not got.isnan().any()
+    torch.testing.assert_close(got, expected, rtol=4e-3, atol=4e-3)
+
+
+@pytest.mark.parametrize("family", ["gpt2", "gptj", "llama", "mistral", "qwen2"])
+@pytest.mark.parametrize("num_beams", [1, 4])
+def test_fused_generation_is_graphed_and_matches_hf(family, num_beams):
+    model = tiny_model(family, device="cuda")
+    ids, mask = left_padded([7, 3, 5], device="cuda")
+    options = dict(num_beams=num_beams, num_return_sequences=2 if num_beams > 1 else 1)
+    expected = hf_generate(model, ids, mask, None, max_new_tokens=NEW, **options)
+    for _ in range(2):  # capture, then replay
+        got = generate(model, ids, mask, max_new_tokens=NEW, eos_token_id=[], pad_token_id=0, compile_step="fused",
+                       **options)
+        assert torch.equal(got, expected), (got, expected)
+    other_ids, other_mask = left_padded([2, 7, 6], seed=5, device="cuda")
+    expected = hf_generate(model, other_ids, other_mask, None, max_new_tokens=NEW, **options)
+    got = generate(model, other_ids, other_mask, max_new_tokens=NEW, eos_token_id=[], pad_token_id=0,
+                   compile_step="fused", **options)
+    assert torch.equal(got, expected)
+    (runner,) = graphed_runners(model)
+    assert len(runner.stats.graphs) == 1 and runner.stats.replays == 3 and runner.stats.eager_calls == 0, (
+        runner.stats.fallback_details)
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_fused_fp16_greedy_matches_hf(family):
+    model = tiny_model(family, device="cuda", dtype=torch.float16)
+    ids, mask = left_padded([6, 4], device="cuda")
+    expected = hf_generate(model, ids, mask, None, max_new_tokens=NEW)
+    got = generate(model, ids, mask, max_new_tokens=NEW, eos_token_id=[], pad_token_id=0, compile_step="fused")
+    assert torch.equal(got, expected)
+
+
+def test_fused_replay_does_not_sync_with_the_host():
+    model = tiny_model("gpt2", device="cuda")
+    ids, mask = left_padded([5, 5], device="cuda")
+    generate(model, ids, mask, max_new_tokens=NEW, eos_token_id=3, pad_token_id=0, compile_step="fused")
+    (runner,) = graphed_runners(model)
+    key = draw_key(ids.device, 1)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        runner(ids, mask, key)
+        runner(ids, mask, key)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert runner.stats.replays == 3 and runner.stats.eager_calls == 0
