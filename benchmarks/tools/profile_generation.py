@@ -30,6 +30,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch._dynamo
+import torch._inductor.config as inductor_config
 from torch import nn
 
 from benchmarks.cases import generation as case
@@ -147,7 +149,7 @@ def run_variant(variant: str, model: nn.Module, prompts: list[torch.Tensor], ref
 
     torch.cuda.synchronize()
     begin = time.perf_counter()
-    with torch._inductor.config.patch(**options):
+    with inductor_config.patch(**options):
         first = call(prompts[0]).clone()
     torch.cuda.synchronize()
     result: dict[str, Any] = {"variant": variant, "warmup_s": time.perf_counter() - begin,
