@@ -5,15 +5,18 @@ sparsity (torchvision architectures, random weights, fp32, random 224×224 input
 sparsity is what ReLU gives). Variants, side by side in one process: tendril on the GPU eager and
 replayed inside a CUDA graph; dense cuDNN fp32 (TF32 off), TF32 and fp16, each inside a CUDA graph;
 tendril's CPU implementation of the same algorithm on 1 thread and on all threads; dense PyTorch on
-the CPU (1 thread and all threads). Also weight memory (compressed vs dense) and a per-layer breakdown
-(densities, chosen GPU kernel, GPU and all-thread CPU time per layer) in `extra`. The slow CPU variants get few
+the CPU (1 thread and all threads). Also weight memory (compressed vs dense), the time `convert` took
+(tuning included), and a per-layer breakdown (densities, chosen GPU kernel, GPU and all-thread CPU time
+per layer, register-tiled kernels `tune` refused and why) in `extra`. The slow CPU variants get few
 repetitions: one VGG-16 forward of the CPU sparse engine on one thread takes seconds.
+`SPARSE_CNN_MODELS=vgg16,resnet50` runs only those models (default: all three).
 """
 
 from __future__ import annotations
 
 import copy
 import os
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -64,7 +67,9 @@ def _bench_model(ctx: Context, name: str) -> None:
     results: dict[str, Timing] = {}
     with torch.no_grad():
         _set_tf32(False)
+        started = time.perf_counter()
         net = convert(model, inputs[0])
+        ctx.add_value(f"{name} convert (tune included)", "seconds", time.perf_counter() - started)
         reference = model(inputs[1])
         ctx.add_value(f"{name} tendril gpu", "rel_err_vs_dense_fp32", _relative_error(net(inputs[1]), reference))
         results["tendril gpu eager"] = _time_gpu(ctx, net, inputs, reps)
@@ -128,6 +133,7 @@ def _bench_model(ctx: Context, name: str) -> None:
     ctx.add_value(f"{name} weights", "dense_MiB", dense / 2**20)
     ctx.extra[name] = {
         "pruning": {p.name: round(p.density, 4) for p in pruned},
+        "rejected_register_kernels": dict(net.rejected_kernels),
         "weight_bytes": {"compressed": compressed, "dense": dense},
         "layers": [
             {
@@ -151,7 +157,8 @@ def _bench_model(ctx: Context, name: str) -> None:
 def run(ctx: Context) -> None:
     previous = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
     try:
-        for name in MODELS:
+        chosen = os.environ.get("SPARSE_CNN_MODELS")
+        for name in chosen.split(",") if chosen else MODELS:
             try:
                 _bench_model(ctx, name)
             except Exception as error:  # keep the other models' results; the note says what failed
@@ -159,9 +166,10 @@ def run(ctx: Context) -> None:
     finally:
         torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = previous
     ctx.note(
-        "tendril GPU = convolutions by the shared-memory CUDA C++ kernel or the Triton global-atomic kernel, "
-        "whichever measured faster per layer at conversion (extra.*.layers.gpu_conv_kernel); compression and FC "
-        "layers in Triton. CPU = tendril's compiled (numba) CPU engine: zero weights skipped, activations "
-        "compressed, each conv by SCNN's Cartesian product or an output-stationary sparse-weight loop, whichever "
-        "a cost model on the true nonzero counts picks (tendril.sparse.ops.conv.cpu)."
+        "tendril GPU = convolutions by the register-tiled sparse-weight CUDA kernel (dense input, bias/residual/ReLU "
+        "fused), the shared-memory SCNN CUDA kernel or the Triton global-atomic kernel, whichever measured fastest "
+        "per layer at conversion (extra.*.layers.gpu_conv_kernel); compression and FC layers in Triton. "
+        "CPU = tendril's compiled (numba) CPU engine: zero weights skipped, activations compressed, each conv by "
+        "SCNN's Cartesian product or an output-stationary sparse-weight loop, whichever a cost model on the true "
+        "nonzero counts picks (tendril.sparse.ops.conv.cpu)."
     )

@@ -7,19 +7,25 @@ it on VGG-16, benchmarks/results/sparse-cnn.json). Variants, as each runs inside
 - `old`: the shared-memory SCNN kernel (`ops/conv/cuda.py`) with what it needs per layer in a
   network: compression of the input (Triton), the init (bias) copy, the convolution with ReLU;
 - `register`: the register-tiled sparse-weight kernel (`ops/conv/register_cuda.py`) with the plan
-  its planner picks (dense input, bias and ReLU fused, nothing else needed), and the next
-  `ALTERNATES` plans by predicted cost (`register alt N`), to check the planner against the device;
+  its planner picks (dense input, bias and ReLU fused, nothing else needed), and `ALTERNATES` more
+  plans (`register alt N`): the next best-predicted ones that differ from those already taken in
+  their register tile (ph, pw, kt) or warp count, to check the planner against the device;
 - `cuDNN fp32`: `F.conv2d` + bias + ReLU.
 Two input tensors alternate between replays (one graph captured per input), so no replay finds its
 input in L2 from the replay before. Every output is checked against cuDNN's (relative error).
 
 Targets: `vgg16_conv_register_speedup_vs_cudnn_fp32` (sum of cuDNN's layer times / sum of the
-register kernel's best plan per layer; goal > 1), `vgg16_conv_register_speedup_vs_old` (> 1), and
-the per-layer ratios and predicted times (`estimate_us`) in `extra.layers`.
+register kernel's best plan per layer; goal > 1), `vgg16_conv_register_speedup_vs_old` (> 1); the
+planner's own pick is summed too (`vgg16 conv layers register (planner pick)`), and the per-layer
+ratios, plans (tile, shared memory, registers estimate) and predicted times (`estimate_us`) against
+the measured ones are in `extra.layers`. All plans are compiled first, in parallel processes.
+Set `TENDRIL_NCU_LAYER=N` to run only layer N's planner pick (for a profiler), nothing else.
 """
 
 from __future__ import annotations
 
+import os
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -49,7 +55,7 @@ VGG16_LAYERS = [
     (512, 512, 14, 0.29, 0.49),
     (512, 512, 14, 0.36, 0.53),
 ]
-ALTERNATES = 2
+ALTERNATES = 3
 
 
 def _pruned_weight(k: int, c: int, density: float, gen: torch.Generator) -> torch.Tensor:
@@ -128,7 +134,7 @@ def _bench_layer(
 
     register_times: dict[str, float] = {}
     plan_rows = []
-    for rank, plan in enumerate(register_tiling.candidates(g, weights.density, sms)[: 1 + ALTERNATES]):
+    for rank, plan in enumerate(_plans(g, weights.density, sms)):
         timing, outs = _time_graphs(register_variant(register_cuda.RegisterConvLayer.prepare(weights, plan)), reps)
         label = "register" if rank == 0 else f"register alt {rank}"
         ctx.add_timing(f"{name} {label}", timing)
@@ -137,10 +143,15 @@ def _bench_layer(
         plan_rows.append(
             {
                 "label": label,
-                "ph_pw_kt_lanes_x": [plan.ph, plan.pw, plan.kt, plan.lanes_x],
+                "ph_pw_kt_lanes_x_warps": [plan.ph, plan.pw, plan.kt, plan.lanes_x, plan.warps],
                 "splits": plan.splits,
                 "c_chunk": plan.c_chunk,
                 "grid": list(plan.grid),
+                "tile_hw": list(plan.tile_hw),
+                "pitch": plan.pitch,
+                "window_row_wavefronts": plan.window_row_wavefronts,
+                "blocks_per_sm": plan.blocks_per_sm,
+                "registers_estimate": plan.registers,
                 "shared_bytes": plan.shared_bytes,
                 "estimate_us": round(register_tiling.estimate_us(plan, weights.density, sms), 1),
                 "ms": round(timing.median_ms, 4),
@@ -156,6 +167,7 @@ def _bench_layer(
         "activation_density": a_density,
         "cudnn_ms": round(cudnn.median_ms, 4),
         "old_ms": round(old_timing.median_ms, 4),
+        "register_pick_ms": round(register_times["register"], 4),
         "register_best_ms": round(best, 4),
         "register_speedup_vs_cudnn": round(cudnn.median_ms / best, 3),
         "useful_tmacs_per_s": round(weights.nnz * size * size / best / 1e9, 2),
@@ -163,19 +175,74 @@ def _bench_layer(
     }
 
 
+def _plans(g: ConvGeometry, density: float, sms: int) -> list[register_tiling.RegisterTilePlan]:
+    """The planner's pick and up to `ALTERNATES` more, each the best-predicted plan that varies one factor
+    of the pick: output channels per warp (kt), the pixel tile per lane (ph, pw), the channel splits and
+    warps per block (so that the device shows what the cost model gets wrong)."""
+    ranked = register_tiling.candidates(g, density, sms)
+    pick = ranked[0]
+    chosen = [pick]
+    for differs in (
+        lambda p: p.kt != pick.kt,
+        lambda p: p.kt == pick.kt and (p.ph, p.pw) != (pick.ph, pick.pw),
+        lambda p: (
+            (p.ph, p.pw, p.kt) == (pick.ph, pick.pw, pick.kt) and (p.splits, p.warps) != (pick.splits, pick.warps)
+        ),
+    ):
+        plan = next((p for p in ranked if differs(p) and p not in chosen), None)
+        if plan is not None:
+            chosen.append(plan)
+    return chosen[: 1 + ALTERNATES]
+
+
+def _geometry_and_density(spec: tuple[int, int, int, float, float]) -> tuple[ConvGeometry, float]:
+    """A layer's geometry and the exact weight density `_pruned_weight` gives it (it keeps `keep` weights)."""
+    c, k, size, w_density, _ = spec
+    numel = k * c * 9
+    return ConvGeometry(c, k, (3, 3), (1, 1), (1, 1), 1, (size, size)), max(1, round(w_density * numel)) / numel
+
+
+def _profile_one_layer(ctx: Context, index: int, sms: int) -> None:
+    """Launch layer `index`'s planner pick a few times, eagerly, for a profiler (`TENDRIL_NCU_LAYER`)."""
+    c, k, size, w_density, a_density = VGG16_LAYERS[index]
+    gen = torch.Generator().manual_seed(index)
+    g, _ = _geometry_and_density(VGG16_LAYERS[index])
+    weights = SparseConvWeights.from_dense(_pruned_weight(k, c, w_density, gen).to(ctx.device), g)
+    plan = _plans(g, weights.density, sms)[0]
+    layer = register_cuda.RegisterConvLayer.prepare(weights, plan)
+    x = _relu_like(c, size, a_density, gen).to(ctx.device)
+    bias = torch.zeros(k, device=ctx.device)
+    for _ in range(3):
+        register_cuda.conv(x, layer, bias, relu=True)
+    torch.cuda.synchronize()
+    ctx.note(f"profiled conv{index + 1:02d}'s planner pick {plan} (3 launches)")
+
+
 @register("sparse-conv-kernels", "VGG-16 conv layers: old SCNN kernel vs register-tiled kernel vs cuDNN fp32 (graphs)")
 def run(ctx: Context) -> None:
     torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
     reps = 20 if ctx.quick else 60
     sms = torch.cuda.get_device_properties(ctx.device).multi_processor_count
+    if os.environ.get("TENDRIL_NCU_LAYER"):
+        _profile_one_layer(ctx, int(os.environ["TENDRIL_NCU_LAYER"]), sms)
+        return
     gen = torch.Generator().manual_seed(0)
+    started = time.perf_counter()
+    plans = [p for spec in VGG16_LAYERS for p in _plans(*_geometry_and_density(spec), sms)]
+    compiled = register_cuda.precompile(plans)
+    ctx.note(f"compiled {compiled} register-tiled kernels in {time.perf_counter() - started:.1f} s (parallel)")
     with torch.no_grad():
         layers = [_bench_layer(ctx, i, spec, gen, reps, sms) for i, spec in enumerate(VGG16_LAYERS)]
     ctx.extra["layers"] = layers
-    totals = {key: sum(layer[f"{key}_ms"] for layer in layers) for key in ("cudnn", "old", "register_best")}
+    keys = ("cudnn", "old", "register_pick", "register_best")
+    totals = {key: sum(layer[f"{key}_ms"] for layer in layers) for key in keys}
     ctx.add_value("vgg16 conv layers cuDNN fp32", "sum_ms", totals["cudnn"])
     ctx.add_value("vgg16 conv layers old shared-memory kernel", "sum_ms", totals["old"])
+    ctx.add_value("vgg16 conv layers register (planner pick)", "sum_ms", totals["register_pick"])
     ctx.add_value("vgg16 conv layers register (best plan per layer)", "sum_ms", totals["register_best"])
+    ctx.add_value(
+        "vgg16 conv layers register (planner pick)", "speedup_vs_cudnn_fp32", totals["cudnn"] / totals["register_pick"]
+    )
     ctx.target("vgg16_conv_register_speedup_vs_cudnn_fp32", totals["cudnn"] / totals["register_best"], Goal(">", 1))
     ctx.target("vgg16_conv_register_speedup_vs_old", totals["old"] / totals["register_best"], Goal(">", 1))
     ctx.note(

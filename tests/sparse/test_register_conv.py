@@ -255,3 +255,14 @@ def test_cuda_source_compiles_for_sm90_without_spills_or_local_memory(geometry):
     assert "0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads" in log, log
     used = int(log.split("Used ")[1].split(" registers")[0])
     assert used * plan.warps * 32 * plan.blocks_per_sm <= register_tiling.SM_REGISTERS, log
+
+
+@pytest.mark.skipif(not _nvrtc_available(), reason="NVRTC library not loadable on this machine")
+def test_precompile_fills_the_disk_cache_from_worker_processes(tmp_path, monkeypatch):
+    from tendril.sparse.ops.conv import register_cuda
+
+    monkeypatch.setenv("TENDRIL_CACHE_DIR", str(tmp_path))  # the spawned workers read it at import
+    g = ConvGeometry(16, 16, (3, 3), (1, 1), (1, 1), 1, (12, 12))
+    plans = [RegisterTilePlan(g, 1, 2, 1, 8, 1, 2, warps=2), RegisterTilePlan(g, 2, 2, 1, 8, 1, 2, warps=2)]
+    assert register_cuda.precompile(plans + plans[:1], workers=2, capability=(9, 0)) == 2
+    assert len(list((tmp_path / "nvrtc").glob("sparse_weight_conv-*.cubin"))) == 2

@@ -31,6 +31,37 @@ CUDA = torch.device("cuda")
 SMS = 132
 
 
+VGG16_CASES = [
+    (3, 64, 224, 0.58, 1.0),
+    (64, 64, 224, 0.22, 0.5),
+    (128, 256, 56, 0.53, 0.67),
+    (512, 512, 28, 0.27, 0.5),
+    (512, 512, 14, 0.35, 0.54),
+    (512, 512, 14, 1.0, 1.0),
+]
+PLANNED_CASES = CONV_CASES + random_cases(40, seed=5)
+SMALL_PLAN_CASES = random_cases(40, seed=13)
+SPLIT_CASE = ConvCase(256, 128, (14, 14), 3, 1, 1, 1, 0.3, 0.5)
+
+
+def _vgg_case(channels: int, out_channels: int, size: int, weight_density: float, act_density: float) -> ConvCase:
+    return ConvCase(channels, out_channels, (size, size), 3, 1, 1, 1, weight_density, act_density)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _precompiled_kernels():
+    """Compile every plan these tests launch at once, in parallel processes (each plan is its own fully
+    unrolled kernel, ~1 s of ptxas): the same cases, densities and plans as the tests derive."""
+    plans = []
+    for case in PLANNED_CASES + [_vgg_case(*spec) for spec in VGG16_CASES]:
+        weights = conv_operands(case, torch.device("cpu"))[0]
+        plans.append(register_tiling.plan(weights.geometry, weights.density, SMS))
+    plans += [small_plan(case.geometry, random.Random(index)) for index, case in enumerate(SMALL_PLAN_CASES)]
+    split = conv_operands(SPLIT_CASE, torch.device("cpu"))[0]
+    plans += register_tiling.candidates(split.geometry, split.density, SMS)[:4]
+    register_cuda.precompile(plans)
+
+
 @pytest.fixture(autouse=True)
 def _exact_fp32():
     previous = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
@@ -61,38 +92,26 @@ def check(case: ConvCase, plan_for, *, relu: bool = False, residual: bool = Fals
     assert not layer.tickets.any(), "every tile's last split resets its ticket"
 
 
-@pytest.mark.parametrize("case", CONV_CASES + random_cases(40, seed=5))
+@pytest.mark.parametrize("case", PLANNED_CASES)
 def test_register_conv_with_the_planned_tiles_matches_dense_conv(case):
     check(case, lambda g, d: register_tiling.plan(g, d, SMS))
 
 
 @pytest.mark.parametrize("index", range(40))
 def test_register_conv_with_small_tiles_splits_residual_and_relu(index):
-    case = random_cases(40, seed=13)[index]
+    case = SMALL_PLAN_CASES[index]
     rng = random.Random(index)
     check(case, lambda g, d: small_plan(g, rng), relu=rng.random() < 0.5, residual=rng.random() < 0.5, seed=index)
 
 
-@pytest.mark.parametrize(
-    ("channels", "out_channels", "size", "weight_density", "act_density"),
-    [
-        (3, 64, 224, 0.58, 1.0),
-        (64, 64, 224, 0.22, 0.5),
-        (128, 256, 56, 0.53, 0.67),
-        (512, 512, 28, 0.27, 0.5),
-        (512, 512, 14, 0.35, 0.54),
-        (512, 512, 14, 1.0, 1.0),
-    ],
-)
-def test_register_conv_on_vgg16_layers(channels, out_channels, size, weight_density, act_density):
-    case = ConvCase(channels, out_channels, (size, size), 3, 1, 1, 1, weight_density, act_density)
-    check(case, lambda g, d: register_tiling.plan(g, d, SMS), relu=True)
+@pytest.mark.parametrize("spec", VGG16_CASES)
+def test_register_conv_on_vgg16_layers(spec):
+    check(_vgg_case(*spec), lambda g, d: register_tiling.plan(g, d, SMS), relu=True)
 
 
 @pytest.mark.parametrize("candidate", range(4))
 def test_every_top_candidate_plan_of_a_split_layer_is_correct(candidate):
-    case = ConvCase(256, 128, (14, 14), 3, 1, 1, 1, 0.3, 0.5)
-    check(case, lambda g, d: register_tiling.candidates(g, d, SMS)[candidate], relu=True)
+    check(SPLIT_CASE, lambda g, d: register_tiling.candidates(g, d, SMS)[candidate], relu=True)
 
 
 def test_split_reduction_is_deterministic_and_replays_in_a_cuda_graph():

@@ -319,6 +319,7 @@ class SparseNetwork:
         """
         if self.device.type != "cuda" or self.backend != "cuda":
             return {}
+        self._precompile_register_kernels()
         values = {self.input_name: x}
         choice: dict[str, str] = {}
         for step in self.steps:
@@ -335,6 +336,28 @@ class SparseNetwork:
                 step.conv_kernel = choice[step.name] = min(times, key=lambda k: times[k])
             values[step.output] = step.run(inputs, self._state)
         return choice
+
+    def _register_plans(self, step: SparseConvStep) -> list[register_tiling.RegisterTilePlan]:
+        """The planner's `REGISTER_PLANS_TIMED` best plans for `step` (none where it cannot run the geometry)."""
+        g = step.weights.geometry
+        if register_tiling.unsupported_reason(g) is not None:
+            return []
+        sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+        return register_tiling.candidates(g, step.weights.density, sms)[:REGISTER_PLANS_TIMED]
+
+    def _precompile_register_kernels(self) -> None:
+        """Compile every layer's candidate register-tiled kernels at once, in parallel processes (one kernel
+        per plan, ~1 s each); a failure only means that they compile one by one as they are first run."""
+        plans = [
+            plan
+            for step in self.steps
+            if isinstance(step, SparseConvStep) and step.tiled is not None and step.register is None
+            for plan in self._register_plans(step)
+        ]
+        try:
+            register_cuda.precompile(plans)
+        except Exception as error:  # e.g. no writable cache directory or a worker that cannot start
+            warnings.warn(f"register-tiled kernels not precompiled ({error}); they compile one by one", stacklevel=3)
 
     def _register_rejection(self, step: SparseConvStep, inputs: list[torch.Tensor]) -> str | None:
         """Why the register-tiled kernel must not serve `step` (None: its output agrees with the layer's
@@ -388,16 +411,13 @@ class SparseNetwork:
         """The register-tiled kernel's candidate layers for `step`, built and run once (compiled): the one
         prepared before, else the planner's `REGISTER_PLANS_TIMED` best plans; none where the planner does
         not support the geometry or the kernel was rejected (a failure to build or run is recorded here)."""
-        g = step.weights.geometry
-        if register_tiling.unsupported_reason(g) is not None or step.name in self.rejected_kernels:
+        if register_tiling.unsupported_reason(step.weights.geometry) is not None or step.name in self.rejected_kernels:
             return []
         try:
             if step.register is not None:
                 layers = [step.register]
             else:
-                sms = torch.cuda.get_device_properties(self.device).multi_processor_count
-                plans = register_tiling.candidates(g, step.weights.density, sms)[:REGISTER_PLANS_TIMED]
-                layers = [register_cuda.RegisterConvLayer.prepare(step.weights, plan) for plan in plans]
+                layers = [register_cuda.RegisterConvLayer.prepare(step.weights, p) for p in self._register_plans(step)]
             for layer in layers:
                 register_cuda.conv(dense_input, layer, step.bias, relu=step.relu)  # compiles it
         except Exception as error:  # e.g. an NVRTC that rejects the source: the other kernels still serve

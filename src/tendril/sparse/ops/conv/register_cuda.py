@@ -26,7 +26,13 @@ mirror of the exact algorithm is `register_emulation.py`.
 from __future__ import annotations
 
 import ctypes
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
@@ -315,6 +321,52 @@ sparse_weight_conv(float* __restrict__ out, const float* __restrict__ x, const f
 """
 
 _KERNELS: dict[tuple[str, ...], Kernel] = {}
+
+
+def precompile(
+    plans: Sequence[RegisterTilePlan], workers: int | None = None, capability: tuple[int, int] | None = None
+) -> int:
+    """Compile the kernels of `plans` in parallel worker processes, into the NVRTC disk cache that `conv`
+    then loads from (each plan is its own fully unrolled kernel, ~1 s of ptxas each), for `capability`
+    (default: the current device's). Plans already loaded in this process are skipped; returns how many
+    kernels were compiled. Raises when a worker fails. Does nothing useful when the cache directory is not
+    writable (`conv` then compiles as before).
+
+    The workers are fresh interpreters (`python -c`), not multiprocessing children, so nothing of the
+    caller's `__main__` runs again in them; they use NVRTC only, never CUDA."""
+    options = sorted({p.defines() for p in plans} - set(_KERNELS))
+    if len(options) < 2:
+        return 0
+    capability = capability or torch.cuda.get_device_capability()
+    workers = min(workers or os.cpu_count() or 1, len(options))
+    package_root = str(Path(__file__).resolve().parents[4])  # the directory that holds `tendril`
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")])))
+    code = (
+        "import json, sys\n"
+        "from tendril.cuda.nvrtc import _cubin\n"
+        "from tendril.sparse.ops.conv.register_cuda import KERNEL_NAME, SOURCE\n"
+        "job = json.load(sys.stdin)\n"
+        "for options in job['options']:\n"
+        "    _cubin(SOURCE, KERNEL_NAME, tuple(options), tuple(job['capability']))\n"
+    )
+    processes = []
+    for batch in (options[i::workers] for i in range(workers)):
+        process = subprocess.Popen(
+            [sys.executable, "-c", code], stdin=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True
+        )
+        assert process.stdin is not None
+        process.stdin.write(json.dumps({"options": batch, "capability": list(capability)}))
+        process.stdin.close()
+        processes.append(process)
+    failures = []
+    for process in processes:
+        assert process.stderr is not None
+        error = process.stderr.read()
+        if process.wait() != 0:
+            failures.append(error.strip()[-2000:])
+    if failures:
+        raise RuntimeError(f"precompiling register-tiled kernels failed in {len(failures)} worker(s):\n{failures[0]}")
+    return len(options)
 
 
 def _kernel(plan: RegisterTilePlan) -> Kernel:
