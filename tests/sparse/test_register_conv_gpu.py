@@ -6,6 +6,7 @@ ticketed split reduction, VGG-16-sized layers, and networks forced onto the kern
 from __future__ import annotations
 
 import random
+import warnings
 
 import pytest
 import torch
@@ -59,7 +60,10 @@ def _precompiled_kernels():
     plans += [small_plan(case.geometry, random.Random(index)) for index, case in enumerate(SMALL_PLAN_CASES)]
     split = conv_operands(SPLIT_CASE, torch.device("cpu"))[0]
     plans += register_tiling.candidates(split.geometry, split.density, SMS)[:4]
-    register_cuda.precompile(plans)
+    try:
+        register_cuda.precompile(plans)
+    except RuntimeError as error:  # the tests still run, compiling each kernel when first launched
+        warnings.warn(f"precompiling failed: {error}", stacklevel=1)
 
 
 @pytest.fixture(autouse=True)
