@@ -160,7 +160,11 @@ def _bench_layer(
     for variant, err in errors.items():
         ctx.add_value(f"{name} {variant}", "rel_err_vs_cudnn_fp32", err)
     best = min(register_times.values())
-    print(f"{name}: cuDNN {cudnn.median_ms:.4f} ms, old {old_timing.median_ms:.4f}, register {register_times}")
+    measured = "; ".join(
+        f"{r['label']} {r['ph_pw_kt_lanes_x_warps']} x{r['splits']} {r['ms']} ms (model {r['estimate_us']} us)"
+        for r in plan_rows
+    )
+    print(f"{name}: cuDNN {cudnn.median_ms:.4f} ms, old {old_timing.median_ms:.4f}; {measured}")
     return {
         "layer": name,
         "weight_density": round(weights.density, 4),
