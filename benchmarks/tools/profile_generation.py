@@ -36,8 +36,9 @@ from torch import nn
 
 from benchmarks.cases import generation as case
 from tendril.generation import generate
-from tendril.generation.api import graphed_runners, release_graphs
+from tendril.generation.api import DecodeLoop, _state, release_graphs
 from tendril.generation.noise import draw_key
+from tendril.graphs.callable import GraphedCallable
 from tendril.graphs.capture import GRAPH_SDPA_BACKENDS, capture
 from tendril.utils.timing import time_callable
 
@@ -95,36 +96,61 @@ def kernel_profile(fn: Callable[[], Any], calls: int) -> KernelProfile:
     return KernelProfile(calls, len(events) / calls, busy, gaps / calls, groups)
 
 
-class StepGraph:
-    """The variant's decode step (loop body) captured alone, replayed from a fixed starting state."""
+def decode_loop(model: nn.Module) -> DecodeLoop:
+    """The one decode loop `generate` built for `model` (on CUDA unwrapped from its graphed callable)."""
+    built_loops = list(_state(model).runners.values())
+    if len(built_loops) != 1:
+        raise RuntimeError(f"expected one decode loop built for the model (call generate once after release_graphs), "
+                           f"found {len(built_loops)}")
+    (built,) = built_loops
+    loop = built.fn if isinstance(built, GraphedCallable) else built
+    if not isinstance(loop, DecodeLoop):
+        raise TypeError(f"expected tendril's DecodeLoop, got {type(loop).__name__}")
+    return loop
 
-    def __init__(self, model: nn.Module, prompt: torch.Tensor) -> None:
-        (runner,) = graphed_runners(model)
-        loop = runner.fn
+
+class StepState:
+    """The decode loop's carried state after prefill, in fixed buffers: `step` advances it by one loop body,
+    `reset` puts the state after prefill back. The buffers are inference tensors (the loop runs under
+    `torch.inference_mode`, as `generate` does), so both write them in inference mode: an in-place update of
+    an inference tensor outside it is an error."""
+
+    def __init__(self, loop: DecodeLoop, prompt: torch.Tensor) -> None:
         with torch.inference_mode():
             self.search = loop.search(prompt.clone(), torch.ones_like(prompt), draw_key(prompt.device, 0))
             self.start = [t.clone() for t in self.search.start(self.search.decoder.prefill())]
-            self.state = [t.clone() for t in self.start]
-            self.graph = capture(self._step, sdpa_backends=GRAPH_SDPA_BACKENDS)
-        self.max_replays = self.search.decoder.max_new_tokens - 4  # capture's warm-up ran the step twice
+            self.buffers = [t.clone() for t in self.start]
+        self.max_new_tokens = self.search.decoder.max_new_tokens
 
-    def _step(self) -> None:
-        for buffer, value in zip(self.state, self.search.body(*self.state), strict=True):
-            buffer.copy_(value)
+    def step(self) -> None:
+        with torch.inference_mode():
+            for buffer, value in zip(self.buffers, self.search.body(*self.buffers), strict=True):
+                buffer.copy_(value)
 
     def reset(self) -> None:
-        for buffer, value in zip(self.state, self.start, strict=True):
-            buffer.copy_(value)
+        with torch.inference_mode():
+            for buffer, value in zip(self.buffers, self.start, strict=True):
+                buffer.copy_(value)
+
+
+class StepGraph:
+    """The variant's decode step (loop body) captured alone, replayed from the state after prefill."""
+
+    def __init__(self, model: nn.Module, prompt: torch.Tensor) -> None:
+        self.state = StepState(decode_loop(model), prompt)
+        with torch.inference_mode():
+            self.graph = capture(self.state.step, sdpa_backends=GRAPH_SDPA_BACKENDS)
+        self.max_replays = self.state.max_new_tokens - 4  # capture's warm-up ran the step twice
 
     def replay(self, times: int) -> None:
-        self.reset()
+        self.state.reset()
         for _ in range(times):
             self.graph.graph.replay()
 
     def ms_per_step(self, replays: int, reps: int = 5) -> float:
         samples = []
         for _ in range(reps):
-            self.reset()
+            self.state.reset()
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
             for _ in range(replays):

@@ -18,7 +18,7 @@ def main() -> None:
     assert check_linear(torch.float32, "cpu", rows=2, launches=((16, 16),)) > 0
     assert check_linear(torch.float16, "cpu", rows=1, launches=((None, None),)) > 0
     for dtype in (torch.float32, torch.float16):
-        assert check_attention(dtype, "cpu", slots=(0, 9)) > 0
+        assert check_attention(dtype, "cpu") > 0  # the GPU test's cases, cache writes compared exactly
     print("interpreted checks passed")
 
 

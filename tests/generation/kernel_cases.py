@@ -67,8 +67,14 @@ def check_linear(dtype: torch.dtype, device: str, rows: int = 3, launches=LAUNCH
     return checked
 
 
-def check_attention(dtype: torch.dtype, device: str, slots=(0, 5, 20)) -> int:
-    """MHA and GQA, no/half/interleaved rotary, slots at 0, inside and past a block; cache writes exact."""
+SLOTS = (0, 5, 20)
+"""Query slots of the attention checks: the first, inside the first block of 8, the last (past two blocks)."""
+
+
+def check_attention(dtype: torch.dtype, device: str, slots=SLOTS) -> int:
+    """MHA and GQA, no/half/interleaved rotary, slots at 0, inside and past a block; cache writes exact
+    (bit for bit, as HF's eager ops write them: in float32 that needs the kernel's products and sums of the
+    rotary embedding left uncontracted, which only the GPU run can check; the interpreter does not fuse)."""
     torch.manual_seed(1)
     rows, max_len, head_dim = 2, 21, 16
     checked = 0

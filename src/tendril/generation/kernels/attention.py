@@ -9,6 +9,11 @@ a slot another is writing), and runs an online softmax over the valid slots befo
 blocks of `BLOCK_S`, seeded with its own key. The slot is read on the device: the loop covers only slots
 written so far, and one compiled kernel serves every step.
 
+The kernel is compiled with `enable_fp_fusion=False`: in float32 the compiler would otherwise contract the
+rotary embedding's `x * cos + rotate(x) * sin` into a fused multiply-add, one rounding where HF's eager ops
+(separate multiply and add kernels) round twice, and the key written to the cache would differ from HF's in
+the last bit. (In fp16/bf16 the explicit rounding of each product already keeps them apart.)
+
 One program walks all earlier slots of its (row, head): right for the short caches of a decode step at
 batch 1 (a few hundred slots); long contexts would want the slots split across programs (flash decoding).
 """
@@ -175,5 +180,6 @@ def decode_attention(
         ROTARY=_ROTARY[kind],
         ROTARY_DIM=rotary_dim,
         num_warps=num_warps,
+        enable_fp_fusion=False,
     )
     return out
