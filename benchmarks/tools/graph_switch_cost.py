@@ -5,10 +5,11 @@ topology family switched by `cudaGraphExecUpdate` (`graph_memory_strategy="updat
 on demand with a budget that holds them all (`"lru"`, so nothing is switched after the first pass).
 Per-call wall time with a synchronisation after each call, lengths growing by one per call. Then a
 Wav2Vec2-base encoder under a 16 MiB budget with each strategy, in a subprocess each (an illegal
-instruction ends a CUDA context), with `CUDA_LAUNCH_BLOCKING=1`, every call checked against dedicated
-executables.
+instruction ends a CUDA context), every call checked against dedicated executables, and the child-graph
+nodes its graphs hold counted (cuDNN captures its work as child graphs).
 
     PYTHONPATH=src:. python3 -m benchmarks.tools.graph_switch_cost --out $OUT [--lengths 96]
+        [--wav2vec2-only --wav2vec2-lengths 64 --budget 64MiB --strategies auto] [--launch-blocking]
 """
 
 from __future__ import annotations
@@ -36,23 +37,32 @@ STRATEGIES = {
 }
 
 WAV2VEC2_CHECK = """
-import random, sys, torch
+import collections, random, sys, torch
 from benchmarks.cases import graphs_memory as case
 from tendril.graphs.callable import graphed
 device = torch.device("cuda")
 encoder = case._wav2vec2(device)
-lengths = case.spread(case.SAMPLE_RATE, 16 * case.SAMPLE_RATE, 24)
+strategy, count, budget = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+lengths = case.spread(case.SAMPLE_RATE, 16 * case.SAMPLE_RATE, count)
 audio = {n: torch.randn(1, n, device=device, dtype=torch.float16) for n in lengths}
-strategy = sys.argv[1]
 with torch.inference_mode():
     case._load_kernels(encoder, audio)
-    budgeted = graphed(encoder, max_graphs=len(lengths), graph_memory_budget="16MiB", graph_memory_strategy=strategy)
+    budgeted = graphed(encoder, max_graphs=len(lengths), graph_memory_budget=budget, graph_memory_strategy=strategy)
     budgeted.capture([(audio[n],) for n in sorted(lengths, reverse=True)], progress=False)
     dedicated = graphed(encoder, max_graphs=len(lengths))
     for n in lengths + random.Random(0).sample(lengths, len(lengths)):
         got = budgeted(audio[n]).last_hidden_state
         torch.cuda.synchronize()
         assert torch.equal(got, dedicated(audio[n]).last_hidden_state), n
+    from cuda.bindings import runtime
+    (cache,) = budgeted._backend.executable_caches().values()
+    kinds = collections.Counter()
+    for source in cache._sources.values():
+        handle = runtime.cudaGraph_t(init_value=source.graph.raw_cuda_graph())
+        _, count = runtime.cudaGraphGetNodes(handle, 0)[:2]
+        nodes = runtime.cudaGraphGetNodes(handle, count)[1]
+        kinds.update(runtime.cudaGraphNodeGetType(node)[1].name for node in list(nodes)[:count])
+    print("node kinds over all graphs:", dict(kinds))
     memory = [r.memory for r in budgeted.stats.graphs.values()]
     print(f"{strategy}: equal to dedicated; families {len({m.family for m in memory})}, "
           f"updates {sum(m.updates for m in memory)}, instantiations {sum(m.instantiations for m in memory)}")
@@ -99,11 +109,10 @@ def gpt2_switching(count: int) -> dict[str, Any]:
     return result
 
 
-def wav2vec2_strategy(strategy: str) -> dict[str, Any]:
-    env = dict(os.environ, CUDA_LAUNCH_BLOCKING="1")
-    done = subprocess.run(
-        [sys.executable, "-c", WAV2VEC2_CHECK, strategy], env=env, capture_output=True, text=True, timeout=150
-    )
+def wav2vec2_strategy(strategy: str, count: int, budget: str, launch_blocking: bool) -> dict[str, Any]:
+    env = dict(os.environ, CUDA_LAUNCH_BLOCKING="1" if launch_blocking else "0")
+    command = [sys.executable, "-c", WAV2VEC2_CHECK, strategy, str(count), budget]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=240)
     tails = {"stdout": done.stdout[-2000:], "stderr": done.stderr[-2000:]}
     return {"strategy": strategy, "returncode": done.returncode, **tails}
 
@@ -111,13 +120,23 @@ def wav2vec2_strategy(strategy: str) -> dict[str, Any]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--lengths", type=int, default=96)
+    parser.add_argument("--lengths", type=int, default=96, help="GPT-2 lengths 1..N")
+    parser.add_argument("--wav2vec2-only", action="store_true")
+    parser.add_argument("--wav2vec2-lengths", type=int, default=24)
+    parser.add_argument("--budget", default="16MiB", help="graph_memory_budget of the Wav2Vec2 runs")
+    parser.add_argument("--strategies", default="lru,update,auto")
+    parser.add_argument("--launch-blocking", action="store_true", help="CUDA_LAUNCH_BLOCKING=1 for Wav2Vec2")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    results: dict[str, Any] = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
-    results["gpt2"] = gpt2_switching(args.lengths)
-    print(json.dumps(results["gpt2"]), flush=True)
-    results["wav2vec2"] = [wav2vec2_strategy(s) for s in ("lru", "update", "auto")]
+    results: dict[str, Any] = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "args": vars(args)}
+    results["args"]["out"] = str(args.out)
+    if not args.wav2vec2_only:
+        results["gpt2"] = gpt2_switching(args.lengths)
+        print(json.dumps(results["gpt2"]), flush=True)
+    results["wav2vec2"] = [
+        wav2vec2_strategy(s, args.wav2vec2_lengths, args.budget, args.launch_blocking)
+        for s in args.strategies.split(",")
+    ]
     for run in results["wav2vec2"]:
         print(run["strategy"], "returncode", run["returncode"], run["stdout"].strip(), flush=True)
     (args.out / "graph-switch-cost.json").write_text(json.dumps(results, indent=1))

@@ -14,6 +14,7 @@ from tendril.cuda.runtime import CudaError
 OK = runtime.cudaError_t.cudaSuccess
 KERNEL = runtime.cudaGraphNodeType.cudaGraphNodeTypeKernel
 MEMSET = runtime.cudaGraphNodeType.cudaGraphNodeTypeMemset
+CHILD = runtime.cudaGraphNodeType.cudaGraphNodeTypeGraph
 
 
 class FakeGraphs:
@@ -26,8 +27,16 @@ class FakeGraphs:
             3: ([KERNEL, MEMSET, KERNEL], [(0, 1), (1, 2)]),
             4: ([KERNEL, KERNEL, MEMSET], [(0, 2), (1, 2)]),
             5: ([KERNEL, KERNEL, MEMSET], [(0, 1), (1, 2)]),
+            6: ([KERNEL, CHILD], [(0, 1)]),
+            7: ([KERNEL, CHILD], [(0, 1)]),
+            8: ([KERNEL, CHILD], [(0, 1)]),
+            61: ([KERNEL], []),
+            71: ([KERNEL], []),
+            81: ([KERNEL], []),
         }
-        self.functions = {(5, 1): 9999}
+        self.children = {6: 61, 7: 71, 8: 81}
+        """Graph -> the graph its child-graph node (node 1) holds."""
+        self.functions = {(5, 1): 9999, (81, 0): 8888}
         """(graph, node index) -> kernel function where it differs from the default `7000 + index`."""
         self.unreadable_functions: set[int] = set()
         self.lossy_edges = False
@@ -55,6 +64,9 @@ class FakeGraphs:
         if graph in self.unreadable_functions:
             return driver.CUresult.CUDA_ERROR_INVALID_VALUE, None
         return driver.CUresult.CUDA_SUCCESS, SimpleNamespace(func=self.functions.get((graph, index), 7000 + index))
+
+    def child_graph(self, node):
+        return OK, runtime.cudaGraph_t(init_value=self.children[int(node) // 100])
 
     def get_edges(self, graph, count=0):
         _, edges = self.graphs[int(graph)]
@@ -95,6 +107,7 @@ def fake(monkeypatch: pytest.MonkeyPatch) -> FakeGraphs:
     for name, fn in {
         "cudaGraphGetNodes": graphs.get_nodes,
         "cudaGraphNodeGetType": graphs.node_type,
+        "cudaGraphChildGraphNodeGetGraph": graphs.child_graph,
         "cudaGraphGetEdges": graphs.get_edges,
         "cudaGraphInstantiateWithFlags": graphs.instantiate,
         "cudaGraphExecUpdate": graphs.update,
@@ -117,6 +130,14 @@ def test_graphs_running_other_kernels_are_not_one_family(fake: FakeGraphs):
     assert graph_exec.topology(5).digest != graph_exec.topology(1).digest
     fake.unreadable_functions = {1, 2}
     assert graph_exec.topology(1).digest != graph_exec.topology(2).digest  # unknown kernels: no updates
+
+
+def test_kernels_inside_child_graphs_decide_the_family_too(fake: FakeGraphs):
+    """cuDNN captures its work as a child graph: two graphs whose child graphs run other kernels must not be
+    one family (switching an executable between them ended in an illegal instruction on the H200)."""
+    same_child, other_child = graph_exec.topology(7), graph_exec.topology(8)
+    assert graph_exec.topology(6) == same_child and same_child.nodes == 2
+    assert other_child.digest != same_child.digest
 
 
 def test_unreadable_edges_give_a_coarser_digest_not_an_error(fake: FakeGraphs):

@@ -45,8 +45,8 @@ class UpdateOutcome:
 
 @dataclass(frozen=True)
 class Topology:
-    """A captured graph's shape: node count and a digest of node types in creation order, the function of
-    every kernel node, and the edges.
+    """A captured graph's shape: node count (top level) and a digest of node types in creation order, the
+    function of every kernel node, and the edges, child graphs included.
 
     Graphs with equal digests are candidates for `update`, which then only changes kernel arguments, launch
     dimensions and copy/memset parameters, never which kernels run. CUDA accepts updates that swap a kernel
@@ -111,22 +111,41 @@ def destroy(executable: int) -> None:
 def topology(graph: int) -> Topology:
     """The node count and topology digest of the captured graph `graph` (host calls only).
 
-    The digest covers node types in creation order and the edges. Where the bindings cannot read a part
-    (edges with data this query cannot return losslessly, say), the digest says so and covers the rest: a
-    coarser digest only makes more updates fail their check and re-instantiate, never changes results."""
+    The digest covers node types in creation order, the function of every kernel node and the edges, and
+    the same inside child-graph nodes (cuDNN's engines capture their work as a child graph: switching an
+    executable between graphs whose child graphs ran other kernels is what `Topology` warns about). Where
+    the bindings cannot read a part (edges with data this query cannot return losslessly, say), the digest
+    says so and covers the rest: a coarser digest only makes more updates fail their check and
+    re-instantiate, never changes results."""
+    digest = hashlib.sha1()
+    count = _digest_graph(_graph(graph), graph, digest)
+    return Topology(count, digest.hexdigest()[:16])
+
+
+def _digest_graph(handle: Any, graph: int, digest: Any) -> int:
+    """Add `handle`'s nodes (recursively into child graphs) and edges to `digest`; return its node count."""
     from cuda.bindings import runtime
 
-    handle = _graph(graph)
     _, count = check(runtime.cudaGraphGetNodes(handle, 0), "cudaGraphGetNodes")
     nodes, count = check(runtime.cudaGraphGetNodes(handle, count), "cudaGraphGetNodes")
     nodes = list(nodes)[:count]
     index = {int(node): position for position, node in enumerate(nodes)}
-    digest = hashlib.sha1(f"{count};".encode())
+    digest.update(f"{count};".encode())
     for node in nodes:
         err, kind = runtime.cudaGraphNodeGetType(node)
         digest.update(f"{getattr(kind, 'name', kind) if int(err) == 0 else '?'},".encode())
-        if int(err) == 0 and kind == runtime.cudaGraphNodeType.cudaGraphNodeTypeKernel:
+        if int(err) != 0:
+            continue
+        if kind == runtime.cudaGraphNodeType.cudaGraphNodeTypeKernel:
             digest.update(f"{_kernel_function(node, graph)};".encode())
+        elif kind == runtime.cudaGraphNodeType.cudaGraphNodeTypeGraph:
+            child_err, child = runtime.cudaGraphChildGraphNodeGetGraph(node)
+            if int(child_err) != 0:
+                digest.update(f"unknown child graph in graph {graph};".encode())
+                continue
+            digest.update(b"{")
+            _digest_graph(child, graph, digest)
+            digest.update(b"}")
     try:
         edges = _edges(handle)
     except CudaError as error:
@@ -134,7 +153,7 @@ def topology(graph: int) -> Topology:
     else:
         for source, target in edges:
             digest.update(f"{index.get(int(source), -1)}>{index.get(int(target), -1)};".encode())
-    return Topology(int(count), digest.hexdigest()[:16])
+    return int(count)
 
 
 def _kernel_function(node: Any, graph: int) -> str:
