@@ -266,3 +266,38 @@ def test_precompile_fills_the_disk_cache_from_worker_processes(tmp_path, monkeyp
     plans = [RegisterTilePlan(g, 1, 2, 1, 8, 1, 2, warps=2), RegisterTilePlan(g, 2, 2, 1, 8, 1, 2, warps=2)]
     assert register_cuda.precompile(plans + plans[:1], workers=2, capability=(9, 0)) == 2
     assert len(list((tmp_path / "nvrtc").glob("sparse_weight_conv-*.cubin"))) == 2
+
+
+def test_store_sectors_count_the_lanes_output_footprint() -> None:
+    # 8 lanes storing adjacent floats: one 32-byte sector per lane row; 4 lanes 4 floats apart: two per row
+    assert register_tiling._sectors(8, 4, 64, 1) == 4
+    assert register_tiling._sectors(4, 8, 4 * 64, 4) == 16
+
+
+# (ph, pw, kt, lanes_x, warps, splits, c_chunk) of plans measured on an H200 (benchmarks/results/
+# sparse-conv-kernels.json), faster first, each pair more than 15% apart on one VGG-16 layer.
+MEASURED_ORDER = [
+    ((512, 512, 28, 0.27), (8, 2, 2, 14, 8, 10, 8), (4, 4, 2, 4, 8, 10, 6)),  # 0.179 vs 0.225 ms
+    ((256, 512, 28, 0.32), (8, 2, 2, 14, 8, 10, 8), (4, 4, 4, 7, 4, 14, 7)),  # 0.113 vs 0.170 ms
+    ((64, 64, 224, 0.22), (4, 4, 2, 4, 8, 1, 6), (4, 4, 2, 4, 8, 2, 6)),  # 0.174 vs 0.213 ms
+    ((3, 64, 224, 0.58), (4, 4, 2, 4, 8, 1, 3), (2, 8, 2, 2, 8, 1, 3)),  # 0.032 vs 0.047 ms
+]
+
+
+@pytest.mark.parametrize(("layer", "faster", "slower"), MEASURED_ORDER)
+def test_cost_model_orders_plans_as_the_h200_measured(layer, faster, slower) -> None:
+    c, k, size, density = layer
+    g = ConvGeometry(c, k, (3, 3), (1, 1), (1, 1), 1, (size, size))
+    fast, slow = (
+        register_tiling.RegisterTilePlan(g, ph, pw, kt, lx, sp, cc, w) for ph, pw, kt, lx, w, sp, cc in (faster, slower)
+    )
+    assert register_tiling.estimate_us(fast, density, 132) < register_tiling.estimate_us(slow, density, 132)
+
+
+def test_shortlist_offers_distinct_register_tiles_best_first() -> None:
+    g = ConvGeometry(256, 256, (3, 3), (1, 1), (1, 1), 1, (56, 56))
+    shortlist = register_tiling.shortlist(g, 0.3, 132, 3)
+    assert shortlist[0] == register_tiling.plan(g, 0.3, 132)
+    assert len({(p.ph, p.pw, p.kt) for p in shortlist}) == len(shortlist) == 3
+    costs = [register_tiling.estimate_us(p, 0.3, 132) for p in shortlist]
+    assert costs == sorted(costs)

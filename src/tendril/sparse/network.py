@@ -236,8 +236,10 @@ class LayerReport:
 AGREEMENT_RTOL = 1e-5
 """Largest relative error (Frobenius norm) of the register-tiled kernel's layer output against the layer's
 float64 dense reference (`SparseConvStep.reference`) for `tune` to admit it."""
-REGISTER_PLANS_TIMED = 2
-"""How many of the register planner's best-predicted plans `tune` times on each layer (it keeps the fastest)."""
+REGISTER_PLANS_TIMED = 3
+"""How many of the register planner's best-predicted plans `tune` times on each layer (it keeps the fastest):
+the shortlist of distinct register tiles (`register_tiling.shortlist`), since the model's error (~8% on the
+H200) exceeds its spread between the best few plans."""
 
 
 class SparseNetwork:
@@ -337,25 +339,31 @@ class SparseNetwork:
             values[step.output] = step.run(inputs, self._state)
         return choice
 
-    def _register_plans(self, step: SparseConvStep) -> list[register_tiling.RegisterTilePlan]:
-        """The planner's `REGISTER_PLANS_TIMED` best plans for `step` (none where it cannot run the geometry)."""
-        g = step.weights.geometry
-        if register_tiling.unsupported_reason(g) is not None:
+    def register_plans(self) -> list[register_tiling.RegisterTilePlan]:
+        """Every register-tiled plan `tune` would time on this network (GPU only), e.g. to compile several
+        networks' kernels at once with `register_cuda.precompile` before tuning them."""
+        if self.device.type != "cuda":
             return []
-        sms = torch.cuda.get_device_properties(self.device).multi_processor_count
-        return register_tiling.candidates(g, step.weights.density, sms)[:REGISTER_PLANS_TIMED]
-
-    def _precompile_register_kernels(self) -> None:
-        """Compile every layer's candidate register-tiled kernels at once, in parallel processes (one kernel
-        per plan, ~1 s each); a failure only means that they compile one by one as they are first run."""
-        plans = [
+        return [
             plan
             for step in self.steps
             if isinstance(step, SparseConvStep) and step.tiled is not None and step.register is None
             for plan in self._register_plans(step)
         ]
+
+    def _register_plans(self, step: SparseConvStep) -> list[register_tiling.RegisterTilePlan]:
+        """The planner's shortlist of `REGISTER_PLANS_TIMED` plans for `step` (none where it cannot run it)."""
+        g = step.weights.geometry
+        if register_tiling.unsupported_reason(g) is not None:
+            return []
+        sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+        return register_tiling.shortlist(g, step.weights.density, sms, REGISTER_PLANS_TIMED)
+
+    def _precompile_register_kernels(self) -> None:
+        """Compile every layer's candidate register-tiled kernels at once, in parallel processes (one kernel
+        per plan, ~1 s each); a failure only means that they compile one by one as they are first run."""
         try:
-            register_cuda.precompile(plans)
+            register_cuda.precompile(self.register_plans())
         except Exception as error:  # e.g. no writable cache directory or a worker that cannot start
             warnings.warn(f"register-tiled kernels not precompiled ({error}); they compile one by one", stacklevel=3)
 

@@ -36,8 +36,9 @@ epilogue is fused into the accumulator write-out.
 `plan` picks (ph, pw, kt, lanes_x, warps, splits) with `estimate_us`, a model of the busiest SM:
 issue slots (window and record loads, tap tests, weight loads, FMAs) against shared-memory
 wavefronts (bank conflicts of the window loads simulated for the chosen pitch), the occupancy the
-registers allow, and the L2 traffic of staging and of the split reduction; the network then
-measures the best few plans on the device (`SparseNetwork.tune`).
+registers allow, the L2 traffic of staging and of the split reduction, and the 32-byte sectors the
+lanes' output (or partial-sum) stores touch, with constants fitted to H200 measurements; the network
+then measures the best few plans on the device (`SparseNetwork.tune`).
 """
 
 from __future__ import annotations
@@ -74,7 +75,14 @@ CLOCK_GHZ = 1.98
 ISSUE_EFFICIENCY = 0.7
 WARPS_TO_HIDE_LATENCY = 16
 L2_BYTES_PER_US = 5.5e6
-LAUNCH_US = 3.0
+# Calibrated on 52 plans of VGG-16's conv layers measured on an H200 (benchmarks/results/sparse-conv-kernels.json,
+# least squares on relative error, the same within 0.2 when any one layer is left out): the main loop took 2.3×
+# the modelled cycles (latencies the issue/wavefront count does not see), each 32-byte sector a warp's scalar
+# output stores touch cost an SM 2.3 cycles (why plans whose lanes store adjacent pixels win), and a launch
+# with its prologue and epilogue about 6.5 µs.
+MEASURED_CYCLES_PER_MODELLED = 2.3
+STORE_CYCLES_PER_SECTOR = 2.3
+FIXED_US = 6.5
 RECORD_INSTRUCTIONS = 12
 """Per record: the uniform reduction, moves, tap predicates and the address of its values (sm_90 SASS)."""
 
@@ -374,6 +382,19 @@ def _ranked(geometry: ConvGeometry, weight_density: float, sms: int) -> tuple[Re
     return tuple(sorted(_feasible(geometry, sms), key=lambda p: estimate_us(p, weight_density, sms)))
 
 
+def shortlist(geometry: ConvGeometry, weight_density: float, sms: int, count: int) -> list[RegisterTilePlan]:
+    """The `count` best-predicted plans whose register tiles (ph, pw, kt) differ, for timing on the device:
+    plans that differ only in lane layout or splits are near-ties of the model and rarely worth a measurement."""
+    ranked = candidates(geometry, weight_density, sms)
+    chosen: list[RegisterTilePlan] = []
+    for p in ranked:
+        if len(chosen) == count:
+            break
+        if all((p.ph, p.pw, p.kt) != (c.ph, c.pw, c.kt) for c in chosen):
+            chosen.append(p)
+    return chosen
+
+
 def plan(geometry: ConvGeometry, weight_density: float, sms: int) -> RegisterTilePlan:
     """The plan `estimate_us` predicts fastest; raises if the kernel does not support the geometry."""
     reason = unsupported_reason(geometry)
@@ -416,7 +437,21 @@ def estimate_us(plan: RegisterTilePlan, weight_density: float, sms: int) -> floa
     staged_bytes = 4 * blocks * plan.split_channels * plan.in_hw[0] * plan.in_hw[1]
     split_bytes = 0 if splits == 1 else 2 * splits * out_bytes
     memory_us = (staged_bytes + split_bytes + out_bytes) / L2_BYTES_PER_US
-    return LAUNCH_US + max(cycles / (CLOCK_GHZ * 1e3), memory_us)
+    compute_us = MEASURED_CYCLES_PER_MODELLED * cycles / (CLOCK_GHZ * 1e3)
+    stores = plan.warps * plan.kt * plan.ph * plan.pw  # warp-wide stores per block, of outputs or partial sums
+    store_us = STORE_CYCLES_PER_SECTOR * blocks * stores * _store_sectors(plan) / sms / (CLOCK_GHZ * 1e3)
+    return FIXED_US + max(compute_us, memory_us) + store_us
+
+
+def _store_sectors(plan: RegisterTilePlan) -> int:
+    """32-byte sectors one warp-wide store of an accumulator (fixed k, i, j) touches: its active lanes
+    write pixels `pw` apart along x and `ph` output rows apart along y."""
+    return _sectors(plan.lanes_x, plan.lanes_y, plan.ph * plan.geometry.out_hw[1], plan.pw)
+
+
+@functools.lru_cache(maxsize=4096)
+def _sectors(lanes_x: int, lanes_y: int, row_floats: int, col_floats: int) -> int:
+    return len({(y * row_floats + x * col_floats) // 8 for y in range(lanes_y) for x in range(lanes_x)})
 
 
 @dataclass(frozen=True)
