@@ -8,8 +8,9 @@ For each step variant (`compile_step` mode, optionally with inductor options):
   graph are traced one by one) the kernels per step grouped by name, with count, mean and total
   microseconds, busy time (sum of kernel durations) and the idle gaps between kernels (launch latency);
 - the whole loop graph under the profiler: GPU operations per call, to see what the loop adds to the step.
-`--sweep` also times the fused linear kernel over block sizes for GPT-2's five projection shapes against
-cuBLAS (each in a CUDA graph of repeated launches, weights rotated through more memory than L2 holds).
+`--sweep` also times the fused linear kernel over launch configurations (block sizes, split-K, warps; see
+`sweep_configs`) for GPT-2's five batch-1 projection shapes against cuBLAS (each in a CUDA graph of repeated
+launches, weights rotated through more memory than L2 holds), about a minute.
 
     PYTHONPATH=src:. python3 -m benchmarks.tools.profile_generation --out OUT [--variants eager,inductor,fused]
 
@@ -233,9 +234,26 @@ def _graph_time_us(fn: Callable[[int], Any], copies: int, launches: int = 24, re
     return start.elapsed_time(end) * 1e3 / (reps * launches)
 
 
-SWEEP_CONFIGS = [(n, k, w) for n in (8, 16, 32, 64, 128) for k in (64, 128, 256, 512) if 1024 <= n * k <= 8192
-                 for w in ((4, 8) if n * k == 8192 else (4,))]
-"""(BLOCK_N, BLOCK_K, num_warps) tried by `--sweep`."""
+def sweep_configs(out_f: int, in_f: int, k_contiguous: bool) -> list[tuple[int, int, int, int]]:
+    """(BLOCK_N, BLOCK_K, SPLIT_K, num_warps) tried by `--sweep` for one batch-1 shape, the default first: the
+    default's neighbours one factor at a time (warps, split, tile depth, tile width), 8 at most, so the sweep
+    (a Triton compilation each) stays within a minute for the five shapes."""
+    from tendril.generation.kernels import linear
+
+    d = linear.launch_config(out_f, in_f, 1, k_contiguous=k_contiguous,
+                             sm_count=torch.cuda.get_device_properties(0).multi_processor_count)
+    wider, narrower = (d.block_n // 2, d.block_n * 2) if k_contiguous else (d.block_n * 2, d.block_n // 2)
+    candidates = [
+        (d.block_n, d.block_k, d.split_k, d.num_warps),
+        (d.block_n, d.block_k, d.split_k, 2),
+        (d.block_n, d.block_k, d.split_k, 8),
+        (d.block_n, d.block_k, 1, d.num_warps),
+        (d.block_n, d.block_k, max(1, d.split_k // 2), d.num_warps),
+        (d.block_n, d.block_k * 2, max(1, d.split_k // 2), d.num_warps),
+        (wider, d.block_k, d.split_k, d.num_warps),
+        (max(8, narrower), d.block_k, d.split_k, d.num_warps),
+    ]
+    return list(dict.fromkeys(candidates))
 
 
 def _sweep_shape(label: str, out_f: int, in_f: int, layout: str, with_norm: bool, activation: str,
@@ -262,17 +280,19 @@ def _sweep_shape(label: str, out_f: int, in_f: int, layout: str, with_norm: bool
     def cublas(i: int) -> torch.Tensor:
         return torch.nn.functional.linear(x, projections[i].weights[0], projections[i].biases[0])
 
+    expected = linear.fused_linear(x, projections[0], norm=norm, activation=activation, addends=addends)
     entry: dict[str, Any] = {"shape": label, "cublas_us": _graph_time_us(cublas, copies), "configs": []}
-    default = linear.block_sizes(out_f, in_f)
-    for block_n, block_k, warps in SWEEP_CONFIGS:
-        def fused(i: int, bn: int = block_n, bk: int = block_k, nw: int = warps) -> torch.Tensor:
+    for index, (block_n, block_k, split_k, warps) in enumerate(sweep_configs(out_f, in_f, layout == "linear")):
+        def fused(i: int, bn: int = block_n, bk: int = block_k, sk: int = split_k, nw: int = warps) -> torch.Tensor:
             return linear.fused_linear(x, projections[i], norm=norm, activation=activation, addends=addends,
-                                       out=out, block_n=bn, block_k=bk, num_warps=nw)
+                                       out=out, block_n=bn, block_k=bk, split_k=sk, num_warps=nw)
 
-        config: dict[str, Any] = {"block_n": block_n, "block_k": block_k, "warps": warps,
-                                  "default": (block_n, block_k) == default and warps == 4}
+        config: dict[str, Any] = {"block_n": block_n, "block_k": block_k, "split_k": split_k, "warps": warps,
+                                  "default": index == 0}
         try:
             config["us"] = _graph_time_us(fused, copies)
+            fused(0)
+            config["max_abs_diff_vs_default"] = float((out.float() - expected.float()).abs().max())
         except Exception as error:  # a configuration that does not compile is reported
             config["error"] = f"{type(error).__name__}: {error}"[:200]
         entry["configs"].append(config)
@@ -324,7 +344,8 @@ def markdown(report: dict[str, Any]) -> str:
             best = e["best"] or {}
             best_us = best.get("us", float("nan"))
             lines.append(f"| {e['shape']} | {e['cublas_us']:.2f} | {default:.2f} | {best_us:.2f} | "
-                         f"n={best.get('block_n')} k={best.get('block_k')} warps={best.get('warps')} |")
+                         f"n={best.get('block_n')} k={best.get('block_k')} split={best.get('split_k')} "
+                         f"warps={best.get('warps')} |")
     return "\n".join(lines) + "\n"
 
 

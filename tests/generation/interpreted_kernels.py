@@ -15,8 +15,9 @@ def main() -> None:
     assert os.environ.get("TRITON_INTERPRET") == "1" and attention.INTERPRETED, "run with TRITON_INTERPRET=1"
     # the interpreter takes ~0.1 s a launch: a lean set here, the full one on the GPU (test_kernels_gpu.py);
     # the architectures' fused forwards are checked on the CPU through the references (test_kernels.py)
-    assert check_linear(torch.float32, "cpu", rows=2, launches=((16, 16),)) > 0
-    assert check_linear(torch.float16, "cpu", rows=1, launches=((None, None),)) > 0
+    assert check_linear(torch.float32, "cpu", rows=2, launches=((16, 16, 3),)) > 0  # split K, last share shorter
+    assert check_linear(torch.float32, "cpu", rows=5, launches=((32, 64, 1),)) > 0  # two row groups, one a row
+    assert check_linear(torch.float16, "cpu", rows=1, launches=((None, None, None),)) > 0
     for dtype in (torch.float32, torch.float16):
         assert check_attention(dtype, "cpu") > 0  # the GPU test's cases, cache writes compared exactly
     print("interpreted checks passed")

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from tendril.generation import generate
-from tendril.generation.api import graphed_runners
+from tendril.generation.api import graphed_runners, release_graphs
 from tendril.generation.kernels import linear, reference
 from tendril.generation.kernels.layers import Norm, Projection
 from tendril.generation.noise import draw_key
@@ -22,6 +22,7 @@ NEW = 16
 def test_linear_kernel_matches_reference(dtype):
     assert check_linear(dtype, "cuda", rows=1) > 0
     assert check_linear(dtype, "cuda", rows=4) > 0
+    assert check_linear(dtype, "cuda", rows=6, launches=((None, None, None),)) > 0  # two row groups, one half full
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -89,3 +90,26 @@ def test_fused_replay_does_not_sync_with_the_host():
     finally:
         torch.cuda.set_sync_debug_mode(0)
     assert runner.stats.replays == 3 and runner.stats.eager_calls == 0
+
+
+def test_loop_graph_captures_when_the_capture_stream_is_the_pooled_body_stream():
+    """The #6 beam failure (CAPTURE_ERROR, cudaStreamBeginCaptureToGraph: cudaErrorIllegalState): torch hands
+    out `torch.cuda.Stream()`s round robin from a pool of 32, and both the graphed runner's capture stream (one
+    per new runner) and the loop body's side stream came from it; every 32nd runner captured on the very stream
+    the body is then captured on. Here the pool is advanced so that the next runner's stream is that one."""
+    from tendril.graphs import control_capture
+
+    model = tiny_model("gpt2", device="cuda")
+    ids, mask = left_padded([4, 3], device="cuda")
+    expected = hf_generate(model, ids, mask, None, max_new_tokens=4)
+    options = dict(max_new_tokens=4, eos_token_id=[], pad_token_id=0, compile_step="fused")
+    assert torch.equal(generate(model, ids, mask, **options), expected)  # the body's side stream exists now
+    body_stream = control_capture._side_stream(torch.cuda.current_device(), 1).cuda_stream
+    cycle = [torch.cuda.Stream().cuda_stream for _ in range(64)]
+    if body_stream in cycle:  # the pool: stop one stream before the body's, so the next runner gets it
+        while torch.cuda.Stream().cuda_stream != cycle[cycle.index(body_stream) - 1]:
+            pass
+    release_graphs(model)
+    assert torch.equal(generate(model, ids, mask, **options), expected)
+    (runner,) = graphed_runners(model)
+    assert len(runner.stats.graphs) == 1 and runner.stats.eager_calls == 0, runner.stats.fallback_details

@@ -46,11 +46,11 @@ def test_markdown_reports_variants_failures_and_sweep():
             {"variant": "inductor", "error": "RuntimeError: boom"},
         ],
         "sweep": [{"shape": "ln_1+c_attn", "cublas_us": 5.0, "best": {"us": 4.0, "block_n": 16, "block_k": 256,
-                                                                       "warps": 4},
+                                                                       "split_k": 3, "warps": 4},
                    "configs": [{"us": 4.5, "default": True}]}],
     }
     text = markdown(report)
     assert "| fused | 1000 | 1.0000 | 0.50 | yes | 0.9000 |" in text
     assert "| inductor | failed: RuntimeError: boom |" in text
     assert "`triton_\\|fused`" in text
-    assert "| ln_1+c_attn | 5.00 | 4.50 | 4.00 | n=16 k=256 warps=4 |" in text
+    assert "| ln_1+c_attn | 5.00 | 4.50 | 4.00 | n=16 k=256 split=3 warps=4 |" in text

@@ -9,11 +9,15 @@ is copied. Modules are read once, when a decode path is built; the tensors are t
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
+
+SPLIT_K_LOCKS = 1024
+"""Split-K arrival counters each `Projection` holds (the linear kernel splits K only for launches with at most
+this many column blocks x row groups: the small ones, where the split is what fills the GPU)."""
 
 ACTIVATIONS = {"none": 0, "gelu_tanh": 1, "gelu": 2, "silu": 3, "relu": 4}
 """Activation codes of the kernels. `gelu_tanh` is HF's `gelu_new`/`gelu_pytorch_tanh` formula."""
@@ -67,6 +71,11 @@ class Projection:
     weights: tuple[torch.Tensor, ...]
     """[out_i, in] views, all with the same strides."""
     biases: tuple[torch.Tensor | None, ...]
+    split_k_counters: torch.Tensor = field(init=False, repr=False, compare=False)
+    """int32 [SPLIT_K_LOCKS], zero between launches: the linear kernel's per-block arrival counters when it
+    splits K (the last program of a block to arrive reduces the partial sums and resets its counter). Held per
+    projection, so launches of different projections never share them; launches of one projection must not
+    run concurrently on two streams."""
 
     def __post_init__(self) -> None:
         if not 1 <= len(self.weights) <= 3 or len(self.biases) != len(self.weights):
@@ -77,6 +86,8 @@ class Projection:
                 raise ValueError("the weights of a fused projection must share dtype, input size and strides")
         if len({b is None for b in self.biases}) > 1:
             raise ValueError("the weights of a fused projection must all have a bias or all have none")
+        counters = torch.zeros(SPLIT_K_LOCKS, dtype=torch.int32, device=first.device)
+        object.__setattr__(self, "split_k_counters", counters)
 
     @classmethod
     def of(cls, *modules: Any) -> Projection:

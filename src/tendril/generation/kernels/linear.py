@@ -2,11 +2,24 @@
 
 At batch 1 a decode step's matrix products are matrix-vector products bound by reading the weights;
 cuBLAS runs each as its own kernel, with the norm before it and the bias, activation and residual add
-after it as more kernels. Here one kernel does all of it: each program owns `BLOCK_N` output columns of
-one row, recomputes the norm's statistics from the input row (a few KiB, read from L2 by every program),
-streams its weight columns in `[BLOCK_K, BLOCK_N]` tiles, accumulates in float32 and applies bias,
-activation and addends before its one store. Rounding to the tensor dtype happens where HF's eager
-forward rounds (see `reference.py`), so fp16 results track HF's closely.
+after it as more kernels. Here one kernel does all of it.
+
+Work split. A program owns `BLOCK_N` output columns of `BLOCK_M` rows (all rows of a decode step up to
+4, so the weights are read once for them) and a `1/SPLIT_K` share of the input features, streamed in
+`[BLOCK_K, BLOCK_N]` weight tiles. A GPT-2 projection at batch 1 has only 12-48 column blocks, far fewer
+than the GPU's SMs, and a program that walks all of K is a chain of dependent memory round trips; so
+small launches split K until about two programs per SM are running (`launch_config`). With
+`SPLIT_K > 1` each program stores its float32 partial sums, then counts its arrival on its block's
+counter (an acq_rel atomic, after a CTA barrier); the last program of the block to arrive reads the
+`SPLIT_K` partials back in a fixed order (so results do not depend on arrival order) and runs the
+epilogue, then resets the counter to zero for the next launch. No second kernel, no memset per launch:
+the counters belong to the `Projection` (`layers.SPLIT_K_LOCKS` of them).
+
+Each program recomputes the norm's statistics from its input rows (a few KiB, read from L2), in one
+load when a row fits `STATS_BLOCK`. Accumulation is float32; bias, activation and addends are applied
+before the one store. Rounding to the tensor dtype happens where HF's eager forward rounds (see
+`reference.py`), so fp16 results track HF's closely, but the summation order differs from cuBLAS's:
+in fp16 the outputs are not bit-identical to HF's.
 
 A projection may have up to three weight matrices whose outputs are concatenated (Llama's q, k and v):
 the programs are split between them by their column blocks. `GATED` computes two matrices per program
@@ -16,13 +29,15 @@ and returns `act(first) * second` (Llama's gated MLP). Weights are `[out, in]` v
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from tendril.generation.kernels.layers import ACTIVATIONS, Norm, Projection
+from tendril.generation.kernels.layers import ACTIVATIONS, SPLIT_K_LOCKS, Norm, Projection
 
 _NORMS = {None: 0, "layer": 1, "rms": 2}
 
@@ -31,6 +46,7 @@ _NORMS = {None: 0, "layer": 1, "rms": 2}
 def _fused_linear_kernel(
     x_ptr,
     stride_xm,
+    M,
     K,
     norm_w_ptr,
     norm_b_ptr,
@@ -52,72 +68,118 @@ def _fused_linear_kernel(
     stride_a1m,
     out_ptr,
     stride_om,
+    partial_ptr,
+    counter_ptr,
     NORM: tl.constexpr,
     HAS_NORM_BIAS: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     GATED: tl.constexpr,
     ACTIVATION: tl.constexpr,
     ADDENDS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    SPLIT_K_POW2: tl.constexpr,
+    STATS_BLOCK: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    row = tl.program_id(1)
+    pid_n = tl.program_id(0)
+    split = tl.program_id(1)
+    row_group = tl.program_id(2)
     DTYPE = out_ptr.dtype.element_ty
-    x_row_ptr = x_ptr + row * stride_xm
+    rows = row_group * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M]
+    m_mask = rows < M
+    x_rows_ptr = x_ptr + rows[:, None] * stride_xm  # [BLOCK_M, 1]
 
     # which weight matrix (segment) this program's columns belong to; GATED reads w0 and w1 together
     blocks0 = (N0 + BLOCK_N - 1) // BLOCK_N
     blocks1 = (N1 + BLOCK_N - 1) // BLOCK_N
-    w_ptr, b_ptr, n_size, block, col0 = w0_ptr, b0_ptr, N0, pid, pid * 0
+    w_ptr, b_ptr, n_size, block, col0 = w0_ptr, b0_ptr, N0, pid_n, pid_n * 0
     if not GATED:
-        if pid >= blocks0 + blocks1:
-            w_ptr, b_ptr, n_size, block, col0 = w2_ptr, b2_ptr, N2, pid - blocks0 - blocks1, N0 + N1
-        elif pid >= blocks0:
-            w_ptr, b_ptr, n_size, block, col0 = w1_ptr, b1_ptr, N1, pid - blocks0, N0
+        if pid_n >= blocks0 + blocks1:
+            w_ptr, b_ptr, n_size, block, col0 = w2_ptr, b2_ptr, N2, pid_n - blocks0 - blocks1, N0 + N1
+        elif pid_n >= blocks0:
+            w_ptr, b_ptr, n_size, block, col0 = w1_ptr, b1_ptr, N1, pid_n - blocks0, N0
     offs_n = block * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] columns within the segment
     n_mask = offs_n < n_size
 
-    mean = 0.0
-    rstd = 1.0
+    # the norm's statistics per row, two-pass as PyTorch's (one load of each row when it fits STATS_BLOCK)
+    mean = tl.zeros([BLOCK_M], dtype=tl.float32)
+    rstd = tl.full([BLOCK_M], 1.0, dtype=tl.float32)
     if NORM != 0:
-        total = tl.zeros([BLOCK_K], dtype=tl.float32)
+        total = tl.zeros([BLOCK_M, STATS_BLOCK], dtype=tl.float32)
         if NORM == 1:
-            for k0 in range(0, K, BLOCK_K):
-                offs_k = k0 + tl.arange(0, BLOCK_K)
-                total += tl.load(x_row_ptr + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
-            mean = tl.sum(total, axis=0) / K
-            total = tl.zeros([BLOCK_K], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            offs_k = k0 + tl.arange(0, BLOCK_K)
-            x = tl.load(x_row_ptr + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
-            centered = tl.where(offs_k < K, x - mean, 0.0)
+            for k0 in range(0, K, STATS_BLOCK):
+                offs_k = k0 + tl.arange(0, STATS_BLOCK)
+                stats_mask = m_mask[:, None] & (offs_k < K)[None, :]
+                total += tl.load(x_rows_ptr + offs_k[None, :], mask=stats_mask, other=0.0).to(tl.float32)
+            mean = tl.sum(total, axis=1) / K
+            total = tl.zeros([BLOCK_M, STATS_BLOCK], dtype=tl.float32)
+        for k0 in range(0, K, STATS_BLOCK):
+            offs_k = k0 + tl.arange(0, STATS_BLOCK)
+            stats_mask = m_mask[:, None] & (offs_k < K)[None, :]
+            x = tl.load(x_rows_ptr + offs_k[None, :], mask=stats_mask, other=0.0).to(tl.float32)
+            centered = tl.where(stats_mask, x - mean[:, None], 0.0)
             total += centered * centered
-        rstd = 1.0 / tl.sqrt(tl.sum(total, axis=0) / K + eps)
+        rstd = 1.0 / tl.sqrt(tl.sum(total, axis=1) / K + eps)
 
-    acc = tl.zeros([BLOCK_K, BLOCK_N], dtype=tl.float32)
-    acc_up = tl.zeros([BLOCK_K, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    # this program's share of K: whole tiles, the last share possibly shorter
+    tiles_per_split = ((K + BLOCK_K - 1) // BLOCK_K + SPLIT_K - 1) // SPLIT_K
+    k_begin = split * tiles_per_split * BLOCK_K
+    k_end = tl.minimum(k_begin + tiles_per_split * BLOCK_K, K)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(k_begin, k_end, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)  # [BLOCK_K]
-        k_mask = offs_k < K
-        x = tl.load(x_row_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)
-        if NORM == 1:  # LayerNorm, output rounded to DTYPE
-            x = (x - mean) * rstd * tl.load(norm_w_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)
-            if HAS_NORM_BIAS:
-                x += tl.load(norm_b_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)
-            x = x.to(DTYPE).to(tl.float32)
-        elif NORM == 2:  # RMSNorm: weight * (x * rstd).to(DTYPE), rounded
-            x = (x * rstd).to(DTYPE).to(tl.float32)
-            x = (x * tl.load(norm_w_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)).to(DTYPE).to(tl.float32)
+        k_mask = offs_k < k_end
         w_offsets = offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wk  # [BLOCK_K, BLOCK_N]
         tile_mask = k_mask[:, None] & n_mask[None, :]
-        acc += x[:, None] * tl.load(w_ptr + w_offsets, mask=tile_mask, other=0.0).to(tl.float32)
+        w = tl.load(w_ptr + w_offsets, mask=tile_mask, other=0.0).to(tl.float32)
+        x_mask = m_mask[:, None] & k_mask[None, :]
+        x = tl.load(x_rows_ptr + offs_k[None, :], mask=x_mask, other=0.0).to(tl.float32)  # [BLOCK_M, BLOCK_K]
+        if NORM == 1:  # LayerNorm, output rounded to DTYPE
+            gain = tl.load(norm_w_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)
+            x = (x - mean[:, None]) * rstd[:, None] * gain[None, :]
+            if HAS_NORM_BIAS:
+                x += tl.load(norm_b_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)[None, :]
+            x = x.to(DTYPE).to(tl.float32)
+        elif NORM == 2:  # RMSNorm: weight * (x * rstd).to(DTYPE), rounded
+            gain = tl.load(norm_w_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)
+            x = (x * rstd[:, None]).to(DTYPE).to(tl.float32)
+            x = (x * gain[None, :]).to(DTYPE).to(tl.float32)
+        acc += tl.sum(x[:, :, None] * w[None, :, :], axis=1)
         if GATED:
-            acc_up += x[:, None] * tl.load(w1_ptr + w_offsets, mask=tile_mask, other=0.0).to(tl.float32)
+            w_up = tl.load(w1_ptr + w_offsets, mask=tile_mask, other=0.0).to(tl.float32)
+            acc_up += tl.sum(x[:, :, None] * w_up[None, :, :], axis=1)
 
-    y = tl.sum(acc, axis=0)  # [BLOCK_N]
+    cols = col0 + offs_n
+    out_mask = m_mask[:, None] & n_mask[None, :]  # [BLOCK_M, BLOCK_N]
+    if SPLIT_K > 1:
+        # partials [SPLIT_K, 1 + GATED, M, columns]; the block's last program to arrive sums them in split order
+        columns = N0 if GATED else N0 + N1 + N2
+        part_offsets = rows[:, None] * columns + cols[None, :]
+        part_size = M * columns
+        split_ptr = partial_ptr + split * (1 + GATED) * part_size
+        tl.store(split_ptr + part_offsets, acc, mask=out_mask)
+        if GATED:
+            tl.store(split_ptr + part_size + part_offsets, acc_up, mask=out_mask)
+        tl.debug_barrier()  # every thread's partials stored before the release below
+        lock_ptr = counter_ptr + row_group * tl.num_programs(0) + pid_n
+        arrived = tl.atomic_add(lock_ptr, 1, sem="acq_rel", scope="gpu")
+        last = arrived == SPLIT_K - 1
+        out_mask = out_mask & ((tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.int32) + arrived) == SPLIT_K - 1)
+        splits = tl.arange(0, SPLIT_K_POW2)
+        all_offsets = splits[:, None, None] * ((1 + GATED) * part_size) + part_offsets[None, :, :]
+        all_mask = (splits < SPLIT_K)[:, None, None] & out_mask[None, :, :]
+        acc = tl.sum(tl.load(partial_ptr + all_offsets, mask=all_mask, other=0.0, cache_modifier=".cg"), axis=0)
+        if GATED:
+            acc_up = tl.sum(tl.load(partial_ptr + part_size + all_offsets, mask=all_mask, other=0.0,
+                                    cache_modifier=".cg"), axis=0)
+        tl.store(lock_ptr, 0, mask=last)  # every program has arrived: ready for the next launch
+
+    y = acc
     if HAS_BIAS:
-        y += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+        y += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
     y = y.to(DTYPE).to(tl.float32)
     # the activation (inline: the interpreter re-patches triton.language on every nested jit call)
     if ACTIVATION == 1:  # gelu_tanh, with tanh(u) = 1 - 2 / (exp(2u) + 1)
@@ -130,29 +192,87 @@ def _fused_linear_kernel(
     elif ACTIVATION == 4:  # relu
         y = tl.maximum(y, 0.0)
     if GATED:  # act(gate) * up, each rounded
-        up = tl.sum(acc_up, axis=0)
+        up = acc_up
         if HAS_BIAS:
-            up += tl.load(b1_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+            up += tl.load(b1_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
         y = y.to(DTYPE).to(tl.float32) * up.to(DTYPE).to(tl.float32)
     y = y.to(DTYPE).to(tl.float32)
-    cols = col0 + offs_n
     if ADDENDS >= 1:  # each sum rounded, as HF's residual adds
-        add0 = tl.load(add0_ptr + row * stride_a0m + cols, mask=n_mask, other=0.0).to(tl.float32)
-        y = (y + add0).to(DTYPE).to(tl.float32)
+        add0 = tl.load(add0_ptr + rows[:, None] * stride_a0m + cols[None, :], mask=out_mask, other=0.0)
+        y = (y + add0.to(tl.float32)).to(DTYPE).to(tl.float32)
     if ADDENDS >= 2:
-        add1 = tl.load(add1_ptr + row * stride_a1m + cols, mask=n_mask, other=0.0).to(tl.float32)
-        y = (y + add1).to(DTYPE).to(tl.float32)
-    tl.store(out_ptr + row * stride_om + cols, y.to(DTYPE), mask=n_mask)
+        add1 = tl.load(add1_ptr + rows[:, None] * stride_a1m + cols[None, :], mask=out_mask, other=0.0)
+        y = (y + add1.to(tl.float32)).to(DTYPE).to(tl.float32)
+    tl.store(out_ptr + rows[:, None] * stride_om + cols[None, :], y.to(DTYPE), mask=out_mask)
 
 
-def block_sizes(out_columns: int, in_features: int) -> tuple[int, int]:
-    """(BLOCK_N, BLOCK_K): enough programs to spread the weight reads over the GPU (a few per SM of an
-    H100/H200-sized part), in tiles of at most 4096 elements."""
-    block_n = 16
-    while block_n < 128 and triton.cdiv(out_columns, block_n * 2) >= 256:
-        block_n *= 2
-    block_k = max(16, min(triton.next_power_of_2(in_features), 4096 // block_n, 256))
-    return block_n, block_k
+TILE_BYTES = 16384
+"""Weight bytes a program reads per tile by default (8192 fp16 elements)."""
+MAX_ROWS_PER_PROGRAM = 4
+"""Rows a program computes together (reading each weight tile once for all of them)."""
+MAX_TILES_PER_PROGRAM = 4
+"""Weight tiles one program streams in turn (each a dependent memory round trip) before K is split further."""
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """How `fused_linear` launches its kernel: `BLOCK_M` rows x `BLOCK_N` columns per program, `BLOCK_K` deep
+    weight tiles, K split over `split_k` programs."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    split_k: int
+    num_warps: int = 4
+
+
+@functools.lru_cache(maxsize=16)
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
+
+
+def _pow2_at_most(value: int) -> int:
+    return 1 << (max(value, 1).bit_length() - 1)
+
+
+@functools.lru_cache(maxsize=256)
+def launch_config(
+    columns: int,
+    in_features: int,
+    rows: int,
+    *,
+    k_contiguous: bool,
+    element_size: int = 2,
+    sm_count: int = 132,
+) -> LaunchConfig:
+    """The default launch of a projection with `columns` output columns (per segment block count as one
+    matrix of that many columns), `in_features` inputs and `rows` rows.
+
+    Tiles of `TILE_BYTES` (fewer per row when a program computes several rows), shaped for coalesced
+    reads: 64 columns wide when columns are contiguous in memory (Conv1D), up to 256 deep when the inputs
+    are (nn.Linear). If that gives fewer than two programs per SM, tiles get shallower (down to 32) and
+    then K is split, up to one tile per program; K is also split so that no program streams more than
+    `MAX_TILES_PER_PROGRAM` tiles. Splitting needs a counter per column block and row group, so launches with
+    more than `layers.SPLIT_K_LOCKS` of those (which fill the GPU anyway) do not split."""
+    block_m = min(triton.next_power_of_2(max(rows, 1)), MAX_ROWS_PER_PROGRAM)
+    tile = max(TILE_BYTES // element_size // block_m, 256)
+    if k_contiguous:
+        block_k = min(triton.next_power_of_2(in_features), 256)
+        block_n = max(_pow2_at_most(tile // block_k), 8)
+    else:
+        block_n = min(triton.next_power_of_2(columns), 64)
+        block_k = max(_pow2_at_most(tile // block_n), 16)
+    groups = triton.cdiv(rows, block_m)
+    target = 2 * sm_count
+    n_blocks = triton.cdiv(columns, block_n)
+    while n_blocks * groups * triton.cdiv(in_features, block_k) < target and block_k > 32:
+        block_k //= 2
+    k_tiles = triton.cdiv(in_features, block_k)
+    split_k = 1
+    if n_blocks * groups <= SPLIT_K_LOCKS:
+        split_k = min(k_tiles, max(triton.cdiv(target, n_blocks * groups), triton.cdiv(k_tiles, MAX_TILES_PER_PROGRAM)))
+        split_k = triton.cdiv(k_tiles, triton.cdiv(k_tiles, split_k))  # no empty shares
+    return LaunchConfig(block_m, block_n, block_k, split_k)
 
 
 def fused_linear(
@@ -166,10 +286,11 @@ def fused_linear(
     out: torch.Tensor | None = None,
     block_n: int | None = None,
     block_k: int | None = None,
-    num_warps: int = 4,
+    split_k: int | None = None,
+    num_warps: int | None = None,
 ) -> torch.Tensor:
     """The Triton kernel of `reference.fused_linear` (same arguments); x is [rows, in] with unit column stride.
-    `block_n`, `block_k` and `num_warps` override the launch configuration (`block_sizes` by default)."""
+    `block_n`, `block_k`, `split_k` and `num_warps` override the launch configuration (`launch_config`)."""
     rows, in_features = x.shape
     if in_features != projection.in_features or x.stride(1) != 1:
         raise ValueError(f"x must be [rows, {projection.in_features}] with contiguous rows, got {tuple(x.shape)} "
@@ -192,30 +313,45 @@ def fused_linear(
     biases = [b if b is not None else weights[0] for b in projection.biases]
     biases += [biases[0]] * (3 - len(biases))
     padded = list(sizes) + [0] * (3 - len(sizes))
-    columns = sizes[0] if gated else max(sizes)
-    default_n, default_k = block_sizes(columns, in_features)
-    block_n, block_k = block_n or default_n, block_k or default_k
+    config = launch_config(out_features, in_features, rows, k_contiguous=weights[0].stride(1) == 1,
+                           element_size=weights[0].element_size(), sm_count=_sm_count(x.device))
+    block_n, block_k = block_n or config.block_n, block_k or config.block_k
+    split_k = split_k or (config.split_k if (block_n, block_k) == (config.block_n, config.block_k) else 1)
     blocks = triton.cdiv(sizes[0], block_n) if gated else sum(triton.cdiv(n, block_n) for n in sizes)
+    groups = triton.cdiv(rows, config.block_m)
+    split_k = min(split_k, triton.cdiv(in_features, block_k))
+    if split_k > 1 and blocks * groups > SPLIT_K_LOCKS:
+        raise ValueError(f"split_k={split_k} needs {blocks * groups} counters (column blocks x row groups), more "
+                         f"than the projection's {SPLIT_K_LOCKS}: use larger blocks or split_k=1")
+    partials = out
+    if split_k > 1:
+        partials = torch.empty(split_k * (2 if gated else 1) * rows * out_features, dtype=torch.float32,
+                               device=x.device)
     norm_w = norm.weight if norm is not None else x
     norm_b = norm.bias if norm is not None and norm.bias is not None else norm_w
     add0 = addends[0] if addends else out
     add1 = addends[1] if len(addends) > 1 else out
-    _fused_linear_kernel[(blocks, rows)](
-        x, x.stride(0), in_features,
+    _fused_linear_kernel[(blocks, split_k, groups)](
+        x, x.stride(0), rows, in_features,
         norm_w, norm_b, norm.eps if norm is not None else 0.0,
         weights[0], weights[1], weights[2], weights[0].stride(0), weights[0].stride(1),
         biases[0], biases[1], biases[2],
         padded[0], 0 if gated else padded[1], padded[2],
         add0, add0.stride(0), add1, add1.stride(0),
         out, out.stride(0),
+        partials, projection.split_k_counters,
         NORM=_NORMS[norm.kind if norm is not None else None],
         HAS_NORM_BIAS=norm is not None and norm.bias is not None,
         HAS_BIAS=projection.biases[0] is not None,
         GATED=gated,
         ACTIVATION=ACTIVATIONS[activation],
         ADDENDS=len(addends),
+        BLOCK_M=config.block_m,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
-        num_warps=num_warps,
+        SPLIT_K=split_k,
+        SPLIT_K_POW2=triton.next_power_of_2(split_k),
+        STATS_BLOCK=min(triton.next_power_of_2(in_features), 4096 // config.block_m),
+        num_warps=num_warps or config.num_warps,
     )
     return out
