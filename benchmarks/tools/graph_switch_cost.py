@@ -49,20 +49,23 @@ with torch.inference_mode():
     case._load_kernels(encoder, audio)
     budgeted = graphed(encoder, max_graphs=len(lengths), graph_memory_budget=budget, graph_memory_strategy=strategy)
     budgeted.capture([(audio[n],) for n in sorted(lengths, reverse=True)], progress=False)
-    dedicated = graphed(encoder, max_graphs=len(lengths))
-    for n in lengths + random.Random(0).sample(lengths, len(lengths)):
-        got = budgeted(audio[n]).last_hidden_state
-        torch.cuda.synchronize()
-        assert torch.equal(got, dedicated(audio[n]).last_hidden_state), n
     from cuda.bindings import runtime
     (cache,) = budgeted._backend.executable_caches().values()
     kinds = collections.Counter()
     for source in cache._sources.values():
         handle = runtime.cudaGraph_t(init_value=source.graph.raw_cuda_graph())
-        _, count = runtime.cudaGraphGetNodes(handle, 0)[:2]
+        count = runtime.cudaGraphGetNodes(handle, 0)[-1]
         nodes = runtime.cudaGraphGetNodes(handle, count)[1]
         kinds.update(runtime.cudaGraphNodeGetType(node)[1].name for node in list(nodes)[:count])
-    print("node kinds over all graphs:", dict(kinds))
+    print("node kinds over all graphs:", dict(kinds), flush=True)
+    dedicated = graphed(encoder, max_graphs=len(lengths))
+    for i, n in enumerate(lengths + random.Random(0).sample(lengths, len(lengths))):
+        switched = sum(r.memory.updates + r.memory.instantiations for r in budgeted.stats.graphs.values())
+        got = budgeted(audio[n]).last_hidden_state
+        torch.cuda.synchronize()
+        after = sum(r.memory.updates + r.memory.instantiations for r in budgeted.stats.graphs.values())
+        print(f"call {i} length {n}: switches {after - switched}", flush=True)
+        assert torch.equal(got, dedicated(audio[n]).last_hidden_state), n
     memory = [r.memory for r in budgeted.stats.graphs.values()]
     print(f"{strategy}: equal to dedicated; families {len({m.family for m in memory})}, "
           f"updates {sum(m.updates for m in memory)}, instantiations {sum(m.instantiations for m in memory)}")
@@ -128,8 +131,8 @@ def main() -> None:
     parser.add_argument("--launch-blocking", action="store_true", help="CUDA_LAUNCH_BLOCKING=1 for Wav2Vec2")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    results: dict[str, Any] = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "args": vars(args)}
-    results["args"]["out"] = str(args.out)
+    options = {name: str(value) for name, value in vars(args).items()}
+    results: dict[str, Any] = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "args": options}
     if not args.wav2vec2_only:
         results["gpt2"] = gpt2_switching(args.lengths)
         print(json.dumps(results["gpt2"]), flush=True)
@@ -137,9 +140,9 @@ def main() -> None:
         wav2vec2_strategy(s, args.wav2vec2_lengths, args.budget, args.launch_blocking)
         for s in args.strategies.split(",")
     ]
-    for run in results["wav2vec2"]:
-        print(run["strategy"], "returncode", run["returncode"], run["stdout"].strip(), flush=True)
     (args.out / "graph-switch-cost.json").write_text(json.dumps(results, indent=1))
+    for run in results["wav2vec2"]:
+        print(run["strategy"], "returncode", run["returncode"], run["stdout"].strip(), run["stderr"][-600:], flush=True)
 
 
 if __name__ == "__main__":

@@ -42,6 +42,23 @@ class FakeStream:
         self.waited_for.append(other.cuda_stream)
 
 
+class FakeEvent:
+    """A CUDA event: "completes" unless the test says launches are still running (`FakeCuda.running`)."""
+
+    def __init__(self, cuda: FakeCuda) -> None:
+        self.cuda = cuda
+        self.recorded_on: int | None = None
+
+    def record(self, stream: FakeStream) -> None:
+        self.recorded_on = stream.cuda_stream
+
+    def query(self) -> bool:
+        return not self.cuda.running
+
+    def synchronize(self) -> None:
+        self.cuda.synchronized += 1
+
+
 class FakeGenerator:
     offset = 0
 
@@ -57,6 +74,9 @@ class FakeCuda:
         self.executables: dict[int, int] = {}
         self.launches: list[tuple[int, int]] = []
         self.fail_instantiate = False
+        self.running = False
+        """Whether recorded events report their launch as still running."""
+        self.synchronized = 0
         self.generator = FakeGenerator()
         self.streams = {0: FakeStream(0)}
         self.current = 0
@@ -153,6 +173,7 @@ def cuda(monkeypatch: pytest.MonkeyPatch) -> FakeCuda:
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: fake.streams[fake.current])
     monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: FakeStream(99))
+    monkeypatch.setattr(torch.cuda, "Event", lambda: FakeEvent(fake))
     monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: (0, 1))
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     monkeypatch.setattr(torch.cuda, "default_generators", (fake.generator,))
@@ -190,11 +211,11 @@ def test_random_call_orders_match_the_function(cuda: FakeCuda, strategy: str):
         got.fill_(float("nan"))
     memory = [record.memory for record in fast.stats.graphs.values()]
     assert fast.stats.captures == 10 and not fast.stats.fallbacks
-    assert all(m.strategy == strategy for m in memory)
+    assert all(m.strategy == ("lru" if strategy == "auto" else strategy) for m in memory)
     assert sum(m.instantiations + m.updates for m in memory) > 10, "no switching happened"
     cache = next(iter(fast._backend.executable_caches().values()))
     assert len(cuda.executables) == cache.executables
-    if strategy != "lru":
+    if strategy == "update":
         assert sum(m.updates for m in memory) > 0
         assert sum(m.update_failures for m in memory) > 0  # shape (7,) refuses updates: counted, re-instantiated
 
@@ -219,6 +240,22 @@ def test_a_call_on_another_stream_waits_for_the_previous_launch(cuda: FakeCuda):
     fast(x, 2.0)
     assert cuda.streams[5].waited_for == [0]  # once, when the stream changed
     assert [stream for _, stream in cuda.launches][-2:] == [5, 5]
+
+
+def test_updates_and_evictions_wait_for_the_executables_last_launch(cuda: FakeCuda):
+    """An executable whose last launch has not completed is waited for before it is switched or destroyed;
+    one whose launch completed is not."""
+    fast = _graphed(_scale, "1MiB", "update")
+    x = torch.randn(4)
+    fast(x, 2.0)
+    fast(x, 3.0)  # the launch of 2.0 completed: the update does not wait
+    driver = next(iter(fast._backend.executable_caches().values())).driver
+    assert driver.waits == 0 and cuda.synchronized == 0
+    cuda.running = True
+    fast(x, 2.0)
+    fast(x, 3.0)
+    torch.testing.assert_close(fast(x, 2.0), _scale(x, 2.0))
+    assert driver.waits == 3 and cuda.synchronized == 3
 
 
 def test_graphs_drawing_random_numbers_keep_torchs_replay(cuda: FakeCuda):

@@ -100,7 +100,7 @@ def _graphs(*specs: tuple[str, int, str]) -> dict[str, FakeGraph]:
 
 def test_strategy_resolution():
     assert resolve_strategy("auto", None) is MemoryStrategy.DEDICATED
-    assert resolve_strategy("auto", 1 << 20) is MemoryStrategy.AUTO
+    assert resolve_strategy("auto", 1 << 20) is MemoryStrategy.LRU
     assert resolve_strategy("lru", None) is MemoryStrategy.LRU
     assert resolve_strategy(MemoryStrategy.UPDATE, 5) is MemoryStrategy.UPDATE
     with pytest.raises(ValueError, match="'auto', 'dedicated', 'lru', 'update'"):
@@ -142,22 +142,6 @@ def test_lru_evicts_the_least_recently_used_executable():
     assert memories["d"].executable_bytes == 100 * PRIOR_BYTES_PER_NODE
 
 
-def test_eviction_spares_the_last_executable_of_a_family():
-    """Under a budget the least recently used executable goes first, unless it is its family's last: then
-    the least recently used of a family that keeps another one goes, so every family can still switch by
-    update (GPT-2's lengths alternate between long families and families of one length)."""
-    graphs = _graphs(("s1", 100, "S"), ("a1", 100, "A"), ("a2", 100, "A"), ("c1", 100, "C"))
-    budget = 3 * 100 * PRIOR_BYTES_PER_NODE
-    cache, driver, memories = _cache(MemoryStrategy.AUTO, budget, list(graphs.values()))
-    for name in ("s1", "a1", "a2", "c1"):
-        _acquire(cache, driver, graphs, name)
-    assert memories["s1"].evictions == 0 and memories["a1"].evictions == 1
-    assert sorted(cache.holder_keys()) == ["a2", "c1", "s1"]
-    _acquire(cache, driver, graphs, "s1")
-    _acquire(cache, driver, graphs, "a1")  # switches family A's executable instead of instantiating
-    assert memories["s1"].instantiations == 1 and memories["a1"].instantiations == 1 and memories["a1"].updates == 1
-
-
 def test_update_keeps_one_executable_per_family():
     graphs = _graphs(("L1", 50, "gpt"), ("L2", 50, "gpt"), ("L3", 50, "gpt"), ("W1", 80, "wav"), ("W2", 80, "wav"))
     cache, driver, memories = _cache(MemoryStrategy.UPDATE, None, list(graphs.values()))
@@ -170,17 +154,17 @@ def test_update_keeps_one_executable_per_family():
     assert memories["L1"].family == "gpt" and memories["L1"].strategy == "update"
 
 
-def test_auto_instantiates_while_it_fits_then_updates_then_evicts():
+def test_auto_under_a_budget_never_updates():
+    """`auto` with a budget is `lru`: executables of one family are instantiated and evicted, never switched by
+    `cudaGraphExecUpdate` (which crashed Wav2Vec2-base executables on the H200)."""
     graphs = _graphs(("a1", 100, "A"), ("a2", 100, "A"), ("a3", 100, "A"), ("b1", 100, "B"))
     budget = 2 * 100 * PRIOR_BYTES_PER_NODE
-    cache, driver, memories = _cache(MemoryStrategy.AUTO, budget, list(graphs.values()))
-    _acquire(cache, driver, graphs, "a1")
-    _acquire(cache, driver, graphs, "a2")  # fits: a dedicated executable
-    assert cache.executables == 2 and memories["a2"].instantiations == 1
-    _acquire(cache, driver, graphs, "a3")  # full: switch the family's least recently used executable (a1's)
-    assert memories["a3"].updates == 1 and cache.holder_keys() == ["a2", "a3"]
-    _acquire(cache, driver, graphs, "b1")  # no executable of family B: evict the least recently used (a2's)
-    assert memories["a2"].evictions == 1 and cache.holder_keys() == ["a3", "b1"]
+    strategy = resolve_strategy("auto", budget)
+    cache, driver, memories = _cache(strategy, budget, list(graphs.values()))
+    for name in ("a1", "a2", "a3", "b1", "a1"):
+        _acquire(cache, driver, graphs, name)
+    assert strategy is MemoryStrategy.LRU and [op for op, _ in driver.log].count("update") == 0
+    assert cache.holder_keys() == ["b1", "a1"] and memories["a1"].instantiations == 2
     assert cache.over_budget == 0
 
 
@@ -225,7 +209,7 @@ def test_discard_and_close_destroy_executables():
 
 @settings(max_examples=60, deadline=None)
 @given(
-    strategy=st.sampled_from([MemoryStrategy.AUTO, MemoryStrategy.LRU, MemoryStrategy.UPDATE]),
+    strategy=st.sampled_from([MemoryStrategy.LRU, MemoryStrategy.UPDATE]),
     budget_graphs=st.integers(min_value=1, max_value=5),
     calls=st.lists(st.integers(min_value=0, max_value=11), min_size=1, max_size=80),
     refused=st.sets(st.integers(min_value=0, max_value=11), max_size=3),

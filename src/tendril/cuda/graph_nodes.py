@@ -163,6 +163,19 @@ def _takes_edge_data(binding: Any) -> bool:
     return "dependencyData" in signature
 
 
+def private_stream(device: int) -> torch.cuda.Stream:
+    """A new non-blocking CUDA stream of `device` that no one else is handed.
+
+    `torch.cuda.Stream()` hands out streams round robin from a pool of 32 per device, so two of them can be
+    one CUDA stream: a stream kept for capturing loop bodies could then be the very stream some other
+    capture begins on (cudaErrorIllegalState). The stream lives as long as the process."""
+    from cuda.bindings import runtime
+
+    with torch.cuda.device(device):
+        handle = check(runtime.cudaStreamCreateWithFlags(runtime.cudaStreamNonBlocking), "cudaStreamCreateWithFlags")
+    return torch.cuda.ExternalStream(int(handle), device=torch.device("cuda", device))
+
+
 @contextlib.contextmanager
 def capture_to_graph(stream: torch.cuda.Stream, graph: Any) -> Iterator[None]:
     """Record what is enqueued on `stream` into `graph` (a conditional body), in thread-local capture mode.

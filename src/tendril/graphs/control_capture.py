@@ -67,8 +67,8 @@ def _side_stream(device: int, depth: int) -> torch.cuda.Stream:
     state = _state()
     stream = state.streams.get((device, depth))
     if stream is None:
-        with relaxed_capture_mode():  # may create torch's stream pool, which is not capturable
-            stream = state.streams[(device, depth)] = torch.cuda.Stream(device)
+        with relaxed_capture_mode():  # creating a stream is not capturable in the default mode
+            stream = state.streams[(device, depth)] = graph_nodes.private_stream(device)
     return stream
 
 

@@ -9,12 +9,15 @@ with one graph per sequence length spends most of its memory there. The captured
 - `dedicated`: one executable per graph, made at capture and kept (what `torch.cuda.graph` does). The
   CUDA backend serves it with torch's own replay; this cache is not involved.
 - `lru`: executables are instantiated on demand; past the budget the least recently used is destroyed.
-- `update`: one executable per topology family (graphs whose node types, kernel functions and edges match, e.g. one
-  model at different lengths); switching it to another graph of the family is a `cudaGraphExecUpdate`
-  (15 us for a 289-node graph) instead of an instantiation (1.6 ms for a GPT-2 forward).
-- `auto` (the default): `dedicated` without a budget. With one: instantiate while the executables fit,
-  then switch an executable of the graph's family, and only when the family has none, instantiate and
-  evict the least recently used executables until the new one fits.
+- `update` (opt-in): one executable per topology family (graphs whose node types, kernel functions and
+  edges match, e.g. one model at different lengths); switching it to another graph of the family is a
+  `cudaGraphExecUpdate` instead of an instantiation. On the H200 the update call takes 0.2 ms of host
+  time for a GPT-2 forward, but a call that switches costs about 0.6 ms more than a dedicated
+  executable's (`benchmarks/tools/graph_switch_cost.py`). And on driver 580 switching Wav2Vec2-base
+  executables (kernel and memset nodes; functions matching) ended in an illegal instruction after a few
+  switches, while the same graphs under `lru` ran 128 calls equal to dedicated executables and 7327
+  GPT-2 updates were fine. Use it only for graphs shown to survive it.
+- `auto` (the default): `dedicated` without a budget, `lru` with one (never `update`, for the reason above).
 
 Every update is checked: CUDA refuses graphs whose topology or node kinds differ in ways the digest
 does not see. A refused update destroys that executable, moves the graph into a family of its own and
@@ -64,7 +67,7 @@ class MemoryStrategy(str, enum.Enum):
 
 
 def resolve_strategy(strategy: MemoryStrategy | str, budget: int | None) -> MemoryStrategy:
-    """The strategy to run: `auto` means `dedicated` without a budget and the budgeted mix with one."""
+    """The strategy to run: `auto` means `dedicated` without a budget and `lru` with one."""
     try:
         chosen = MemoryStrategy(strategy)
     except ValueError:
@@ -75,8 +78,8 @@ def resolve_strategy(strategy: MemoryStrategy | str, budget: int | None) -> Memo
             "graph_memory_strategy='dedicated' keeps every executable and cannot hold a graph_memory_budget; "
             "use 'auto', 'lru' or 'update' with a budget, or drop the budget"
         )
-    if chosen is MemoryStrategy.AUTO and budget is None:
-        return MemoryStrategy.DEDICATED
+    if chosen is MemoryStrategy.AUTO:
+        return MemoryStrategy.DEDICATED if budget is None else MemoryStrategy.LRU
     return chosen
 
 
@@ -115,8 +118,8 @@ class ExecutableCache:
     """Gives each graph an executable on demand, within a device-memory budget (see the module docstring)."""
 
     def __init__(self, driver: ExecutableDriver, strategy: MemoryStrategy, budget: int | None) -> None:
-        if strategy in (MemoryStrategy.DEDICATED, MemoryStrategy.AUTO) and budget is None:
-            raise ValueError("resolve the strategy first: without a budget 'auto' is 'dedicated', served by torch")
+        if strategy is MemoryStrategy.AUTO or (strategy is MemoryStrategy.DEDICATED and budget is None):
+            raise ValueError("resolve the strategy first: 'auto' is 'dedicated' (served by torch) or 'lru'")
         self.driver = driver
         self.strategy = strategy
         self.budget = budget
@@ -220,9 +223,6 @@ class ExecutableCache:
     def _switch_or_instantiate(self, key: Hashable, source: _Source) -> _Executable:
         if self.strategy is MemoryStrategy.LRU:
             return self._instantiate(key, source)
-        fits = self.budget is None or self.live_bytes + self.charge(source.nodes) <= self.budget
-        if self.strategy is MemoryStrategy.AUTO and fits:
-            return self._instantiate(key, source)
         family = self._families.get(source.family)
         if not family:
             return self._instantiate(key, source)
@@ -261,14 +261,11 @@ class ExecutableCache:
         return executable
 
     def _make_room(self, needed: int) -> None:
-        """Evict executables until `needed` more bytes fit the budget (or none is left): the least recently
-        used of those whose family keeps another executable, else the least recently used. A family's last
-        executable is what lets its other graphs switch by update instead of instantiating again."""
+        """Evict least recently used executables until `needed` more bytes fit the budget (or none is left)."""
         if self.budget is None:
             return
         while self._live and self.live_bytes + needed > self.budget:
-            spare = [e for e in self._live if len(self._families[e.family]) > 1]
-            self._evict(min(spare or self._live, key=lambda e: e.last_used))
+            self._evict(min(self._live, key=lambda e: e.last_used))
 
     def _evict(self, executable: _Executable) -> None:
         self.driver.destroy(executable.handle)
