@@ -50,9 +50,10 @@ class Topology:
 
     Graphs with equal digests are candidates for `update`, which then only changes kernel arguments, launch
     dimensions and copy/memset parameters, never which kernels run. CUDA accepts updates that swap a kernel
-    node's function too, but on the H200 (driver 580) switching executables between Wav2Vec2 graphs whose
-    cuBLAS/cuDNN kernels differed produced an illegal instruction at launch; a graph whose kernel functions
-    cannot be read gets a digest of its own (no updates)."""
+    node's function too; tendril does not ask for them. A graph whose kernel functions cannot be read gets a
+    digest of its own (no updates). Even between graphs of equal digests, updates of Wav2Vec2-base
+    executables (kernel and memset nodes) ended in an illegal instruction on the H200 (driver 580), which is
+    why the automatic policy does not update (`tendril.graphs.executables`)."""
 
     nodes: int
     digest: str
@@ -112,8 +113,8 @@ def topology(graph: int) -> Topology:
     """The node count and topology digest of the captured graph `graph` (host calls only).
 
     The digest covers node types in creation order, the function of every kernel node and the edges, and
-    the same inside child-graph nodes (cuDNN's engines capture their work as a child graph: switching an
-    executable between graphs whose child graphs ran other kernels is what `Topology` warns about). Where
+    the same inside child-graph nodes (libraries such as cuDNN's frontend can capture their work as a child
+    graph, whose kernels must match as much as the top level's). Where
     the bindings cannot read a part (edges with data this query cannot return losslessly, say), the digest
     says so and covers the rest: a coarser digest only makes more updates fail their check and
     re-instantiate, never changes results."""

@@ -428,11 +428,11 @@ def graphed(
     Without CUDA every call runs eagerly, with one warning.
 
     `graph_memory_budget` ("256MiB", or bytes) bounds the device memory the driver holds for the graphs'
-    executables; under it, captured graphs stay on the host and executables are instantiated, switched
-    between graphs of one topology (`cudaGraphExecUpdate`) or evicted least recently used first, with
-    results identical to one executable per graph. `graph_memory_strategy` overrides the choice:
-    "auto" (dedicated executables without a budget), "dedicated", "lru" or "update"
-    (see `tendril.graphs.executables`).
+    executables; under it, captured graphs stay on the host and executables are instantiated on demand and
+    evicted least recently used first, with results identical to one executable per graph.
+    `graph_memory_strategy` overrides the choice: "auto" (dedicated executables without a budget, "lru"
+    with one), "dedicated", "lru" or "update" (one executable per topology family, switched by
+    `cudaGraphExecUpdate`: opt-in, it crashed some models on the H200; see `tendril.graphs.executables`).
     """
     return GraphedCallable(
         fn,

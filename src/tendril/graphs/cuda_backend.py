@@ -225,10 +225,10 @@ class CudaExecutables:
 
     An executable is updated or destroyed only once its last launch has completed: an event recorded after
     every launch is waited for on the host when it has not completed yet (counted in `waits`). CUDA
-    documents both operations as safe on an executable still running, but the full `graphs-memory` run on
-    the H200 (driver 580) hit an illegal instruction while executables were switched right after their
-    launches, which a run with `CUDA_LAUNCH_BLOCKING=1` did not reproduce; the wait rules that timing out.
-    It is usually free: the executable switched is the least recently used of its family.
+    documents both operations as safe on an executable still running; the wait makes "no update while a
+    replay still uses the executable" hold by construction instead of by the driver's word. It is usually
+    free: the executable switched or evicted is the least recently used. (It did not cure the illegal
+    instruction that `update` caused on the H200: see `tendril.graphs.executables`.)
     """
 
     def __init__(self, device: torch.device) -> None:

@@ -34,9 +34,8 @@ instantiated (a graph must run) and counted in `over_budget`.
 
 Ordering. CUDA applies updates to later launches only and frees a destroyed executable after its running
 launch completes (`tendril.cuda.graph_exec`); the CUDA driver of this policy still waits for an
-executable's last launch before updating or destroying it (`CudaExecutables`, after an illegal instruction
-on the H200 that timing alone could explain). The memory the graphs share is ordered by the stream (see
-`CudaBackend`).
+executable's last launch before updating or destroying it (`CudaExecutables`). The memory the graphs
+share is ordered by the stream (see `CudaBackend`).
 """
 
 from __future__ import annotations
