@@ -10,8 +10,9 @@ Each is graphed three ways, one after the other in one process:
   the captured lengths (reported in the notes and in `extra`);
 - (b) one graph per length in one shared pool with a dedicated executable each: `tendril.graphed`
   without a budget (shared pool, outputs released to it, the dedicated strategy);
-- (c) `tendril.graphed(..., graph_memory_budget=BUDGET)`: the same graphs, executables instantiated,
-  switched within topology families (`cudaGraphExecUpdate`) or evicted under the budget.
+- (c) `tendril.graphed(..., graph_memory_budget=BUDGET)`: the same graphs, executables instantiated on
+  demand and evicted least recently used under the budget (the automatic strategy; until 00ea47f it also
+  switched executables within topology families by `cudaGraphExecUpdate`).
 
 Memory is the device memory in use (cudaMemGetInfo after emptying the allocator's cache) after
 capturing all lengths, relative to before. Every length first runs once eagerly with the attention

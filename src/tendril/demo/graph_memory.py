@@ -2,8 +2,8 @@
 
 GPT-2 with one graph per length. Every instantiated CUDA graph holds driver memory of its own (0.83 MiB
 per GPT-2 forward on our H200); `tendril.graphed(model, graph_memory_budget=...)` keeps the captured
-graphs on the host and switches a few executables between them (`cudaGraphExecUpdate` within a topology
-family, least-recently-used eviction otherwise), with results identical to one executable per graph.
+graphs on the host and instantiates executables on demand, evicting the least recently used past the
+budget, with results identical to one executable per graph.
 """
 
 from __future__ import annotations
@@ -64,8 +64,8 @@ def _graphed_row(
         return fast, Row("tendril.graphed", detail, timing.median_ms)
     memory = [r.memory for r in stats.graphs.values()]
     detail = (
-        f"budget {budget}: {used:.0f} MiB, {sum(m.updates for m in memory)} updates, "
-        f"{sum(m.instantiations for m in memory)} instantiations, switching {stats.switch_ms:.1f} ms in all"
+        f"budget {budget}: {used:.0f} MiB, {sum(m.instantiations for m in memory)} instantiations, "
+        f"{sum(m.evictions for m in memory)} evictions, switching {stats.switch_ms:.1f} ms in all"
     )
     return fast, Row("tendril.graphed, memory budget", detail, timing.median_ms)
 
