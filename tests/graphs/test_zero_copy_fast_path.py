@@ -171,3 +171,15 @@ def test_calls_run_without_the_mode_and_give_it_back():
     assert seen and all(current is None for current in seen)
     assert torch.overrides._get_current_function_mode() is None
     assert fast.stats.redirects >= 1
+
+
+def test_a_compiled_producer_inside_the_block_stays_eager_equal():
+    """torch.compile traces through function modes: code compiled inside a `zero_copy()` block must still give
+    eager's answer, whether or not its outputs are redirected."""
+    fast = make(lambda x: x * 2)
+    produce = torch.compile(lambda x, order: torch.index_select(x, 0, order) + 1, backend="eager")
+    x = torch.randn(2, 3)
+    order = torch.tensor([1, 0])
+    with torch.inference_mode(), fast.zero_copy():
+        for _ in range(5):
+            torch.testing.assert_close(fast(produce(x, order)), (x[[1, 0]] + 1) * 2)
