@@ -1,8 +1,9 @@
 """The register-tiled sparse-weight convolution on the CPU: its exact algorithm (tiles, halos,
 channel chunks and splits, row-group records, ticketed split reduction, fused epilogue, nonzero
-counts) emulated against the dense convolution; the weight layout, the bank-conflict model and
-planner invariants; and the CUDA source compiled with NVRTC for sm_90 when the NVRTC library loads
-here (no GPU needed): no spills, no local memory."""
+counts) emulated against the dense convolution, for 2-D tiles and for the pixel runs of 1×1
+convolutions; the weight layouts, the bank-conflict model and planner invariants; and the CUDA
+source of both layouts compiled with NVRTC for sm_90 when the NVRTC library loads here (no GPU
+needed): no spills, no local memory."""
 
 from __future__ import annotations
 
@@ -64,6 +65,53 @@ def small_plan(g: ConvGeometry, rng: random.Random) -> RegisterTilePlan:
     return plan
 
 
+def random_run_cases(n: int, seed: int) -> list[ConvCase]:
+    """Small random 1×1 geometries without padding (pixel runs): strides 1 and 2, odd sizes, groups,
+    weight densities 0, 0.2 and 1."""
+    rng = random.Random(seed)
+    cases = []
+    for _ in range(n):
+        groups = rng.choice([1, 1, 1, 2])
+        cases.append(
+            ConvCase(
+                groups * rng.randint(1, 11),
+                groups * rng.randint(1, 13),
+                (rng.randint(1, 15), rng.randint(1, 19)),
+                1,
+                rng.choice([1, 2]),
+                0,
+                groups,
+                rng.choice([0.0, 0.2, 0.2, 1.0]),
+                rng.choice([0.0, 0.5, 1.0]),
+                seed=rng.randint(0, 999),
+            )
+        )
+    return cases
+
+
+def small_run_plan(g: ConvGeometry, rng: random.Random) -> RegisterTilePlan:
+    """A deliberately small pixel-run plan (1-2 warps, runs of 32-384 pixels, vectors of 1, 2 and 4, 1-3
+    channel chunks, splits) so that tiny shapes still span several runs, k-blocks, chunks and splits."""
+    group_in = g.in_channels // g.groups
+    plan = RegisterTilePlan(
+        g,
+        ph=1,
+        pw=rng.choice(register_tiling.PIXEL_RUN_PW[:5]),
+        kt=rng.choice([1, 2, 4]),
+        lanes_x=32,
+        splits=rng.randint(1, min(3, group_in)),
+        c_chunk=rng.randint(1, 3),
+        warps=rng.choice([1, 2]),
+        pixel_run=True,
+    )
+    assert plan.shared_bytes <= register_tiling.SHARED_BYTES
+    return plan
+
+
+RUN_CASES = random_run_cases(24, seed=21)
+SMALL_RUN_CASES = random_run_cases(24, seed=23)
+
+
 def run_case(case: ConvCase, plan_for, *, relu: bool, residual: bool, seed: int) -> None:
     weights, x, init, ref = conv_operands(case, CPU)
     g = weights.geometry
@@ -75,6 +123,8 @@ def run_case(case: ConvCase, plan_for, *, relu: bool, residual: bool, seed: int)
     if relu:
         ref = ref.relu()
     plan = plan_for(g, weights.density)
+    if case.kernel == 1 and case.padding == 0 and plan_for is planned:
+        assert plan.pixel_run, "the planner should pick a pixel run for a 1×1 convolution"
     packed = RowMaskWeights.prepare(weights, plan)
     y, counts = register_emulation.conv(
         x, packed, bias, residual=resid, relu=relu, block_order=torch.Generator().manual_seed(seed)
@@ -87,9 +137,30 @@ def run_case(case: ConvCase, plan_for, *, relu: bool, residual: bool, seed: int)
     assert int(counts.sum()) == int((x != 0).sum()), "tile counts must partition the input plane"
 
 
+def planned(g: ConvGeometry, density: float) -> RegisterTilePlan:
+    return register_tiling.plan(g, density, 132)
+
+
 @pytest.mark.parametrize("case", CONV_CASES + random_cases(24, seed=3))
 def test_emulated_register_conv_with_the_planned_tiles_matches_dense_conv(case):
-    run_case(case, lambda g, d: register_tiling.plan(g, d, 132), relu=False, residual=False, seed=0)
+    run_case(case, planned, relu=False, residual=False, seed=0)
+
+
+@pytest.mark.parametrize("case", RUN_CASES)
+def test_emulated_pixel_run_conv_with_the_planned_runs_matches_dense_conv(case):
+    run_case(case, planned, relu=True, residual=True, seed=case.seed)
+
+
+@pytest.mark.parametrize("index", range(len(SMALL_RUN_CASES)))
+def test_emulated_pixel_run_conv_with_small_runs_splits_and_fused_epilogue(index):
+    rng = random.Random(index)
+    run_case(
+        SMALL_RUN_CASES[index],
+        lambda g, d: small_run_plan(g, rng),
+        relu=rng.random() < 0.5,
+        residual=rng.random() < 0.5,
+        seed=index,
+    )
 
 
 @pytest.mark.parametrize("index", range(24))
@@ -155,14 +226,62 @@ def test_planner_fits_limits_and_fills_the_gpu(channels, out_channels, size, ker
     assert plan.registers <= register_tiling.MAX_REGISTERS
     assert plan.pitch >= plan.in_hw[1] and plan.pitch % plan.vector == 0
     assert plan.active_lanes >= 28
-    tiles_y, tiles_x = plan.tiles
-    assert tiles_y * plan.tile_hw[0] >= g.out_hw[0] and tiles_x * plan.tile_hw[1] >= g.out_hw[1]
+    assert plan.pixel_run == (kernel == 1)
+    (tiles_y, tiles_x), (extent_h, extent_w) = plan.tiles, plan.out_extent_hw
+    assert tiles_y * plan.tile_hw[0] >= extent_h and tiles_x * plan.tile_hw[1] >= extent_w
+    assert extent_h * extent_w == g.out_hw[0] * g.out_hw[1]
     assert plan.k_blocks * plan.k_block >= out_channels and plan.split_channels * plan.splits >= channels
     assert (
         plan.grid[0] * plan.grid[1] * plan.grid[2] >= 132
         or plan.splits == register_tiling.MAX_SPLITS
         or (plan.split_channels <= 2 * register_tiling.MIN_CHANNELS_PER_SPLIT)
     )
+
+
+@pytest.mark.parametrize("kt", [1, 4, 16])
+def test_pixel_run_records_decode_to_the_dense_weights(kt):
+    case = ConvCase(6, 37, (5, 7), 1, 2, 0, 1, 0.3, 0.5)
+    weights, *_ = conv_operands(case, CPU)
+    plan = RegisterTilePlan(weights.geometry, 1, 2, kt, 32, 1, 2, warps=2, pixel_run=True)
+    packed = RowMaskWeights.prepare(weights, plan)
+    assert tuple(packed.records.shape) == (plan.k_blocks, 6, 1, 2)
+    decoded = torch.zeros(plan.k_blocks * plan.k_block, 6)
+    for kb in range(plan.k_blocks):
+        for c in range(6):
+            start = int(packed.chan_ptr[kb, c])
+            for warp in range(plan.warps):
+                record = int(packed.records[kb, c, 0, warp])
+                channels = [kk for kk in range(kt) if record >> kk & 1]
+                assert record & 0xFFFF < 1 << kt
+                values = packed.values[start + (record >> 16) : start + (record >> 16) + len(channels)]
+                for kk, value in zip(channels, values, strict=True):
+                    decoded[kb * plan.k_block + warp * kt + kk, c] = value
+    assert torch.equal(decoded[:37], weights.to_dense()[:, :, 0, 0])
+    assert not decoded[37:].any() and packed.values.numel() == weights.nnz
+
+
+def test_pixel_run_plans_are_only_made_for_unpadded_1x1_kernels():
+    padded = ConvGeometry(4, 4, (1, 1), (1, 1), (1, 1), 1, (8, 8))
+    three = ConvGeometry(4, 4, (3, 3), (1, 1), (1, 1), 1, (8, 8))
+    for g in (padded, three):
+        assert not any(p.pixel_run for p in register_tiling.candidates(g, 0.3, 132))
+        with pytest.raises(ValueError, match="1×1 kernel without padding"):
+            RegisterTilePlan(g, 1, 4, 2, 32, 1, 1, pixel_run=True)
+    g = ConvGeometry(4, 4, (1, 1), (2, 2), (0, 0), 1, (9, 9))
+    with pytest.raises(ValueError, match="lanes_x 32"):
+        RegisterTilePlan(g, 1, 4, 2, 8, 1, 1, pixel_run=True)
+    with pytest.raises(ValueError, match="pw in"):
+        RegisterTilePlan(g, 1, 6, 2, 32, 1, 1, pixel_run=True)
+
+
+@pytest.mark.parametrize(("channels", "out_channels", "size", "stride"), [(256, 64, 56, 1), (1024, 2048, 14, 2)])
+def test_shortlist_of_a_1x1_layer_times_both_layouts(channels, out_channels, size, stride):
+    g = ConvGeometry(channels, out_channels, (1, 1), (stride, stride), (0, 0), 1, (size, size))
+    shortlist = register_tiling.shortlist(g, 0.2, 132, 3)
+    assert len(shortlist) == 3 and {p.pixel_run for p in shortlist} == {True, False}
+    assert shortlist[0] == register_tiling.plan(g, 0.2, 132)
+    costs = [register_tiling.estimate_us(p, 0.2, 132) for p in shortlist]
+    assert costs == sorted(costs)
 
 
 def test_wide_kernels_are_reported_unsupported():
@@ -244,12 +363,17 @@ def _nvrtc_available() -> bool:
         ConvGeometry(3, 64, (7, 7), (2, 2), (3, 3), 1, (224, 224)),  # ResNet's first layer
         ConvGeometry(1024, 512, (1, 1), (2, 2), (0, 0), 1, (14, 14)),  # ResNet's strided 1×1 downsample
         ConvGeometry(8, 8, (5, 5), (2, 2), (2, 2), 2, (30, 30)),  # groups, stride 2
+        ConvGeometry(256, 64, (1, 1), (1, 1), (0, 0), 1, (56, 56)),  # ResNet-50 bottleneck reduce: pixel run
+        ConvGeometry(512, 2048, (1, 1), (1, 1), (0, 0), 1, (7, 7)),  # bottleneck expand, 49 pixels
+        RegisterTilePlan(ConvGeometry(9, 9, (1, 1), (2, 2), (0, 0), 1, (9, 9)), 1, 1, 2, 32, 2, 3, 2, pixel_run=True),
+        RegisterTilePlan(ConvGeometry(9, 9, (1, 1), (1, 1), (0, 0), 1, (9, 9)), 1, 2, 4, 32, 1, 3, 2, pixel_run=True),
+        RegisterTilePlan(ConvGeometry(9, 9, (1, 1), (1, 1), (0, 0), 1, (9, 9)), 1, 12, 16, 32, 1, 3, 4, pixel_run=True),
     ],
 )
 def test_cuda_source_compiles_for_sm90_without_spills_or_local_memory(geometry):
     from tendril.sparse.ops.conv import register_cuda
 
-    plan = register_tiling.plan(geometry, 0.3, 132)
+    plan = geometry if isinstance(geometry, RegisterTilePlan) else register_tiling.plan(geometry, 0.3, 132)
     cubin, log = register_cuda.compile_for(plan, "sm_90", ("-Xptxas=-v",))
     assert cubin
     assert "0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads" in log, log

@@ -9,6 +9,12 @@ sums them in split order) and fused epilogue, and the same per-tile nonzero coun
 partition the tile (idle lanes write nothing), and double buffering only reorders copies, so the
 emulation computes a block's tile as a whole, one staged round at a time. Slow by design: use it on
 small shapes.
+
+Pixel-run plans (1×1 kernels) run the same way on the flattened `[K, 1, H·W]` output: each block stages
+its run of `32 × pw` output pixels per channel (gathered from the strided input, zeros past the plane),
+decodes one record per warp (bit kk: the warp's output channel kk has a weight; values at the record's
+offset plus the set bits below it; a warp with an empty record skips the channel), and counts the
+nonzeros of its `1 / tiles` share of the flattened input plane.
 """
 
 from __future__ import annotations
@@ -31,8 +37,11 @@ def conv(
     shuffles the order in which blocks run (None: grid order)."""
     plan = weights.plan
     g = plan.geometry
-    out = torch.full((g.out_channels, *g.out_hw), float("nan"))
-    workspace = torch.full((plan.splits, g.out_channels, *g.out_hw), float("nan"))
+    out_hw = plan.out_extent_hw  # the tiles' view of the output plane ((1, H·W) for pixel runs)
+    if residual is not None:
+        residual = residual.reshape(g.out_channels, *out_hw)
+    out = torch.full((g.out_channels, *out_hw), float("nan"))
+    workspace = torch.full((plan.splits, g.out_channels, *out_hw), float("nan"))
     tiles, k_blocks, splits = plan.grid
     tickets = torch.zeros(tiles * k_blocks, dtype=torch.int64)
     counts = torch.zeros(g.groups * splits * tiles, dtype=torch.int32)
@@ -40,8 +49,12 @@ def conv(
     order = range(len(blocks)) if block_order is None else torch.randperm(len(blocks), generator=block_order).tolist()
     for index in order:
         tile, kb, split = blocks[index]
-        acc = _block_sums(x, weights, tile, kb, split)
-        _count(x, plan, tile, kb, split, counts)
+        if plan.pixel_run:
+            acc = _run_sums(x, weights, tile, kb, split)[:, None]
+            _count_run(x, plan, tile, kb, split, counts)
+        else:
+            acc = _block_sums(x, weights, tile, kb, split)
+            _count(x, plan, tile, kb, split, counts)
         k0, k_count, (oy0, ox0), (rows, cols) = _block_extent(plan, tile, kb)
         target = (slice(k0, k0 + k_count), slice(oy0, oy0 + rows), slice(ox0, ox0 + cols))
         if splits > 1:
@@ -60,12 +73,12 @@ def conv(
             y = y + residual[target]
         out[target] = y.relu() if relu else y
     assert not tickets.any(), "every tile's last block resets its ticket"
-    return out, counts
+    return out.view(g.out_channels, *g.out_hw), counts
 
 
 def _block_extent(plan: RegisterTilePlan, tile: int, kb: int) -> tuple[int, int, tuple[int, int], tuple[int, int]]:
     """A block's first output channel, channel count, tile origin and valid tile size."""
-    (oh, ow), (th, tw) = plan.geometry.out_hw, plan.tile_hw
+    (oh, ow), (th, tw) = plan.out_extent_hw, plan.tile_hw
     tiles_x = plan.tiles[1]
     oy0, ox0 = (tile // tiles_x) * th, (tile % tiles_x) * tw
     group, local = divmod(kb, plan.k_blocks_per_group)
@@ -142,3 +155,62 @@ def _count(x: torch.Tensor, plan: RegisterTilePlan, tile: int, kb: int, split: i
     c_end = group * plan.group_in + min(plan.group_in, (split + 1) * plan.split_channels)
     found = int((x[c_begin:c_end, y_lo:y_hi, x_lo:x_hi] != 0).sum()) if c_begin < c_end else 0
     counts[(group * plan.splits + split) * plan.grid[0] + tile] = found
+
+
+def _run_sums(x: torch.Tensor, weights: RowMaskWeights, tile: int, kb: int, split: int) -> torch.Tensor:
+    """A pixel-run block's `[k_block, 32 × pw]` accumulators over its split of the input channels."""
+    plan = weights.plan
+    run, kt = plan.tile_hw[1], plan.kt
+    group = kb // plan.k_blocks_per_group
+    c_begin = split * plan.split_channels
+    c_end = min(plan.group_in, c_begin + plan.split_channels)
+    acc = torch.zeros(plan.warps, kt, run)
+    for c0 in range(c_begin, c_end, plan.c_chunk):
+        chunk = min(plan.c_chunk, c_end - c0)
+        channels = group * plan.group_in + c0
+        staged = _stage_run(x[channels : channels + chunk], plan, tile * run)
+        records = weights.records[kb, c0 : c0 + chunk, 0].long()  # [chunk, warps]
+        v_begin = int(weights.chan_ptr[kb, c0])
+        v_count = int(weights.chan_ptr[kb, c0 + chunk]) - v_begin
+        assert v_count <= plan.value_capacity, "a round's nonzero values overflow the staged value buffer"
+        values = weights.values[v_begin : v_begin + v_count]
+        for cc in range(chunk):
+            mask, offset = records[cc] & 0xFFFF, records[cc] >> 16
+            if not mask.any():
+                continue  # every warp's record is empty: each skips the channel
+            base = int(weights.chan_ptr[kb, c0 + cc]) - v_begin
+            below = torch.zeros_like(mask)
+            for kk in range(kt):
+                present = ((mask >> kk) & 1).bool()
+                index = (base + offset + below).clamp(max=max(v_count - 1, 0))
+                weight = torch.where(present, values[index], 0.0)  # [warps]
+                acc[:, kk] += weight[:, None] * staged[cc]
+                below += present.long()
+    return acc.view(plan.k_block, run)
+
+
+def _stage_run(planes: torch.Tensor, plan: RegisterTilePlan, p0: int) -> torch.Tensor:
+    """`[chunk, 32 × pw]`: output pixels [p0, p0 + run)'s input values (1×1, no padding), zeros past the plane."""
+    (oh, ow), (sh, sw), run = plan.geometry.out_hw, plan.geometry.stride, plan.tile_hw[1]
+    chunk = planes.shape[0]
+    staged = torch.zeros(chunk, run)
+    p = torch.arange(p0, min(p0 + run, oh * ow))
+    staged[:, : p.numel()] = planes[:, (p // ow) * sh, (p % ow) * sw]
+    return staged
+
+
+def _count_run(x: torch.Tensor, plan: RegisterTilePlan, tile: int, kb: int, split: int, counts: torch.Tensor) -> None:
+    """A pixel run's share of the nonzero count: its `1 / tiles` slice of the flattened input plane."""
+    if kb % plan.k_blocks_per_group:
+        return
+    tiles = plan.grid[0]
+    in_plane = plan.geometry.in_hw[0] * plan.geometry.in_hw[1]
+    share = -(-in_plane // tiles)
+    lo = min(tile * share, in_plane)
+    hi = min(lo + share, in_plane)
+    group = kb // plan.k_blocks_per_group
+    c_begin = group * plan.group_in + split * plan.split_channels
+    c_end = group * plan.group_in + min(plan.group_in, (split + 1) * plan.split_channels)
+    flat = x.reshape(x.shape[0], -1)
+    found = int((flat[c_begin:c_end, lo:hi] != 0).sum()) if c_begin < c_end else 0
+    counts[(group * plan.splits + split) * tiles + tile] = found

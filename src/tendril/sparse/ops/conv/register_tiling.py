@@ -39,10 +39,26 @@ wavefronts (bank conflicts of the window loads simulated for the chosen pitch), 
 registers allow, the L2 traffic of staging and of the split reduction, and the 32-byte sectors the
 lanes' output (or partial-sum) stores touch, with constants fitted to H200 measurements; the network
 then measures the best few plans on the device (`SparseNetwork.tune`).
+
+Pixel runs (`pixel_run=True`, 1×1 kernels without padding, any stride): a 1×1 convolution is a
+sparse × dense matrix product, `[K, C]` weights times the `[C, H·W]` input, and the 2-D tile's
+machinery (halos, windows, per-(k, c) records of one tap each) is overhead there. A pixel-run block
+owns a run of `32 × pw` output pixels in flattened (row-major) order instead of a 2-D tile: it stages
+each input channel's run as one contiguous vector (strided inputs gathered by the copies, so the
+staged run is dense), every lane owns `pw` pixels of it as `pw / vector` groups of `vector` adjacent
+pixels (group g of lane l starts at `g × 32 × vector + l × vector`: conflict-free vector loads from
+shared memory and fully coalesced vector stores), and one record per (k-block, channel, warp) holds
+the mask of the warp's `kt` output channels (bit kk: weight (k0 + kk, c) is nonzero) and the offset of
+their values, so each nonzero weight costs one broadcast load and `pw` FMAs. Channel splits, the
+ticketed reduction, the fused epilogue and the nonzero counts work as for tiles (a tile's share of the
+input plane is its `1 / tiles` slice of the flattened plane). Its cost-model terms are the tile model's
+(same constants) applied to its own instruction, wavefront and store counts; they are not yet
+calibrated on measured pixel-run plans.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from dataclasses import dataclass
@@ -67,6 +83,10 @@ MAX_SPLITS = 16
 MIN_CHANNELS_PER_SPLIT = 16
 LANES_X_CHOICES = (1, 2, 3, 4, 5, 6, 7, 8, 10, 14, 15, 16, 28, 32)
 """Lane columns per warp: every count that keeps at least 28 of the 32 lanes busy (14 × 2, 7 × 4, ...)."""
+PIXEL_RUN_PW = (1, 2, 4, 8, 12, 16)
+"""Pixels per lane of a pixel-run plan: multiples of the vector width (4, 2 or 1) that it loads and stores."""
+PIXEL_RUN_KT = (1, 2, 4, 8, 16)
+"""Output channels per warp of a pixel-run plan: its record's mask has a bit for each (16 at most)."""
 
 # Cost model of the H200 (estimate_us). Per SM and cycle: 4 warp instructions issued, 1 shared-memory
 # wavefront (32 banks × 4 bytes); the fraction of issue slots a well-occupied SM fills; L2 bandwidth.
@@ -99,6 +119,19 @@ class RegisterTilePlan:
     splits: int
     c_chunk: int
     warps: int = WARPS
+    pixel_run: bool = False
+    """Blocks own runs of `32 × pw` flattened output pixels (1×1 kernels, see the module docstring)."""
+
+    def __post_init__(self) -> None:
+        if self.pixel_run:
+            g = self.geometry
+            if g.kernel != (1, 1) or g.padding != (0, 0):
+                raise ValueError(f"a pixel-run plan needs a 1×1 kernel without padding, got {g}")
+            if self.ph != 1 or self.lanes_x != 32 or self.pw not in PIXEL_RUN_PW or self.kt not in PIXEL_RUN_KT:
+                raise ValueError(
+                    f"a pixel-run plan needs ph 1, lanes_x 32, pw in {PIXEL_RUN_PW} and kt in {PIXEL_RUN_KT}; "
+                    f"got ph {self.ph}, lanes_x {self.lanes_x}, pw {self.pw}, kt {self.kt}"
+                )
 
     @property
     def lanes_y(self) -> int:
@@ -110,7 +143,14 @@ class RegisterTilePlan:
 
     @property
     def tile_hw(self) -> tuple[int, int]:
+        """Output pixels a block owns, rows × columns (a pixel run: one row of flattened pixels)."""
         return self.lanes_y * self.ph, self.lanes_x * self.pw
+
+    @property
+    def out_extent_hw(self) -> tuple[int, int]:
+        """The output plane as the tiles cover it: the geometry's, or one row of H·W pixels for pixel runs."""
+        (oh, ow) = self.geometry.out_hw
+        return (1, oh * ow) if self.pixel_run else (oh, ow)
 
     @property
     def k_block(self) -> int:
@@ -119,29 +159,38 @@ class RegisterTilePlan:
     @property
     def window_hw(self) -> tuple[int, int]:
         """Input floats one lane reads per channel: rows × columns."""
+        if self.pixel_run:
+            return 1, self.pw  # the staged run is already gathered densely
         (sh, sw), (r, s) = self.geometry.stride, self.geometry.kernel
         return (self.ph - 1) * sh + r, (self.pw - 1) * sw + s
 
     @property
     def in_hw(self) -> tuple[int, int]:
         """Input tile (with halo) a block stages per channel."""
+        if self.pixel_run:
+            return self.tile_hw
         (th, tw), (sh, sw), (r, s) = self.tile_hw, self.geometry.stride, self.geometry.kernel
         return (th - 1) * sh + r, (tw - 1) * sw + s
 
     @property
     def vector(self) -> int:
-        """Widest load (floats) at which every lane's window rows are aligned: 4, 2 or 1."""
-        step = self.pw * self.geometry.stride[1]
+        """Widest load (floats) at which every lane's window rows are aligned: 4, 2 or 1 (pixel runs: the
+        width of a lane's groups of adjacent pixels)."""
+        step = self.pw if self.pixel_run else self.pw * self.geometry.stride[1]
         return 4 if step % 4 == 0 else 2 if step % 2 == 0 else 1
 
     @property
     def pitch(self) -> int:
         """Row stride (floats) of the staged tile: a multiple of `vector`, chosen for the fewest bank conflicts."""
+        if self.pixel_run:
+            return self.in_hw[1]
         return _best_pitch(self.in_hw[1], self.vector, self._lane_step(), self.window_hw[1])[0]
 
     @property
     def window_row_wavefronts(self) -> int:
         """Shared-memory wavefronts a warp's load of one window row costs (bank conflicts included)."""
+        if self.pixel_run:
+            return self.pw  # `pw / vector` loads of adjacent vectors across the warp, `vector` wavefronts each
         return _best_pitch(self.in_hw[1], self.vector, self._lane_step(), self.window_hw[1])[1]
 
     def _lane_step(self) -> tuple[int, int, int, int]:
@@ -151,7 +200,7 @@ class RegisterTilePlan:
 
     @property
     def tiles(self) -> tuple[int, int]:
-        (oh, ow), (th, tw) = self.geometry.out_hw, self.tile_hw
+        (oh, ow), (th, tw) = self.out_extent_hw, self.tile_hw
         return -(-oh // th), -(-ow // tw)
 
     @property
@@ -190,6 +239,11 @@ class RegisterTilePlan:
         return self.geometry.kernel[0] // self.record_rows
 
     @property
+    def records_per_channel(self) -> int:
+        """Records of one (k-block, channel): one per (row group, k), or one per warp for pixel runs."""
+        return self.warps if self.pixel_run else self.record_groups * self.k_block
+
+    @property
     def value_capacity(self) -> int:
         """Nonzero values one staged round can hold (every weight of `c_chunk` channels nonzero)."""
         r, s = self.geometry.kernel
@@ -202,6 +256,8 @@ class RegisterTilePlan:
     @property
     def registers(self) -> int:
         """Estimated registers per thread: accumulators, the live window, records and ~40 for addresses."""
+        if self.pixel_run:  # ~52 besides accumulators and window in NVRTC 13.5's sm_90 builds of ResNet-50's 1×1s
+            return self.kt * self.pw + self.pw + 52
         return self.kt * self.ph * self.pw + _peak_window_floats(self) + self.kt + 40
 
     @property
@@ -237,6 +293,7 @@ class RegisterTilePlan:
             "VAL_CAP": self.value_capacity,
             "CHAN_CAP": self.split_channels + 1,
             "MIN_BLOCKS": self.blocks_per_sm,
+            "PIXEL_RUN": int(self.pixel_run),
         }
         return tuple(f"-D{k}={v}" for k, v in values.items())
 
@@ -245,7 +302,7 @@ def _shared_bytes(plan: RegisterTilePlan, c_chunk: int) -> int:
     """Two staging buffers (activations, records, values) plus the split's channel starts."""
     r, s = plan.geometry.kernel
     act = c_chunk * plan.in_hw[0] * plan.pitch
-    records = c_chunk * plan.record_groups * plan.k_block
+    records = c_chunk * plan.records_per_channel
     values = c_chunk * plan.k_block * r * s
     return 4 * (2 * (act + records + values) + plan.split_channels + 2)
 
@@ -334,39 +391,54 @@ def unsupported_reason(geometry: ConvGeometry) -> str | None:
 
 @functools.lru_cache(maxsize=256)
 def _feasible(geometry: ConvGeometry, sms: int) -> tuple[RegisterTilePlan, ...]:
-    """Every plan that fits the limits (split counts chosen to fill `sms`), in no particular order."""
+    """Every plan that fits the limits (split counts chosen to fill `sms`), in no particular order: 2-D
+    tiles, and pixel runs where the geometry is a 1×1 kernel without padding."""
     if geometry.kernel[1] > MAX_TAPS_PER_RECORD:
         return ()
-    (oh, ow) = geometry.out_hw
+    bases = [
+        RegisterTilePlan(geometry, ph, pw, kt, lanes_x, 1, 1, warps)
+        for warps in (8, 4)
+        for ph in (8, 4, 2, 1)
+        for pw in (8, 4, 2, 1)
+        for kt in (8, 4, 2, 1)
+        for lanes_x in LANES_X_CHOICES
+    ]
+    if geometry.kernel == (1, 1) and geometry.padding == (0, 0):
+        bases += [
+            RegisterTilePlan(geometry, 1, pw, kt, 32, 1, 1, warps, pixel_run=True)
+            for warps in (8, 4)
+            for pw in PIXEL_RUN_PW
+            for kt in PIXEL_RUN_KT
+        ]
     plans = []
-    for warps in (8, 4):
-        for ph in (8, 4, 2, 1):
-            for pw in (8, 4, 2, 1):
-                for kt in (8, 4, 2, 1):
-                    for lanes_x in LANES_X_CHOICES:
-                        base = RegisterTilePlan(geometry, ph, pw, kt, lanes_x, 1, 1, warps)
-                        if not _worth_planning(base, oh, ow) or base.registers > MAX_REGISTERS:
-                            continue
-                        if _shared_bytes(base, 1) > SHARED_BYTES:
-                            continue
-                        c_chunk = min(MAX_C_CHUNK, base.group_in)
-                        while c_chunk > 1 and _shared_bytes(base, c_chunk) > SHARED_BYTES:
-                            c_chunk -= 1
-                        blocks = base.grid[0] * base.k_blocks
-                        useful = max(1, min(MAX_SPLITS, base.group_in // MIN_CHANNELS_PER_SPLIT))
-                        wanted = -(-base.blocks_per_sm * sms // blocks)
-                        for splits in sorted({1, min(useful, wanted), min(useful, 2 * wanted)}):
-                            plan = RegisterTilePlan(geometry, ph, pw, kt, lanes_x, splits, c_chunk, warps)
-                            if plan.splits > 1 and (plan.splits - 1) * plan.split_channels >= plan.group_in:
-                                continue  # an empty split
-                            if plan.shared_bytes <= SHARED_BYTES:
-                                plans.append(plan)
+    for base in bases:
+        if not _worth_planning(base) or base.registers > MAX_REGISTERS or _shared_bytes(base, 1) > SHARED_BYTES:
+            continue
+        plans += _chunked_and_split(base, sms)
     return tuple(plans)
 
 
-def _worth_planning(plan: RegisterTilePlan, oh: int, ow: int) -> bool:
+def _chunked_and_split(base: RegisterTilePlan, sms: int) -> list[RegisterTilePlan]:
+    """`base` with the most channels per staged round that fit, and the split counts worth trying."""
+    c_chunk = min(MAX_C_CHUNK, base.group_in)
+    while c_chunk > 1 and _shared_bytes(base, c_chunk) > SHARED_BYTES:
+        c_chunk -= 1
+    blocks = base.grid[0] * base.k_blocks
+    useful = max(1, min(MAX_SPLITS, base.group_in // MIN_CHANNELS_PER_SPLIT))
+    wanted = -(-base.blocks_per_sm * sms // blocks)
+    plans = []
+    for splits in sorted({1, min(useful, wanted), min(useful, 2 * wanted)}):
+        plan = dataclasses.replace(base, splits=splits, c_chunk=c_chunk)
+        if plan.splits > 1 and (plan.splits - 1) * plan.split_channels >= plan.group_in:
+            continue  # an empty split
+        if plan.shared_bytes <= SHARED_BYTES:
+            plans.append(plan)
+    return plans
+
+
+def _worth_planning(plan: RegisterTilePlan) -> bool:
     """Skip tiles much larger than the output and k-blocks that leave most of a block's warps idle."""
-    th, tw = plan.tile_hw
+    (oh, ow), (th, tw) = plan.out_extent_hw, plan.tile_hw
     if (th > 2 * oh and plan.ph > 1) or (tw > 2 * ow and plan.pw > 1):
         return False
     return plan.k_block <= 2 * plan.group_out or plan.kt == 1
@@ -383,16 +455,23 @@ def _ranked(geometry: ConvGeometry, weight_density: float, sms: int) -> tuple[Re
 
 
 def shortlist(geometry: ConvGeometry, weight_density: float, sms: int, count: int) -> list[RegisterTilePlan]:
-    """The `count` best-predicted plans whose register tiles (ph, pw, kt) differ, for timing on the device:
-    plans that differ only in lane layout or splits are near-ties of the model and rarely worth a measurement."""
+    """The `count` best-predicted plans whose register tiles (layout, ph, pw, kt) differ, for timing on the
+    device: plans that differ only in lane layout or splits are near-ties of the model and rarely worth a
+    measurement. Where the geometry allows both layouts (1×1 kernels), the best plan of each is always in
+    it (replacing the last pick of the other layout), since the model is calibrated on 2-D tiles only."""
     ranked = candidates(geometry, weight_density, sms)
     chosen: list[RegisterTilePlan] = []
     for p in ranked:
         if len(chosen) == count:
             break
-        if all((p.ph, p.pw, p.kt) != (c.ph, c.pw, c.kt) for c in chosen):
+        if all((p.pixel_run, p.ph, p.pw, p.kt) != (c.pixel_run, c.ph, c.pw, c.kt) for c in chosen):
             chosen.append(p)
-    return chosen
+    for layout in (False, True):
+        best = next((p for p in ranked if p.pixel_run == layout), None)
+        if best is not None and count >= 2 and all(c.pixel_run != layout for c in chosen):
+            others = [i for i, c in enumerate(chosen) if c.pixel_run != layout]
+            chosen[others[-1]] = best
+    return sorted(chosen, key=ranked.index)
 
 
 def plan(geometry: ConvGeometry, weight_density: float, sms: int) -> RegisterTilePlan:
@@ -408,23 +487,11 @@ def estimate_us(plan: RegisterTilePlan, weight_density: float, sms: int) -> floa
     wavefronts (whichever binds, slowed when too few warps hide latency), or the L2 traffic of staging
     and split partials if that takes longer, plus a launch."""
     g = plan.geometry
-    r, s = g.kernel
-    rows, width = plan.window_hw
-    loaded_rows = sum(1 for q in range(rows) if first_use(plan, q) is not None)
-    taps = r * s * weight_density * plan.kt  # nonzero weights a warp meets per channel
-    groups, group_taps = plan.record_groups, plan.record_rows * s
-    record_loads = groups * math.ceil(plan.kt / min(plan.kt, 4))
-    instructions = (
-        loaded_rows * len(_row_loads(width, plan.vector))
-        + record_loads
-        + plan.kt * groups * (RECORD_INSTRUCTIONS + 2 * group_taps)
-        + taps * (2 + plan.ph * plan.pw)
-        + 8
+    instructions, wavefronts, staging_instructions = (_run_costs if plan.pixel_run else _tile_costs)(
+        plan, weight_density
     )
-    wavefronts = loaded_rows * plan.window_row_wavefronts + record_loads + taps
     tiles, k_blocks, splits = plan.grid
     blocks = tiles * k_blocks * splits
-    staging_instructions = plan.in_hw[0] * -(-plan.in_hw[1] // 32) * 6 / plan.warps
     per_channel = max(
         plan.warps * (instructions + staging_instructions) / (WARP_INSTRUCTIONS_PER_CYCLE * ISSUE_EFFICIENCY),
         plan.warps * wavefronts,
@@ -438,14 +505,57 @@ def estimate_us(plan: RegisterTilePlan, weight_density: float, sms: int) -> floa
     split_bytes = 0 if splits == 1 else 2 * splits * out_bytes
     memory_us = (staged_bytes + split_bytes + out_bytes) / L2_BYTES_PER_US
     compute_us = MEASURED_CYCLES_PER_MODELLED * cycles / (CLOCK_GHZ * 1e3)
-    stores = plan.warps * plan.kt * plan.ph * plan.pw  # warp-wide stores per block, of outputs or partial sums
+    stores = plan.warps * plan.kt * plan.ph * plan.pw // _store_width(plan)  # warp-wide, per block
     store_us = STORE_CYCLES_PER_SECTOR * blocks * stores * _store_sectors(plan) / sms / (CLOCK_GHZ * 1e3)
     return FIXED_US + max(compute_us, memory_us) + store_us
 
 
+def _tile_costs(plan: RegisterTilePlan, weight_density: float) -> tuple[float, float, float]:
+    """(warp instructions, shared-memory wavefronts per warp, staging instructions per warp) for one staged
+    channel of a 2-D tile: window rows, one record per (k, row group) with its tap tests, the weights."""
+    r, s = plan.geometry.kernel
+    rows, width = plan.window_hw
+    loaded_rows = sum(1 for q in range(rows) if first_use(plan, q) is not None)
+    taps = r * s * weight_density * plan.kt  # nonzero weights a warp meets per channel
+    groups, group_taps = plan.record_groups, plan.record_rows * s
+    record_loads = groups * math.ceil(plan.kt / min(plan.kt, 4))
+    instructions = (
+        loaded_rows * len(_row_loads(width, plan.vector))
+        + record_loads
+        + plan.kt * groups * (RECORD_INSTRUCTIONS + 2 * group_taps)
+        + taps * (2 + plan.ph * plan.pw)
+        + 8
+    )
+    wavefronts = loaded_rows * plan.window_row_wavefronts + record_loads + taps
+    staging = plan.in_hw[0] * -(-plan.in_hw[1] // 32) * 6 / plan.warps
+    return instructions, wavefronts, staging
+
+
+def _run_costs(plan: RegisterTilePlan, weight_density: float) -> tuple[float, float, float]:
+    """The same for a pixel run: one record per warp (a channel none of the warp's `kt` weights uses is skipped
+    there), then `pw / vector` vector loads, a bit test per output channel, a broadcast load and `pw` FMAs per
+    nonzero weight; staging copies 16 bytes at a time at stride 1, 4 (with an index division) when strided."""
+    taps = weight_density * plan.kt
+    used = 1 - (1 - weight_density) ** plan.kt  # chance that a channel has a nonzero among the warp's weights
+    instructions = RECORD_INSTRUCTIONS + used * (plan.pw // plan.vector + 2 * plan.kt) + taps * (2 + plan.pw) + 4
+    wavefronts = 1 + used * plan.window_row_wavefronts + taps
+    strided = plan.geometry.stride != (1, 1)
+    copies = -(-plan.in_hw[1] // (32 if strided else 128))
+    staging = copies * (10 if strided else 6) / plan.warps
+    return instructions, wavefronts, staging
+
+
+def _store_width(plan: RegisterTilePlan) -> int:
+    """Floats per lane of one output store: `vector` for pixel runs, 1 for 2-D tiles."""
+    return plan.vector if plan.pixel_run else 1
+
+
 def _store_sectors(plan: RegisterTilePlan) -> int:
     """32-byte sectors one warp-wide store of an accumulator (fixed k, i, j) touches: its active lanes
-    write pixels `pw` apart along x and `ph` output rows apart along y."""
+    write pixels `pw` apart along x and `ph` output rows apart along y; a pixel run's lanes write
+    `32 × vector` adjacent floats."""
+    if plan.pixel_run:
+        return 4 * plan.vector
     return _sectors(plan.lanes_x, plan.lanes_y, plan.ph * plan.geometry.out_hw[1], plan.pw)
 
 
@@ -463,7 +573,8 @@ class RowMaskWeights:
     """fp32 nonzeros in (k-block, channel, row group, k, row of the group, s) order."""
     records: torch.Tensor
     """`[k_blocks, group_in, row groups, k_block]` int32: `tap mask | offset << 16`; bit `rr × S + s` is tap
-    (group × record_rows + rr, s)."""
+    (group × record_rows + rr, s). Pixel runs: `[k_blocks, group_in, 1, warps]`, `channel mask | offset << 16`
+    where bit kk is output channel `warp × kt + kk` of the block and the offset is that of the warp's first."""
     chan_ptr: torch.Tensor
     """`[k_blocks, group_in + 1]` int32: start of each (k-block, channel)'s values in `values`."""
 
@@ -496,6 +607,11 @@ class RowMaskWeights:
         offsets = (torch.cumsum(per_row, -1) - per_row).view_as(masks)
         per_channel = per_row.sum(-1)  # [k_blocks, group_in]
         chan_ptr = _channel_starts(per_channel)
+        if tile_plan.pixel_run:  # one record per warp: bit kk for output channel warp × kt + kk (1×1: bit 0 each)
+            k_blocks, warps, kt = tile_plan.k_blocks, tile_plan.warps, tile_plan.kt
+            shifts = torch.arange(kt, device=dense.device)
+            masks = (masks.view(k_blocks, tile_plan.group_in, warps, kt) << shifts).sum(-1)[:, :, None]
+            offsets = offsets.view(k_blocks, tile_plan.group_in, warps, kt)[..., 0][:, :, None]
         records = (masks | (offsets << 16)).to(torch.int32).contiguous()
         return cls(tile_plan, blocked[nonzero].contiguous(), records, chan_ptr.to(torch.int32).contiguous())
 
