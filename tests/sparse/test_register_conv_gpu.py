@@ -1,7 +1,10 @@
 """GPU: the register-tiled sparse-weight kernel against the dense convolution over random geometries
 and densities (0 and 1 included), with NaN-poisoned outputs, forced small plans (several tiles,
 k-blocks, chunks and channel splits), fused residual/ReLU, determinism and CUDA-graph replays of the
-ticketed split reduction, VGG-16-sized layers, and networks forced onto the kernel."""
+ticketed split reduction, VGG-16-sized layers, and networks forced onto the kernel. Pixel runs (1×1
+convolutions) the same way: planned and small plans over random 1×1 geometries (strides 1 and 2, odd
+sizes), ResNet-50's 1×1 layers, both layouts of their shortlists, unaligned inputs and outputs (the
+4-byte copy and scalar store paths), and a split plan replayed in a CUDA graph."""
 
 from __future__ import annotations
 
@@ -25,7 +28,14 @@ from tests.sparse.checks import (
     relative_error,
 )
 from tests.sparse.models import BasicBlock, ResNetLike, alexnet_like, randomize_batchnorm, vgg_like
-from tests.sparse.test_register_conv import random_cases, small_plan
+from tests.sparse.test_register_conv import (
+    RUN_CASES,
+    SMALL_RUN_CASES,
+    random_cases,
+    random_run_cases,
+    small_plan,
+    small_run_plan,
+)
 
 pytestmark = pytest.mark.gpu
 CUDA = torch.device("cuda")
@@ -43,6 +53,21 @@ VGG16_CASES = [
 PLANNED_CASES = CONV_CASES + random_cases(40, seed=5)
 SMALL_PLAN_CASES = random_cases(40, seed=13)
 SPLIT_CASE = ConvCase(256, 128, (14, 14), 3, 1, 1, 1, 0.3, 0.5)
+GPU_RUN_CASES = RUN_CASES + random_run_cases(24, seed=31)
+RESNET50_1X1_CASES = [  # (in, out, input size, stride): bottleneck reduce/expand and downsample layers
+    (256, 64, 56, 1),
+    (64, 256, 56, 1),
+    (256, 512, 56, 2),
+    (512, 128, 28, 1),
+    (1024, 256, 14, 1),
+    (1024, 2048, 14, 2),
+    (2048, 512, 7, 1),
+    (512, 2048, 7, 1),
+]
+
+
+def _resnet_case(channels: int, out_channels: int, size: int, stride: int) -> ConvCase:
+    return ConvCase(channels, out_channels, (size, size), 1, stride, 0, 1, 0.2, 0.6)
 
 
 def _vgg_case(channels: int, out_channels: int, size: int, weight_density: float, act_density: float) -> ConvCase:
@@ -60,6 +85,13 @@ def _precompiled_kernels():
     plans += [small_plan(case.geometry, random.Random(index)) for index, case in enumerate(SMALL_PLAN_CASES)]
     split = conv_operands(SPLIT_CASE, torch.device("cpu"))[0]
     plans += register_tiling.candidates(split.geometry, split.density, SMS)[:4]
+    for case in GPU_RUN_CASES:
+        weights = conv_operands(case, torch.device("cpu"))[0]
+        plans.append(register_tiling.plan(weights.geometry, weights.density, SMS))
+    plans += [small_run_plan(case.geometry, random.Random(index)) for index, case in enumerate(SMALL_RUN_CASES)]
+    for spec in RESNET50_1X1_CASES:
+        weights = conv_operands(_resnet_case(*spec), torch.device("cpu"))[0]
+        plans += register_tiling.shortlist(weights.geometry, weights.density, SMS, 3)
     try:
         register_cuda.precompile(plans)
     except RuntimeError as error:  # the tests still run, compiling each kernel when first launched
@@ -173,3 +205,86 @@ def test_network_on_the_register_kernel_matches_dense_eager_and_in_a_graph(index
         if report.kind == "conv":
             assert report.activation_density is not None and 0.0 <= report.activation_density <= 1.0
     net.check_overflow()
+
+
+@pytest.mark.parametrize("case", GPU_RUN_CASES)
+def test_pixel_run_conv_with_the_planned_runs_matches_dense_conv(case):
+    def planned(g, d):
+        plan = register_tiling.plan(g, d, SMS)
+        assert plan.pixel_run
+        return plan
+
+    check(case, planned, relu=True, residual=case.seed % 2 == 0, seed=case.seed)
+
+
+@pytest.mark.parametrize("index", range(len(SMALL_RUN_CASES)))
+def test_pixel_run_conv_with_small_runs_splits_residual_and_relu(index):
+    rng = random.Random(index)
+    check(
+        SMALL_RUN_CASES[index],
+        lambda g, d: small_run_plan(g, rng),
+        relu=rng.random() < 0.5,
+        residual=rng.random() < 0.5,
+        seed=index,
+    )
+
+
+@pytest.mark.parametrize("spec", RESNET50_1X1_CASES)
+@pytest.mark.parametrize("rank", range(3))
+def test_every_shortlisted_plan_of_resnet50_1x1_layers_is_correct(spec, rank):
+    check(
+        _resnet_case(*spec), lambda g, d: register_tiling.shortlist(g, d, SMS, 3)[rank], relu=True, residual=rank == 0
+    )
+
+
+@pytest.mark.parametrize("stride", [1, 2])
+def test_pixel_run_conv_on_unaligned_input_and_output(stride):
+    """Inputs and outputs one float off 16-byte alignment take the 4-byte copy and scalar store paths."""
+    case = ConvCase(40, 24, (12, 16), 1, stride, 0, 1, 0.3, 0.6)
+    weights, x, init, ref = conv_operands(case, CUDA)
+    g = weights.geometry
+    plan = register_tiling.RegisterTilePlan(g, 1, 8, 4, 32, 1, 4, warps=4, pixel_run=True)
+    assert plan.vector == 4
+    layer = RegisterConvLayer.prepare(weights, plan)
+    bias = init[:, 0, 0].contiguous()
+    x_unaligned = torch.empty(x.numel() + 1, device=CUDA)[1:].view_as(x)
+    x_unaligned.copy_(x)
+    resid = torch.randn(g.out_channels, *g.out_hw, generator=torch.Generator().manual_seed(1)).to(CUDA)
+    resid_unaligned = torch.empty(resid.numel() + 1, device=CUDA)[1:].view_as(resid)
+    resid_unaligned.copy_(resid)
+    out = torch.full((resid.numel() + 1,), float("nan"), device=CUDA)[1:].view_as(resid)
+    for inputs in ((x_unaligned, resid), (x, resid_unaligned), (x_unaligned, resid_unaligned)):
+        out.fill_(float("nan"))
+        y = register_cuda.conv(inputs[0], layer, bias, residual=inputs[1], relu=True, out=out)
+        assert not y.isnan().any(), "an output was never written"
+        assert relative_error(y.cpu(), (ref + resid.double().cpu()).relu()) <= REL_TOL
+        assert int(layer.counts.sum()) == int((x != 0).sum())
+
+
+def test_pixel_run_split_reduction_is_deterministic_and_replays_in_a_cuda_graph():
+    case = _resnet_case(1024, 256, 14, 1)
+    weights, x, init, _ = conv_operands(case, CUDA)
+    plan = register_tiling.plan(weights.geometry, weights.density, SMS)
+    assert plan.pixel_run and plan.splits > 1
+    layer = RegisterConvLayer.prepare(weights, plan)
+    bias = init[:, 0, 0].contiguous()
+    first = register_cuda.conv(x, layer, bias, relu=True)
+    for _ in range(3):
+        assert torch.equal(register_cuda.conv(x, layer, bias, relu=True), first)
+    placeholder = x.clone()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        register_cuda.conv(placeholder, layer, bias, relu=True)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = register_cuda.conv(placeholder, layer, bias, relu=True)
+    for seed in range(4):
+        fresh = torch.randn(x.shape, generator=torch.Generator().manual_seed(seed)).relu().to(CUDA)
+        placeholder.copy_(fresh)
+        out.fill_(float("nan"))
+        graph.replay()
+        dense = F.conv2d(fresh[None], weights.to_dense(), bias)[0].relu()
+        assert relative_error(out, dense) <= REL_TOL
+    assert not layer.tickets.any()
