@@ -60,6 +60,8 @@ def _time_gpu(ctx: Context, fn: Callable[..., Any], inputs: list[torch.Tensor], 
 
 
 def _describe(plan: RegisterTilePlan) -> str:
+    if plan.pixel_run:
+        return f"pixel run pw {plan.pw} kt {plan.kt} warps {plan.warps} splits {plan.splits}"
     return f"ph {plan.ph} pw {plan.pw} kt {plan.kt} lanes_x {plan.lanes_x} warps {plan.warps} splits {plan.splits}"
 
 

@@ -18,7 +18,7 @@ from torch import nn
 from tendril.sparse import convert, prune
 from tendril.sparse.network import AGREEMENT_RTOL, RunState, SparseConvStep, SparseNetwork
 from tendril.sparse.ops.conv import register_cuda, register_emulation, register_tiling
-from tests.sparse.models import BasicBlock, ResNetLike, randomize_batchnorm, vgg_like
+from tests.sparse.models import BasicBlock, Bottleneck, ResNetLike, randomize_batchnorm, vgg_like
 
 
 def _emulated_register_conv(x, layer, bias, *, residual=None, relu=False, out=None):
@@ -71,6 +71,16 @@ def test_a_correct_kernel_is_admitted_when_the_shared_memory_kernel_is_wrong(
             step.conv_kernel = "cuda"
             assert float(step.run(inputs[step.name], net._state).min()) == 1e6  # the shared-memory path is wrong
             assert net._register_rejection(step, inputs[step.name]) is None, step.name
+
+
+def test_bottleneck_1x1_layers_run_as_admitted_pixel_runs_with_their_fused_epilogue(overflowed_shared_memory_kernel):
+    """ResNet bottlenecks' 1×1 reduce/expand (residual + ReLU fused into the expand) and strided downsample
+    layers plan as pixel runs, and their emulated kernel agrees with the dense reference."""
+    net, inputs = _network_and_inputs(ResNetLike(Bottleneck, (1, 1)), 16)
+    runs = [s for s in net.steps if isinstance(s, SparseConvStep) and s.register and s.register.plan.pixel_run]
+    assert {s.weights.geometry.stride for s in runs} == {(1, 1), (2, 2)} and any(s.residual for s in runs)
+    for step in runs:
+        assert net._register_rejection(step, inputs[step.name]) is None, step.name
 
 
 @torch.no_grad()

@@ -239,7 +239,8 @@ float64 dense reference (`SparseConvStep.reference`) for `tune` to admit it."""
 REGISTER_PLANS_TIMED = 3
 """How many of the register planner's best-predicted plans `tune` times on each layer (it keeps the fastest):
 the shortlist of distinct register tiles (`register_tiling.shortlist`), since the model's error (~8% on the
-H200) exceeds its spread between the best few plans."""
+H200) exceeds its spread between the best few plans. For 1×1 layers it holds the best pixel-run plan and the
+best 2-D tile plan at least (the model is calibrated on tiles only)."""
 
 
 class SparseNetwork:
