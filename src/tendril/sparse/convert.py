@@ -259,7 +259,12 @@ class _Converter:
 
 
 def convert(
-    model: nn.Module, example_input: torch.Tensor, *, activation_capacity: float = 1.0, tune: bool = True
+    model: nn.Module,
+    example_input: torch.Tensor,
+    *,
+    activation_capacity: float = 1.0,
+    tune: bool = True,
+    pixel_runs: bool = False,
 ) -> SparseNetwork:
     """Turn an eval-mode CNN into a `SparseNetwork` for inputs shaped like `example_input` ([N, C, H, W]).
 
@@ -268,6 +273,8 @@ def convert(
     buffers can hold (1.0, the default, can never overflow). On a GPU, `tune` times both convolution
     kernels on every layer with `example_input` and keeps the faster (`SparseNetwork.tune`); an
     overflow of a reduced capacity while tuning is not reported (it concerns the example only).
+    `pixel_runs=True` lets `tune` also time the register-tiled kernel's 1×1 pixel-run plans, which have
+    not run on a GPU yet (`SparseNetwork.pixel_runs`).
     """
     if model.training:
         raise ValueError("convert needs an eval-mode model (dropout and batch norm behave differently in training)")
@@ -285,6 +292,7 @@ def convert(
     with torch.no_grad():
         ShapeProp(gm).propagate(example_input)
     network = _Converter(gm, activation_capacity).run()
+    network.pixel_runs = pixel_runs
     if tune and network.device.type == "cuda":
         network.tune(example_input[:1].to(network.device))
         network.reset_overflow()

@@ -256,6 +256,10 @@ class SparseNetwork:
         self._state = RunState(self.backend, self.threads, torch.zeros(1, dtype=torch.int32, device=device))
         self.rejected_kernels: dict[str, str] = {}
         """`{layer: why}` for register-tiled kernels `tune` refused (failed to build or run, or disagreed)."""
+        self.pixel_runs = False
+        """Whether `tune` also times the register-tiled kernel's pixel-run plans for 1×1 convolutions. Off by
+        default until they have run on a GPU: they are checked against the dense reference on the CPU
+        (emulation) and compile with NVRTC, but no GPU has run them yet (`convert(..., pixel_runs=True)`)."""
 
     def set_backend(self, backend: str, threads: int = 1) -> SparseNetwork:
         """Choose `"cuda"`, `"triton"` or `"cpu"` (with `threads` workers for the CPU backend)."""
@@ -358,7 +362,8 @@ class SparseNetwork:
         if register_tiling.unsupported_reason(g) is not None:
             return []
         sms = torch.cuda.get_device_properties(self.device).multi_processor_count
-        return register_tiling.shortlist(g, step.weights.density, sms, REGISTER_PLANS_TIMED)
+        plans = register_tiling.shortlist(g, step.weights.density, sms, REGISTER_PLANS_TIMED)
+        return [p for p in plans if self.pixel_runs or not p.pixel_run]
 
     def _precompile_register_kernels(self) -> None:
         """Compile every layer's candidate register-tiled kernels at once, in parallel processes (one kernel
