@@ -150,11 +150,18 @@ def test_every_top_candidate_plan_of_a_split_layer_is_correct(candidate):
     check(SPLIT_CASE, lambda g, d: register_tiling.candidates(g, d, SMS)[candidate], relu=True)
 
 
-def test_split_reduction_is_deterministic_and_replays_in_a_cuda_graph():
-    case = ConvCase(512, 256, (14, 14), 3, 1, 1, 1, 0.3, 0.5)
+@pytest.mark.parametrize(
+    ("case", "padding", "pixel_run"),
+    [
+        (ConvCase(512, 256, (14, 14), 3, 1, 1, 1, 0.3, 0.5), 1, False),
+        (_resnet_case(1024, 256, 14, 1), 0, True),
+    ],
+    ids=["3x3 tile", "1x1 pixel run"],
+)
+def test_split_reduction_is_deterministic_and_replays_in_a_cuda_graph(case, padding, pixel_run):
     weights, x, init, _ = conv_operands(case, CUDA)
     plan = register_tiling.plan(weights.geometry, weights.density, SMS)
-    assert plan.splits > 1
+    assert plan.splits > 1 and plan.pixel_run == pixel_run
     layer = RegisterConvLayer.prepare(weights, plan)
     bias = init[:, 0, 0].contiguous()
     first = register_cuda.conv(x, layer, bias, relu=True)
@@ -174,7 +181,7 @@ def test_split_reduction_is_deterministic_and_replays_in_a_cuda_graph():
         placeholder.copy_(fresh)
         out.fill_(float("nan"))
         graph.replay()
-        dense = F.conv2d(fresh[None], weights.to_dense(), bias, padding=1)[0].relu()
+        dense = F.conv2d(fresh[None], weights.to_dense(), bias, padding=padding)[0].relu()
         assert relative_error(out, dense) <= REL_TOL
     assert not layer.tickets.any()
 
@@ -259,32 +266,3 @@ def test_pixel_run_conv_on_unaligned_input_and_output(stride):
         assert not y.isnan().any(), "an output was never written"
         assert relative_error(y.cpu(), (ref + resid.double().cpu()).relu()) <= REL_TOL
         assert int(layer.counts.sum()) == int((x != 0).sum())
-
-
-def test_pixel_run_split_reduction_is_deterministic_and_replays_in_a_cuda_graph():
-    case = _resnet_case(1024, 256, 14, 1)
-    weights, x, init, _ = conv_operands(case, CUDA)
-    plan = register_tiling.plan(weights.geometry, weights.density, SMS)
-    assert plan.pixel_run and plan.splits > 1
-    layer = RegisterConvLayer.prepare(weights, plan)
-    bias = init[:, 0, 0].contiguous()
-    first = register_cuda.conv(x, layer, bias, relu=True)
-    for _ in range(3):
-        assert torch.equal(register_cuda.conv(x, layer, bias, relu=True), first)
-    placeholder = x.clone()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        register_cuda.conv(placeholder, layer, bias, relu=True)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = register_cuda.conv(placeholder, layer, bias, relu=True)
-    for seed in range(4):
-        fresh = torch.randn(x.shape, generator=torch.Generator().manual_seed(seed)).relu().to(CUDA)
-        placeholder.copy_(fresh)
-        out.fill_(float("nan"))
-        graph.replay()
-        dense = F.conv2d(fresh[None], weights.to_dense(), bias)[0].relu()
-        assert relative_error(out, dense) <= REL_TOL
-    assert not layer.tickets.any()
