@@ -23,10 +23,15 @@ The copy time. The targets divide the step-time saving by "the measured copy tim
 time (a)'s placeholder copies take *inside (a)'s loop*, where their sources were just written by the
 reordering `index_select`s (at L=128 the whole cache fits in L2). It is measured by running (a)'s
 loop with the staging done by hand, exactly as `GraphedCallable` does it (one `_foreach_copy_` of the
-call's tensors into the graph's placeholders, then the replay, which finds its inputs in place),
-between CUDA events, with the steps enqueued behind a GPU sleep so no host gap falls inside the
-bracket (`copy_ms`). `copy_ms_alone` (the same copy timed in isolation by `time_callable`) is reported
-for comparison. Bytes copied come from each callable's `stats`.
+call's tensors into the graph's placeholders, then the replay, which finds its inputs in place), with
+the steps enqueued behind a GPU sleep so no host gap falls inside a step's copies, under the CUDA
+profiler: a step's copy time is the span of its copy operations in the trace, from the start of the
+first to the end of the last, gaps between them included (`copy_ms`). The same copies bracketed by
+CUDA events (`copy_ms_bracket`, the first measure) are reported beside it; the bracket adds the events'
+own cost. `benchmarks/tools/zero_copy_profile.py` showed that (b)'s step keeps every kernel of (a)'s but
+the copies, with the same durations.
+`copy_ms_alone` (the same copy timed in isolation by `time_callable`) is reported for comparison. Bytes
+copied come from each callable's `stats`.
 """
 
 from __future__ import annotations
@@ -226,12 +231,47 @@ def _device_rep(variant: Variant, start: State, times: list[float]) -> None:
     times.extend(events[i].elapsed_time(events[i + 1]) for i in range(1, STEPS))
 
 
-def _copy_in_context(plain: GraphedCallable, start: State, times: list[float]) -> None:
+COPY_OPERATION = "Memcpy DtoD"
+"""How the CUDA profiler names a device-to-device copy (what `_foreach_copy_` of cache tensors runs)."""
+
+
+def copy_spans_ms(operations: Sequence[tuple[str, float, float]]) -> list[float]:
+    """Milliseconds from the start of the first to the end of the last operation of every maximal run of
+    consecutive copies (`COPY_OPERATION`) in `operations` ((name, start us, end us) in any order)."""
+    spans = []
+    run: list[tuple[float, float]] = []
+    for name, begin, end in [*sorted(operations, key=lambda op: op[1]), ("", 0.0, 0.0)]:
+        if name.startswith(COPY_OPERATION):
+            run.append((begin, end))
+            continue
+        if run:
+            spans.append((max(e for _, e in run) - run[0][0]) / 1e3)
+            run = []
+    return spans
+
+
+def _copy_in_context(plain: GraphedCallable, start: State, times: list[float], spans: list[float]) -> None:
     """Device time of (a)'s staging copies inside (a)'s own loop (see the module docstring).
 
     Each step stages its inputs as `GraphedCallable` does (one `_foreach_copy_` into the placeholders of
     the step's graph) between two events, then calls `plain` on the placeholders, which copies nothing.
+    Appends the bracketed times to `times` and the copies' spans in the profiler's trace to `spans`
+    (steps after the first of the repetition, as elsewhere).
     """
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as trace:
+        _bracketed_copies(plain, start, times)
+    operations = [(e.name, e.time_range.start, e.time_range.end) for e in trace.events()
+                  if e.device_type == DeviceType.CUDA]
+    steps = copy_spans_ms(operations)[-STEPS:]
+    if len(steps) != STEPS:
+        raise RuntimeError(f"expected the copies of {STEPS} steps in the trace, found {len(steps)} runs of copies")
+    spans.extend(steps[1:])
+
+
+def _bracketed_copies(plain: GraphedCallable, start: State, times: list[float]) -> None:
     state = start.clone()
     brackets = []
     torch.cuda.synchronize()
@@ -300,6 +340,7 @@ def run(ctx: Context) -> None:
             steady: dict[str, list[float]] = {v.name: [] for v in variants}
             host: dict[str, list[float]] = {v.name: [] for v in variants}
             copies: list[float] = []
+            brackets: list[float] = []
             before = {v.name: Counter(v.fast.stats.mispredictions) for v in variants}
             for _ in range(reps):
                 for variant in variants:
@@ -311,7 +352,7 @@ def run(ctx: Context) -> None:
             for _ in range(device_reps):
                 for variant in variants:
                     _device_rep(variant, start, device_times[variant.name])
-                _copy_in_context(plain, start, copies)
+                _copy_in_context(plain, start, brackets, copies)
             copy_ms = statistics.median(copies)
             row = {"copy_ms": copy_ms}
             for variant in variants:
@@ -325,6 +366,7 @@ def run(ctx: Context) -> None:
                 ctx.add_value(f"{variant.name} L={length}", "bytes_copied_per_step", bytes_per_step)
                 ctx.add_value(f"{variant.name} L={length}", "host_ms_per_step", statistics.median(host[variant.name]))
             ctx.add_value(f"plain L={length}", "copy_ms", copy_ms)
+            ctx.add_value(f"plain L={length}", "copy_ms_bracket", statistics.median(brackets))
             ctx.add_value(f"plain L={length}", "copy_ms_alone", _copy_ms_alone(start, device, reps=20))
             for name in ("auto", "carried"):
                 device_saved = (row["plain_device_ms"] - row[f"{name}_device_ms"]) / copy_ms
@@ -350,8 +392,9 @@ def run(ctx: Context) -> None:
         "bytes per step are steady-state (steps after the first of each repetition); the first step copies the prefix"
     )
     ctx.note(
-        "copy time = device time of (a)'s staging copies inside (a)'s loop (copy_ms); device_time_saved_fraction "
-        "is the same ratio on device time alone (steps enqueued behind a GPU sleep)"
+        "copy time = device time of (a)'s staging copies inside (a)'s loop, their span in the CUDA profiler's trace "
+        "(copy_ms; copy_ms_bracket is the same between CUDA events); device_time_saved_fraction is the same ratio "
+        "on device time alone (steps enqueued behind a GPU sleep)"
     )
     for name in ("auto", "carried"):
         ratio = row[f"{name}_bytes"] / row["plain_bytes"] if row["plain_bytes"] else float("nan")

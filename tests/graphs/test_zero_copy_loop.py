@@ -62,3 +62,17 @@ def test_plain_auto_and_carried_variants_equal_eager_and_copy_as_designed(tiny):
     assert auto_bytes < 1.5 * cache_bytes  # the prefix copy at the first call of the pass, then tokens only
     assert set(auto.stats.mispredictions) <= {Misprediction.NO_OUT_FORM}
     assert carried.stats.input_copies_avoided >= 5 * 5
+
+
+def test_copy_spans_cover_each_run_of_consecutive_copies_with_its_gaps():
+    copy = case.COPY_OPERATION + " (Device -> Device)"
+    operations = [
+        ("kernel", 0.0, 5.0),
+        (copy, 10.0, 12.0),
+        (copy, 13.0, 20.0),  # the gap 12-13 belongs to the copies' span
+        ("graph kernel", 21.0, 50.0),
+        (copy, 60.0, 64.0),
+    ]
+    shuffled = [operations[i] for i in (3, 0, 4, 2, 1)]
+    assert case.copy_spans_ms(shuffled) == pytest.approx([0.010, 0.004])
+    assert case.copy_spans_ms([("kernel", 0.0, 1.0)]) == []

@@ -1,0 +1,123 @@
+"""Where the device time of the `graphs-zero-copy` decode loop goes, per kernel, plain against automatic.
+
+A diagnostic behind `copy_time_saved_fraction_auto`: the case's HF-style 4-beam GPT-2 loop at one cache
+length, (a) `plain` and (b) `auto`, each warmed up as the case does, then profiled (CUPTI through
+`torch.profiler`, kernels inside graph replays included) over `--reps` repetitions of the case's
+`STEPS` steps. Kernels are grouped by name; the table lists each group's device microseconds per step in
+both variants and the difference, largest first, so a kernel that got slower under zero-copy shows up
+directly. The device time per step of both variants is also measured over `--device-reps` interleaved
+repetitions behind a GPU sleep (the case's `device_ms_per_step`), with its spread.
+
+    PYTHONPATH=src:. python3 -m benchmarks.tools.zero_copy_profile --out OUT [--length 512]
+
+Writes OUT/zero_copy_profile.json and OUT/zero_copy_profile.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from contextlib import nullcontext
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from benchmarks.cases import graphs_zero_copy as case
+from benchmarks.tools.profile_generation import kernel_profile
+from tendril.graphs.callable import graphed
+from tendril.graphs.cuda_backend import CudaBackend
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--length", type=int, default=case.TARGET_LENGTH)
+    parser.add_argument("--reps", type=int, default=4)
+    parser.add_argument("--device-reps", type=int, default=15)
+    args = parser.parse_args()
+    device = torch.device("cuda")
+    model = case.gpt2(device)
+    backend = CudaBackend()
+    plain = graphed(case.forward_step(model), backend=backend, max_graphs=1024)
+    auto = graphed(case.forward_step(model), backend=backend, max_graphs=1024)
+    variants = [
+        case.Variant("plain", plain, lambda s: case.host_step(plain, s), nullcontext),
+        case.Variant("auto", auto, lambda s: case.host_step(auto, s), auto.zero_copy),
+    ]
+    steps_profiled = case.STEPS * args.reps
+    report: dict[str, Any] = {"length": args.length, "steps_profiled": steps_profiled, "variants": {}}
+    with torch.inference_mode():
+        start = case.prefix(model.config, args.length, device, torch.float16)
+        for variant in variants:
+            for _ in range(2):
+                with variant.context():
+                    case.run_loop(variant.step, start, case.STEPS)
+        device_times: dict[str, list[float]] = {v.name: [] for v in variants}
+        for _ in range(args.device_reps):
+            for variant in variants:
+                case._device_rep(variant, start, device_times[variant.name])
+        for variant in variants:
+
+            def repetition(v: case.Variant = variant) -> None:
+                state = start.clone()
+                with v.context():
+                    for _ in range(case.STEPS):
+                        state = v.step(state)
+
+            profile = kernel_profile(repetition, calls=args.reps)
+            times = device_times[variant.name]
+            report["variants"][variant.name] = {
+                "device_ms_per_step_median": statistics.median(times),
+                "device_ms_per_step_p10": statistics.quantiles(times, n=10)[0],
+                "device_ms_per_step_p90": statistics.quantiles(times, n=10)[-1],
+                "operations_per_step": profile.operations_per_call / case.STEPS,
+                "busy_us_per_step": profile.busy_us_per_call / case.STEPS,
+                "gap_us_per_step": profile.gap_us_per_call / case.STEPS,
+                "kernels": {g.name: {"per_step": g.per_call / case.STEPS,
+                                     "us_per_step": g.total_us_per_call / case.STEPS,
+                                     "mean_us": g.mean_us} for g in profile.groups},
+            }
+            report["variants"][variant.name]["stats"] = {
+                "redirects": variant.fast.stats.redirects,
+                "mispredictions": {r.name: n for r, n in variant.fast.stats.mispredictions.items()},
+            }
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "zero_copy_profile.json").write_text(json.dumps(report, indent=2))
+    (args.out / "zero_copy_profile.md").write_text(markdown(report))
+    print(markdown(report))
+
+
+def markdown(report: dict[str, Any]) -> str:
+    plain, auto = report["variants"]["plain"], report["variants"]["auto"]
+    lines = [
+        f"# Zero-copy decode loop, per kernel (GPT-2 fp16, 4 beams, L={report['length']})",
+        "",
+        f"- device: {torch.cuda.get_device_name()}; torch {torch.__version__}; {report['steps_profiled']} steps "
+        "profiled per variant",
+        "",
+        "| variant | device ms/step (p10, median, p90) | ops/step | busy us/step | gaps us/step |",
+        "|---|---|---:|---:|---:|",
+    ]
+    for name, row in report["variants"].items():
+        lines.append(f"| {name} | {row['device_ms_per_step_p10']:.4f}, {row['device_ms_per_step_median']:.4f}, "
+                     f"{row['device_ms_per_step_p90']:.4f} | {row['operations_per_step']:.1f} | "
+                     f"{row['busy_us_per_step']:.1f} | {row['gap_us_per_step']:.1f} |")
+    lines += ["", "| kernel | plain us/step | auto us/step | auto - plain | plain n/step | auto n/step |",
+              "|---|---:|---:|---:|---:|---:|"]
+    names = set(plain["kernels"]) | set(auto["kernels"])
+    empty = {"us_per_step": 0.0, "per_step": 0.0}
+
+    def delta(name: str) -> float:
+        return auto["kernels"].get(name, empty)["us_per_step"] - plain["kernels"].get(name, empty)["us_per_step"]
+
+    for name in sorted(names, key=lambda n: -abs(delta(n))):
+        a, b = plain["kernels"].get(name, empty), auto["kernels"].get(name, empty)
+        lines.append(f"| `{name[:110]}` | {a['us_per_step']:.2f} | {b['us_per_step']:.2f} | {delta(name):+.2f} | "
+                     f"{a['per_step']:.2f} | {b['per_step']:.2f} |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    main()
