@@ -1,0 +1,157 @@
+"""What making and dropping executables costs, and whether a background thread can do it while the GPU runs.
+
+A diagnostic behind the `graphs-memory` latency targets. GPT-2 fp16 (random weights) forward graphs at
+lengths 1..N (captured with `torch.cuda.graph`, one shared pool), then:
+
+1. host time of `cudaGraphInstantiateWithFlags`, of the first launch after it, and of
+   `cudaGraphExecDestroy`, per graph (medians);
+2. per-call wall time of dedicated executables, lengths growing by one per call, a synchronisation
+   after every call (the latency case's loop), alone;
+3. the same loop while a background thread instantiates and destroys executables of the other graphs
+   without pause: does the foreground slow down, and how many instantiations per second does the
+   background thread reach;
+4. prefetching as a budgeted cache would: before each call, the executable of the next length is
+   instantiated on the background thread; the call waits for its own executable if it is not ready yet,
+   and the executable two calls back is destroyed. Reports per-call time and the waits.
+
+    PYTHONPATH=src:. python3 -m benchmarks.tools.instantiate_cost --out OUT [--lengths 256]
+
+Writes OUT/instantiate_cost.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from benchmarks.cases import graphs_memory as case
+from tendril.cuda import graph_exec
+
+
+def capture_graphs(count: int) -> tuple[list[torch.cuda.CUDAGraph], list[int]]:
+    device = torch.device("cuda")
+    model = case._gpt2(device)
+    ids = {n: torch.randint(0, case.VOCAB, (1, n), device=device) for n in range(1, count + 1)}
+    graphs, pool = [], None
+    with torch.inference_mode():
+        case._load_kernels(model, ids)
+        for n in range(count, 0, -1):
+            model(ids[n])
+            graph = torch.cuda.CUDAGraph(keep_graph=True)
+            with torch.cuda.graph(graph, pool=pool):
+                model(ids[n])
+            pool = graph.pool()
+            graphs.append(graph)
+    graphs.reverse()
+    return graphs, [g.raw_cuda_graph() for g in graphs]
+
+
+def ms(seconds: float) -> float:
+    return seconds * 1e3
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--lengths", type=int, default=256)
+    args = parser.parse_args()
+    graphs, raw = capture_graphs(args.lengths)  # the graphs own the raw handles: keep them alive
+    stream = torch.cuda.current_stream().cuda_stream
+    result: dict[str, Any] = {"lengths": len(graphs)}
+
+    instantiate_ms, first_launch_ms, destroy_ms, executables = [], [], [], []
+    for handle in raw:
+        begin = time.perf_counter()
+        executable = graph_exec.instantiate(handle)
+        instantiate_ms.append(ms(time.perf_counter() - begin))
+        torch.cuda.synchronize()
+        begin = time.perf_counter()
+        graph_exec.launch(executable, stream)
+        first_launch_ms.append(ms(time.perf_counter() - begin))
+        torch.cuda.synchronize()
+        executables.append(executable)
+    result["instantiate_ms_median"] = statistics.median(instantiate_ms)
+    result["first_launch_host_ms_median"] = statistics.median(first_launch_ms)
+
+    def growing_loop(order: list[int]) -> list[float]:
+        times = []
+        for index in order:
+            begin = time.perf_counter()
+            graph_exec.launch(executables[index], stream)
+            torch.cuda.synchronize()
+            times.append(ms(time.perf_counter() - begin))
+        return times
+
+    order = list(range(args.lengths))
+    growing_loop(order)
+    result["dedicated_ms_per_call_median"] = statistics.median(growing_loop(order))
+
+    stop = threading.Event()
+    churned = [0]
+
+    def churn() -> None:
+        while not stop.is_set():
+            handle = raw[churned[0] % len(raw)]
+            graph_exec.destroy(graph_exec.instantiate(handle))
+            churned[0] += 1
+
+    worker = threading.Thread(target=churn)
+    begin = time.perf_counter()
+    worker.start()
+    contended = growing_loop(order) + growing_loop(order)
+    stop.set()
+    worker.join()
+    result["dedicated_with_background_churn_ms_per_call_median"] = statistics.median(contended)
+    result["background_instantiations_per_s"] = churned[0] / (time.perf_counter() - begin)
+
+    for executable in executables:
+        begin = time.perf_counter()
+        graph_exec.destroy(executable)
+        destroy_ms.append(ms(time.perf_counter() - begin))
+    result["destroy_ms_median"] = statistics.median(destroy_ms)
+
+    for workers in (1, 2):
+        result[f"prefetch_{workers}_threads"] = prefetch_loop(raw, stream, workers)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "instantiate_cost.json").write_text(json.dumps(result, indent=2))
+    print(json.dumps(result, indent=2))
+
+
+def prefetch_loop(raw: list[int], stream: int, workers: int, ahead: int = 2) -> dict[str, float]:
+    """Growing lengths where the executables of the next `ahead` lengths are instantiated on `workers` background
+    threads while the current call runs; the executable of the previous call is destroyed after it."""
+    times: list[float] = []
+    waits: list[float] = []
+    with ThreadPoolExecutor(workers) as pool:
+        for _ in range(2):
+            pending: dict[int, Future[int]] = {}
+            times.clear()
+            waits.clear()
+            for index in range(len(raw)):
+                for upcoming in range(index, min(index + ahead + 1, len(raw))):
+                    if upcoming not in pending:
+                        pending[upcoming] = pool.submit(graph_exec.instantiate, raw[upcoming])
+                begin = time.perf_counter()
+                ready = pending[index].done()
+                executable = pending.pop(index).result()
+                waits.append(0.0 if ready else 1.0)
+                graph_exec.launch(executable, stream)
+                torch.cuda.synchronize()
+                times.append(ms(time.perf_counter() - begin))
+                graph_exec.destroy(executable)
+            for future in pending.values():
+                graph_exec.destroy(future.result())
+    return {"ms_per_call_median": statistics.median(times), "ms_per_call_mean": statistics.fmean(times),
+            "calls_that_waited": sum(waits) / len(waits)}
+
+
+if __name__ == "__main__":
+    main()
