@@ -77,13 +77,14 @@ def test_wrong_input_shape_is_rejected():
 
 
 @pytest.mark.parametrize("pixel_runs", [False, True])
-def test_pixel_run_plans_are_timed_only_when_asked_for(monkeypatch, pixel_runs):
-    """The 1×1 pixel-run plans have not run on a GPU yet: `tune` leaves them out unless `pixel_runs=True`."""
+def test_pixel_run_plans_are_timed_unless_left_out(monkeypatch, pixel_runs):
+    """`tune` times the 1×1 pixel-run plans by default and leaves them out with `pixel_runs=False`."""
     from types import SimpleNamespace
 
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(multi_processor_count=132))
     model = ResNetLike(Bottleneck, (1, 1)).eval()
-    net = convert(model, torch.randn(1, 3, 16, 16), pixel_runs=pixel_runs)
+    options = {} if pixel_runs else {"pixel_runs": False}
+    net = convert(model, torch.randn(1, 3, 16, 16), **options)
     one_by_one = [s for s in net.steps if isinstance(s, SparseConvStep) and s.weights.geometry.kernel == (1, 1)]
     plans = [plan for step in one_by_one for plan in net._register_plans(step)]
     assert one_by_one and plans

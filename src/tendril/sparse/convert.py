@@ -264,7 +264,7 @@ def convert(
     *,
     activation_capacity: float = 1.0,
     tune: bool = True,
-    pixel_runs: bool = False,
+    pixel_runs: bool = True,
 ) -> SparseNetwork:
     """Turn an eval-mode CNN into a `SparseNetwork` for inputs shaped like `example_input` ([N, C, H, W]).
 
@@ -273,8 +273,8 @@ def convert(
     buffers can hold (1.0, the default, can never overflow). On a GPU, `tune` times both convolution
     kernels on every layer with `example_input` and keeps the faster (`SparseNetwork.tune`); an
     overflow of a reduced capacity while tuning is not reported (it concerns the example only).
-    `pixel_runs=True` lets `tune` also time the register-tiled kernel's 1×1 pixel-run plans, which have
-    not run on a GPU yet (`SparseNetwork.pixel_runs`).
+    `pixel_runs=False` keeps `tune` from timing the register-tiled kernel's 1×1 pixel-run plans
+    (`SparseNetwork.pixel_runs`).
     """
     if model.training:
         raise ValueError("convert needs an eval-mode model (dropout and batch norm behave differently in training)")

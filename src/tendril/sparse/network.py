@@ -256,10 +256,10 @@ class SparseNetwork:
         self._state = RunState(self.backend, self.threads, torch.zeros(1, dtype=torch.int32, device=device))
         self.rejected_kernels: dict[str, str] = {}
         """`{layer: why}` for register-tiled kernels `tune` refused (failed to build or run, or disagreed)."""
-        self.pixel_runs = False
-        """Whether `tune` also times the register-tiled kernel's pixel-run plans for 1×1 convolutions. Off by
-        default until they have run on a GPU: they are checked against the dense reference on the CPU
-        (emulation) and compile with NVRTC, but no GPU has run them yet (`convert(..., pixel_runs=True)`)."""
+        self.pixel_runs = True
+        """Whether `tune` also times the register-tiled kernel's pixel-run plans for 1×1 convolutions. On the
+        H200 the best pixel-run plan beat the best tile plan on each of ResNet-50's 14 distinct 1×1 layers
+        (0.61 ms against 0.93 ms in all, `sparse-conv-kernels`); `convert(..., pixel_runs=False)` leaves them out."""
 
     def set_backend(self, backend: str, threads: int = 1) -> SparseNetwork:
         """Choose `"cuda"`, `"triton"` or `"cpu"` (with `threads` workers for the CPU backend)."""
