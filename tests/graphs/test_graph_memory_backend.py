@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import random
+import threading
 from types import SimpleNamespace
 from typing import Any
 
@@ -73,6 +74,10 @@ class FakeCuda:
         self.graphs: dict[int, FakeGraph] = {}
         self.executables: dict[int, int] = {}
         self.launches: list[tuple[int, int]] = []
+        self.uploads: list[tuple[int, int]] = []
+        self.threads: set[str] = set()
+        """Names of the threads that instantiated executables."""
+        self.relaxed_threads: set[str] = set()
         self.fail_instantiate = False
         self.running = False
         """Whether recorded events report their launch as still running."""
@@ -81,15 +86,18 @@ class FakeCuda:
         self.streams = {0: FakeStream(0)}
         self.current = 0
         self._next = 1
+        self._lock = threading.Lock()
 
     def handle(self) -> int:
-        self._next += 1
-        return self._next
+        with self._lock:  # the worker thread instantiates too
+            self._next += 1
+            return self._next
 
     # graph_exec
     def instantiate(self, raw: int) -> int:
         if self.fail_instantiate:
             raise RuntimeError("cudaGraphInstantiateWithFlags failed: cudaErrorInvalidValue (1)")
+        self.threads.add(threading.current_thread().name)
         executable = self.handle()
         self.executables[executable] = raw
         return executable
@@ -101,7 +109,15 @@ class FakeCuda:
         self.executables[executable] = raw
         return UpdateOutcome(True)
 
+    def upload(self, executable: int, stream: int) -> None:
+        assert executable in self.executables
+        self.uploads.append((executable, stream))
+
+    def relax_capture_mode(self) -> None:
+        self.relaxed_threads.add(threading.current_thread().name)
+
     def launch(self, executable: int, stream: int) -> None:
+        assert executable in self.executables, "launched a destroyed executable"
         self.launches.append((executable, stream))
         self.graphs[self.executables[executable]].run()
 
@@ -161,6 +177,8 @@ def cuda(monkeypatch: pytest.MonkeyPatch) -> FakeCuda:
         "graph_exec",
         SimpleNamespace(
             instantiate=fake.instantiate,
+            upload=fake.upload,
+            relax_capture_mode=fake.relax_capture_mode,
             update=fake.update,
             launch=fake.launch,
             destroy=fake.destroy,
@@ -189,8 +207,8 @@ class CpuAsCuda(cuda_backend.CudaBackend):
         return device.type == "cpu"
 
 
-def _graphed(fn: Any, budget: str | None, strategy: str = "auto") -> Any:
-    backend = CpuAsCuda(graph_memory_budget=budget, graph_memory_strategy=strategy)
+def _graphed(fn: Any, budget: str | None, strategy: str = "auto", prefetch: bool = True) -> Any:
+    backend = CpuAsCuda(graph_memory_budget=budget, graph_memory_strategy=strategy, graph_memory_prefetch=prefetch)
     return graphed(fn, backend=backend, config=Config(), max_graphs=64)
 
 
@@ -214,6 +232,7 @@ def test_random_call_orders_match_the_function(cuda: FakeCuda, strategy: str):
     assert all(m.strategy == ("lru" if strategy == "auto" else strategy) for m in memory)
     assert sum(m.instantiations + m.updates for m in memory) > 10, "no switching happened"
     cache = next(iter(fast._backend.executable_caches().values()))
+    cache.wait_idle()  # background destructions may still be queued
     assert len(cuda.executables) == cache.executables
     if strategy == "update":
         assert sum(m.updates for m in memory) > 0
@@ -291,3 +310,51 @@ def test_the_default_budget_comes_from_the_settings(monkeypatch):
     monkeypatch.setattr(config, "settings", Config(graph_memory_budget="lots"))
     with pytest.raises(ValueError, match="'lots' as a memory size"):
         cuda_backend.CudaBackend()
+
+
+def _first(x: torch.Tensor) -> torch.Tensor:
+    return x[:1] * 3 + x.sum()
+
+
+@pytest.mark.parametrize("prefetch", [True, False])
+def test_growing_lengths_are_prefetched_on_the_worker_thread(cuda: FakeCuda, prefetch: bool):
+    fast = _graphed(_first, "2KiB", "auto", prefetch)  # executables of 10 nodes, charged 40 KiB: one fits
+    fast.capture([(torch.randn(n),) for n in range(1, 31)], progress=False)
+    cache = next(iter(fast._backend.executable_caches().values()))
+    cache.budget = 3 * cache.charge(10)  # room for the executable just called, a prefetch and one more
+    cuda.launches.clear()
+    for _ in range(2):
+        for n in [*range(1, 31), *range(30, 0, -1)]:
+            x = torch.randn(n)
+            got = fast(x)
+            torch.testing.assert_close(got, _first(x))
+            got.fill_(float("nan"))
+    cache.wait_idle()
+    assert len(cuda.executables) == cache.executables and cache.live_bytes <= cache.budget
+    memory = [record.memory for record in fast.stats.graphs.values()]
+    if not prefetch:
+        assert cache.prefetches == 0 and not cuda.uploads
+        assert all(name == threading.current_thread().name for name in cuda.threads)
+        return
+    assert cache.prefetch_hits >= 100, f"{cache.prefetch_hits} hits in 120 calls stepping by one"
+    assert sum(m.prefetches for m in memory) == cache.prefetches
+    (worker,) = cuda.threads - {threading.current_thread().name}
+    assert worker.startswith("tendril-executables") and worker in cuda.relaxed_threads
+    assert {stream for _, stream in cuda.uploads} == {0}  # uploaded on the stream of the predicting call
+    fast._backend.executable_caches()[next(iter(fast._backend.executable_caches()))].close()
+    assert not cuda.executables
+
+
+def test_background_destructions_wait_for_the_last_launch(cuda: FakeCuda):
+    fast = _graphed(_first, "2KiB", "lru")
+    fast.capture([(torch.randn(n),) for n in range(1, 9)], progress=False)
+    cache = next(iter(fast._backend.executable_caches().values()))
+    cache.budget = 2 * cache.charge(10)
+    cuda.running = True  # every launch is still running when its executable is evicted
+    for n in range(1, 9):
+        x = torch.randn(n)
+        torch.testing.assert_close(fast(x), _first(x))
+    cache.wait_idle()
+    driver = cache.driver
+    assert driver.background_waits > 0 and driver.waits == 0  # waited on the worker, not on the calling thread
+    assert cuda.synchronized == driver.background_waits

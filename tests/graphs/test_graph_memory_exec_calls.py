@@ -41,6 +41,8 @@ class FakeGraphs:
         self.unreadable_functions: set[int] = set()
         self.lossy_edges = False
         self.launched: list[tuple[int, int]] = []
+        self.uploaded: list[tuple[int, int]] = []
+        self.capture_modes: list[object] = []
         self.destroyed: list[int] = []
         self.last_error_cleared = False
 
@@ -92,6 +94,14 @@ class FakeGraphs:
         self.launched.append((int(executable), int(stream)))
         return (OK,)
 
+    def upload(self, executable, stream):
+        self.uploaded.append((int(executable), int(stream)))
+        return (OK,)
+
+    def exchange_capture_mode(self, mode):
+        self.capture_modes.append(mode)
+        return OK, runtime.cudaStreamCaptureMode.cudaStreamCaptureModeGlobal
+
     def destroy(self, executable):
         self.destroyed.append(int(executable))
         return (OK,)
@@ -112,6 +122,8 @@ def fake(monkeypatch: pytest.MonkeyPatch) -> FakeGraphs:
         "cudaGraphInstantiateWithFlags": graphs.instantiate,
         "cudaGraphExecUpdate": graphs.update,
         "cudaGraphLaunch": graphs.launch,
+        "cudaGraphUpload": graphs.upload,
+        "cudaThreadExchangeStreamCaptureMode": graphs.exchange_capture_mode,
         "cudaGraphExecDestroy": graphs.destroy,
         "cudaGetLastError": graphs.get_last_error,
     }.items():
@@ -159,7 +171,17 @@ def test_instantiate_update_launch_destroy(fake: FakeGraphs):
     assert fake.launched == [(1001, 77)] and fake.destroyed == [1001]
 
 
+def test_upload_and_relaxed_capture_mode(fake: FakeGraphs):
+    graph_exec.upload(1001, 77)
+    graph_exec.relax_capture_mode()
+    assert fake.uploaded == [(1001, 77)]
+    assert fake.capture_modes == [runtime.cudaStreamCaptureMode.cudaStreamCaptureModeRelaxed]
+
+
 def test_errors_name_the_call(fake: FakeGraphs, monkeypatch: pytest.MonkeyPatch):
     monkeypatch.setattr(runtime, "cudaGraphLaunch", lambda e, s: (runtime.cudaError_t.cudaErrorInvalidValue,))
     with pytest.raises(CudaError, match="cudaGraphLaunch failed: cudaErrorInvalidValue"):
         graph_exec.launch(1001, 0)
+    monkeypatch.setattr(runtime, "cudaGraphUpload", lambda e, s: (runtime.cudaError_t.cudaErrorInvalidValue,))
+    with pytest.raises(CudaError, match="cudaGraphUpload failed: cudaErrorInvalidValue"):
+        graph_exec.upload(1001, 0)

@@ -1,14 +1,22 @@
-"""The graph-memory policy on the CPU: strategies, families, eviction order, budget accounting, update failures.
+"""The graph-memory policy on the CPU: strategies, families, eviction order, budget accounting, update failures,
+predicting the next call and prefetching its executable.
 
 A fake driver stands in for CUDA: an "executable" is a handle that runs one fake graph; instantiating
-takes `bytes_per_node` per node; an update is refused where the test says so. After every `acquire`
-the handle returned must run exactly the requested graph (what makes results identical to dedicated
-executables), must be alive, and the charges must stay within the budget.
+takes `bytes_per_node` per node; an update is refused where the test says so. Background work either
+completes at once or (`background="lazy"`) only when its future's result is asked for, which is how a
+still-running prefetch looks to the cache. After every `acquire` the handle returned must run exactly the
+requested graph (what makes results identical to dedicated executables), must be alive, and the charges
+(pending prefetches included) must stay within the budget.
 """
 
 from __future__ import annotations
 
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
+from typing import Any
 
 import pytest
 import torch
@@ -16,6 +24,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tendril.cuda.graph_exec import Topology, UpdateOutcome
+from tendril.cuda.runtime import CudaError
+from tendril.graphs.alias import LaneKey
 from tendril.graphs.backend import NullBackend
 from tendril.graphs.callable import graphed
 from tendril.graphs.executables import (
@@ -24,6 +34,7 @@ from tendril.graphs.executables import (
     MemoryStrategy,
     resolve_strategy,
 )
+from tendril.graphs.key import GraphKey, TensorSpec, next_in_step, step_between
 from tendril.graphs.memory import parse_bytes
 from tendril.graphs.stats import GraphMemory, GraphRecord, GraphStats
 
@@ -41,14 +52,38 @@ class FakeGraph:
         return Topology(self.nodes, self.family)
 
 
+class LazyFuture(Future):
+    """Background work that "runs" when its result is first asked for: until then the cache sees it pending."""
+
+    def __init__(self, work: Callable[[], Any]) -> None:
+        super().__init__()
+        self._work = work
+
+    def result(self, timeout: float | None = None) -> Any:
+        if not self.done():
+            try:
+                self.set_result(self._work())
+            except Exception as error:
+                self.set_exception(error)
+        return super().result(timeout)
+
+
 class FakeDriver:
-    def __init__(self, bytes_per_node: int = PRIOR_BYTES_PER_NODE, refuse: set[str] | None = None) -> None:
+    def __init__(
+        self, bytes_per_node: int = PRIOR_BYTES_PER_NODE, refuse: set[str] | None = None, background: str = "done"
+    ) -> None:
         self.bytes_per_node = bytes_per_node
         self.refuse = refuse or set()
         """Names of graphs an update to is refused (as CUDA refuses e.g. a 2D memset change)."""
+        self.background = background
+        """"done": background instantiations complete at once; "lazy": when their result is asked for."""
+        self.fail_background: str | None = None
+        """"instantiate" or "destroy": that background operation fails with a CUDA error."""
         self.running: dict[int, FakeGraph] = {}
         self.destroyed: set[int] = set()
         self.log: list[tuple[str, str]] = []
+        self.upload_streams: list[Any] = []
+        self.closed = False
         self._next = 1
 
     def instantiate(self, graph: FakeGraph) -> tuple[int, int | None]:
@@ -71,6 +106,40 @@ class FakeDriver:
         del self.running[executable]
         self.destroyed.add(executable)
         self.log.append(("destroy", str(executable)))
+
+    def instantiate_async(self, graph: FakeGraph, stream: Any) -> Future[tuple[int, int | None]]:
+        def work() -> tuple[int, int | None]:
+            if self.fail_background == "instantiate":
+                raise CudaError("cudaGraphInstantiateWithFlags failed: cudaErrorMemoryAllocation (2)")
+            handle, _ = self.instantiate(graph)
+            self.upload_streams.append(stream)
+            return handle, None  # unmeasured, as the CUDA driver's background instantiations
+
+        self.log.append(("prefetch", graph.name))
+        future: Future[tuple[int, int | None]] = LazyFuture(work) if self.background == "lazy" else Future()
+        if self.background != "lazy":
+            _complete(future, work)
+        return future
+
+    def destroy_async(self, executable: int) -> Future[None]:
+        def work() -> None:
+            if self.fail_background == "destroy":
+                raise CudaError("cudaGraphExecDestroy failed: cudaErrorIllegalAddress (700)")
+            self.destroy(executable)
+
+        future: Future[None] = Future()
+        _complete(future, work)
+        return future
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def _complete(future: Future[Any], work: Callable[[], Any]) -> None:
+    try:
+        future.set_result(work())
+    except Exception as error:
+        future.set_exception(error)
 
 
 def _cache(
@@ -204,7 +273,7 @@ def test_discard_and_close_destroy_executables():
     cache.discard("a")
     assert cache.executables == 1 and len(driver.running) == 1
     cache.close()
-    assert not driver.running and memories["b"].executable_bytes == 0
+    assert not driver.running and memories["b"].executable_bytes == 0 and driver.closed
 
 
 @settings(max_examples=60, deadline=None)
@@ -255,3 +324,240 @@ def test_stats_report_switching_per_graph():
     assert stats.executable_bytes == 1 << 20 and stats.switch_ms == 0.5
     assert "auto: family abc" in stats.table() and "3 updates" in stats.table()
     assert "executables now 1.0 MiB, switching 0.5 ms" in stats.table().splitlines()[0]
+
+
+# -- predicting the next call and prefetching its executable -------------------------------------------------
+
+CUDA0 = torch.device("cuda", 0)
+
+
+def _key(*shapes: tuple[int, ...], dtype: torch.dtype = torch.int64, constants: tuple = ()) -> GraphKey:
+    return GraphKey(("flat", len(shapes), ()), tuple(TensorSpec(s, dtype, CUDA0) for s in shapes), constants)
+
+
+def _ids(n: int) -> GraphKey:
+    """The key of a GPT-2-like call on token ids of length `n`."""
+    return _key((1, n))
+
+
+def test_next_in_step_continues_constant_steps():
+    assert next_in_step(_ids(3), _ids(4), _ids(5)) == _ids(6)
+    assert next_in_step(_ids(10), _ids(8), _ids(6)) == _ids(4)  # shrinking by two
+    assert next_in_step(_key((1, 2), (2, 8)), _key((1, 3), (3, 8)), _key((1, 4), (4, 8))) == _key((1, 5), (5, 8))
+    assert step_between(_ids(3), _key((2, 3))) == ((1, 0),)
+    assert next_in_step(_ids(1), _ids(2), _ids(4)) is None  # steps differ
+    assert next_in_step(_ids(4), _ids(4), _ids(4)) is None  # no step: nothing to predict
+    assert next_in_step(_ids(6), _ids(3), _ids(0)) is None  # would step below zero
+    assert next_in_step(_ids(1), _key((1, 2), dtype=torch.int32), _key((1, 3), dtype=torch.int32)) is None
+    assert next_in_step(_ids(1), _ids(2), _key((1, 2, 1))) is None  # rank changed
+    bound = [_key((1, n), constants=((1, int, 7),)) for n in (1, 2, 3)]
+    assert next_in_step(*bound) == _key((1, 4), constants=((1, int, 7),))
+    assert next_in_step(_ids(1), _ids(2), _key((1, 3), constants=((1, int, 7),))) is None  # constants differ
+    assert next_in_step("a", "b", "c") is None  # not graph keys
+
+
+def test_next_in_step_keeps_lane_keys_apart_from_plain_keys():
+    def lane(n: int, lane: int = 1, generation: int = 0) -> LaneKey:
+        return LaneKey(("flat", 1, ()), (TensorSpec((1, n), torch.int64, CUDA0),), (), lane, generation)
+
+    predicted = next_in_step(lane(1), lane(2), lane(3))
+    assert predicted == lane(4) and isinstance(predicted, LaneKey)
+    assert next_in_step(_ids(1), lane(2), lane(3)) is None
+    assert next_in_step(lane(1), lane(2), _ids(3)) is None
+    assert next_in_step(lane(1), lane(2), lane(3, lane=2)) is None
+    assert next_in_step(lane(1), lane(2, generation=1), lane(3, generation=1)) is None
+
+
+def _keyed_cache(
+    lengths: range, budget_executables: int | None, driver: FakeDriver | None = None, nodes: int = 100
+) -> tuple[ExecutableCache, FakeDriver, dict[GraphKey, FakeGraph], dict[GraphKey, GraphMemory]]:
+    driver = driver or FakeDriver()
+    budget = None if budget_executables is None else budget_executables * nodes * PRIOR_BYTES_PER_NODE
+    cache = ExecutableCache(driver, MemoryStrategy.LRU, budget, predict_next=next_in_step)
+    graphs, memories = {}, {}
+    for n in lengths:
+        graphs[_ids(n)] = FakeGraph(f"L{n}", nodes, "gpt")
+        memories[_ids(n)] = GraphMemory()
+        cache.add(_ids(n), graphs[_ids(n)], graphs[_ids(n)].topology, memories[_ids(n)])
+    return cache, driver, graphs, memories
+
+
+def _call(cache: ExecutableCache, driver: FakeDriver, graphs: dict[GraphKey, FakeGraph], key: GraphKey) -> int:
+    """What a replay does: acquire, (launch), then let the cache prefetch; checks the invariants."""
+    handle = _acquire(cache, driver, graphs, key)
+    cache.prefetch_next(stream="the call's stream")
+    assert handle in driver.running, "prefetching destroyed the executable just called"
+    if cache.budget is not None and cache.over_budget == 0:
+        assert cache.live_bytes <= cache.budget, "a pending prefetch took the charges past the budget"
+    return handle
+
+
+def _total(memories: dict[Any, GraphMemory], field: str) -> int:
+    return sum(getattr(m, field) for m in memories.values())
+
+
+def test_growing_lengths_prefetch_the_next_executable():
+    cache, driver, graphs, memories = _keyed_cache(range(1, 21), budget_executables=3)
+    for n in range(1, 21):
+        _call(cache, driver, graphs, _ids(n))
+    # calls 1-3 instantiate (no two equal steps yet); each later call finds the executable prefetched
+    assert _total(memories, "prefetches") == 17 == cache.prefetches == cache.prefetch_hits
+    assert cache.prefetch_waits == 0 and cache.prefetch_wasted == 0
+    assert [name for op, name in driver.log if op == "prefetch"] == [f"L{n}" for n in range(4, 21)]
+    assert memories[_ids(1)].prefetches == 0 and memories[_ids(7)].prefetch_hits == 1
+    assert set(driver.upload_streams) == {"the call's stream"}
+    assert cache.pending_keys() == []  # L21 is not registered: nothing prefetched after the last call
+    for n in range(19, 0, -1):  # and back down: steps of -1 are predicted as well
+        _call(cache, driver, graphs, _ids(n))
+    assert cache.prefetch_hits > 17 + 10
+
+
+def test_shrinking_by_two_prefetches_every_other_length():
+    cache, driver, graphs, memories = _keyed_cache(range(1, 31), budget_executables=2)
+    for n in range(30, 0, -2):
+        _call(cache, driver, graphs, _ids(n))
+    assert cache.prefetch_hits == 12 and cache.prefetch_wasted == 0 and cache.over_budget == 0
+    assert all(memories[_ids(n)].prefetches == 0 for n in range(1, 31, 2))
+
+
+def test_capture_time_acquisitions_do_not_count_as_calls():
+    cache, *_ = _keyed_cache(range(1, 6), budget_executables=None)
+    for n in (1, 2, 3):
+        cache.acquire(_ids(n), call=False)
+    assert cache.prefetch_next() is None and cache.prefetches == 0
+
+
+def test_no_prefetch_when_the_budget_holds_only_the_executable_just_called():
+    cache, driver, graphs, memories = _keyed_cache(range(1, 11), budget_executables=1)
+    for n in range(1, 11):
+        _call(cache, driver, graphs, _ids(n))
+    assert cache.prefetches == 0 and _total(memories, "instantiations") == 10 and cache.over_budget == 0
+
+
+def test_without_a_predictor_or_under_update_nothing_is_prefetched():
+    graphs = {_ids(n): FakeGraph(f"L{n}", 100, "gpt") for n in range(1, 8)}
+    for strategy, predict in ((MemoryStrategy.LRU, None), (MemoryStrategy.UPDATE, next_in_step)):
+        driver = FakeDriver()
+        cache = ExecutableCache(driver, strategy, None, predict_next=predict)
+        for key, graph in graphs.items():
+            cache.add(key, graph, graph.topology, GraphMemory())
+        for key in graphs:
+            _acquire(cache, driver, graphs, key)
+            assert cache.prefetch_next() is None
+        assert not cache.prefetching and "prefetch" not in {op for op, _ in driver.log}
+
+
+def test_a_call_waits_for_a_pending_prefetch():
+    cache, driver, graphs, _ = _keyed_cache(range(1, 9), 3, FakeDriver(background="lazy"))
+    for n in range(1, 9):
+        _call(cache, driver, graphs, _ids(n))
+        assert cache.executables == len(driver.running) + len(cache.pending_keys())
+    assert cache.prefetch_hits == 5 == cache.prefetch_waits  # lazy: every prefetch is still pending at its call
+    assert cache.pending_keys() == []
+
+
+def test_waiting_on_a_background_thread_counts_as_switching_time():
+    """The wait for a prefetch still running counts in the graph's switch_ms; the background time does not."""
+
+    class SlowDriver(FakeDriver):
+        def instantiate_async(self, graph: FakeGraph, stream: Any) -> Future[tuple[int, int | None]]:
+            future: Future[tuple[int, int | None]] = Future()
+            handle, _ = self.instantiate(graph)
+            threading.Timer(0.05, future.set_result, ((handle, None),)).start()
+            return future
+
+    cache, driver, graphs, memories = _keyed_cache(range(1, 6), None, SlowDriver())
+    for n in (1, 2, 3):
+        _call(cache, driver, graphs, _ids(n))
+    assert cache.pending_keys() == [_ids(4)]
+    before = memories[_ids(4)].switch_ms
+    started = time.perf_counter()
+    _acquire(cache, driver, graphs, _ids(4))
+    waited_ms = (time.perf_counter() - started) * 1e3
+    assert cache.prefetch_waits == 1 and waited_ms > 20
+    assert memories[_ids(4)].switch_ms - before == pytest.approx(waited_ms, abs=5)
+
+
+def test_a_prefetch_evicted_before_its_call_is_wasted():
+    cache, driver, graphs, memories = _keyed_cache(range(1, 21), 2, FakeDriver(background="lazy"))
+    for n in (1, 2, 3):
+        _call(cache, driver, graphs, _ids(n))
+    assert cache.pending_keys() == [_ids(4)]
+    _call(cache, driver, graphs, _ids(10))  # mispredicted: 3, used before 4 was prefetched, makes room
+    assert cache.pending_keys() == [_ids(4)]
+    _call(cache, driver, graphs, _ids(11))  # now 4 is the least recently used: evicted unused
+    assert memories[_ids(4)].prefetch_wasted == 1 == cache.prefetch_wasted and cache.prefetch_hits == 0
+    assert ("instantiate", "L4") in driver.log  # waited for, to destroy what it made
+    assert memories[_ids(4)].evictions == 1 and cache.pending_keys() == []
+
+
+def test_random_orders_rarely_prefetch():
+    import random
+
+    cache, driver, graphs, _ = _keyed_cache(range(1, 33), budget_executables=4)
+    rng = random.Random(11)
+    for _ in range(300):
+        _call(cache, driver, graphs, _ids(rng.randint(1, 32)))
+    assert cache.prefetches <= 12, f"{cache.prefetches} prefetches in 300 random calls"
+
+
+def test_a_failed_background_instantiation_surfaces_at_the_call():
+    cache, driver, graphs, _ = _keyed_cache(range(1, 9), 3, FakeDriver(background="lazy"))
+    driver.fail_background = "instantiate"
+    for n in (1, 2, 3):
+        _call(cache, driver, graphs, _ids(n))
+    with pytest.raises(CudaError, match="cudaErrorMemoryAllocation") as raised:
+        cache.acquire(_ids(4))
+    assert "background thread" in "".join(getattr(raised.value, "__notes__", []))
+    assert cache.pending_keys() == [] and _ids(4) not in cache.holder_keys()
+    driver.fail_background = None
+    _acquire(cache, driver, graphs, _ids(4))  # the next call instantiates it on the calling thread
+    assert cache.executables == len(driver.running)
+
+
+def test_a_failed_background_destruction_surfaces_at_the_next_call():
+    cache, driver, graphs, _ = _keyed_cache(range(1, 9), 2)
+    for n in (1, 2, 3):
+        _call(cache, driver, graphs, _ids(n))
+    driver.fail_background = "destroy"
+    _call(cache, driver, graphs, _ids(4))  # the prefetch of 5 evicts 3 in the background: that fails
+    with pytest.raises(CudaError, match="cudaGraphExecDestroy failed"):
+        cache.acquire(_ids(5))
+
+
+def test_close_waits_for_pending_prefetches_and_stops_the_driver():
+    cache, driver, graphs, memories = _keyed_cache(range(1, 9), 3, FakeDriver(background="lazy"))
+    for n in (1, 2, 3):
+        _call(cache, driver, graphs, _ids(n))
+    cache.close()
+    assert not driver.running and driver.closed and cache.executables == 0
+    assert _total(memories, "executable_bytes") == 0
+
+
+def _runs(segments: list[tuple[int, int, int]], top: int) -> list[int]:
+    """Lengths of runs that start at `start` and step by `step` for `count` calls, clipped to 1..top."""
+    lengths = []
+    for start, step, count in segments:
+        lengths += [min(max(start + i * step, 1), top) for i in range(count)]
+    return lengths
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    budget_executables=st.integers(min_value=1, max_value=5),
+    segments=st.lists(
+        st.tuples(st.integers(1, 16), st.sampled_from([-2, -1, 1, 2, 3]), st.integers(1, 8)), min_size=1, max_size=12
+    ),
+    lazy=st.booleans(),
+)
+def test_prefetching_runs_the_requested_graph_within_budget(budget_executables, segments, lazy):
+    """Runs of stepping lengths mixed with jumps: every call gets its own graph, the charges (pending prefetches
+    included) never pass the budget, and every prefetch is either hit, wasted, or still held."""
+    driver = FakeDriver(background="lazy" if lazy else "done")
+    cache, driver, graphs, memories = _keyed_cache(range(1, 17), budget_executables, driver)
+    for n in _runs(segments, 16):
+        _call(cache, driver, graphs, _ids(n))
+        assert cache.over_budget == 0
+        assert cache.executables == len(driver.running) + (len(cache.pending_keys()) if lazy else 0)
+    assert cache.prefetches == cache.prefetch_hits + cache.prefetch_wasted + len(cache.pending_keys())
+    assert _total(memories, "executable_bytes") == cache.live_bytes

@@ -89,6 +89,7 @@ class GraphedCallable:
         name: str | None = None,
         graph_memory_budget: int | str | None = None,
         graph_memory_strategy: str = "auto",
+        graph_memory_prefetch: bool = True,
     ) -> None:
         if max_graphs < 0:
             raise ValueError(f"max_graphs must be >= 0, got {max_graphs}")
@@ -101,11 +102,15 @@ class GraphedCallable:
         if backend is None:
             from tendril.graphs.cuda_backend import CudaBackend
 
-            backend = CudaBackend(graph_memory_budget=graph_memory_budget, graph_memory_strategy=graph_memory_strategy)
-        elif graph_memory_budget is not None or graph_memory_strategy != "auto":
+            backend = CudaBackend(
+                graph_memory_budget=graph_memory_budget,
+                graph_memory_strategy=graph_memory_strategy,
+                graph_memory_prefetch=graph_memory_prefetch,
+            )
+        elif graph_memory_budget is not None or graph_memory_strategy != "auto" or not graph_memory_prefetch:
             raise ValueError(
-                "graph_memory_budget/graph_memory_strategy configure the default CUDA backend; with your own "
-                "backend, pass them to it (CudaBackend(graph_memory_budget=..., graph_memory_strategy=...))"
+                "graph_memory_budget/graph_memory_strategy/graph_memory_prefetch configure the default CUDA backend; "
+                "with your own backend, pass them to it (CudaBackend(graph_memory_budget=..., ...))"
             )
         self.fn = fn
         self.buckets = buckets
@@ -418,6 +423,7 @@ def graphed(
     config: Config | None = None,
     graph_memory_budget: int | str | None = None,
     graph_memory_strategy: str = "auto",
+    graph_memory_prefetch: bool = True,
 ) -> GraphedCallable:
     """Run `fn` (an `nn.Module` or any function of tensors) as CUDA graphs keyed by its argument shapes.
 
@@ -433,6 +439,8 @@ def graphed(
     `graph_memory_strategy` overrides the choice: "auto" (dedicated executables without a budget, "lru"
     with one), "dedicated", "lru" or "update" (one executable per topology family, switched by
     `cudaGraphExecUpdate`: opt-in, it crashed some models on the H200; see `tendril.graphs.executables`).
+    Under "lru" the executable of the call predicted next (lengths stepping by a constant amount, as in a
+    generation loop) is instantiated ahead on a background thread; `graph_memory_prefetch=False` turns that off.
     """
     return GraphedCallable(
         fn,
@@ -444,6 +452,7 @@ def graphed(
         config=config,
         graph_memory_budget=graph_memory_budget,
         graph_memory_strategy=graph_memory_strategy,
+        graph_memory_prefetch=graph_memory_prefetch,
     )
 
 

@@ -9,6 +9,7 @@ with one graph per sequence length spends most of its memory there. The captured
 - `dedicated`: one executable per graph, made at capture and kept (what `torch.cuda.graph` does). The
   CUDA backend serves it with torch's own replay; this cache is not involved.
 - `lru`: executables are instantiated on demand; past the budget the least recently used is destroyed.
+  With a `predict_next` (the CUDA backend's default) it also prefetches: see below.
 - `update` (opt-in): one executable per topology family (graphs whose node types, kernel functions and
   edges match, e.g. one model at different lengths); switching it to another graph of the family is a
   `cudaGraphExecUpdate` instead of an instantiation. On the H200 the update call takes 0.2 ms of host
@@ -32,6 +33,30 @@ node worth `PRIOR_NODES` nodes of evidence. The budget holds for these charges; 
 not be evicted (`reserve`) count against it too. One executable larger than the budget is still
 instantiated (a graph must run) and counted in `over_budget`.
 
+Prefetching (`lru`). On the H200, for GPT-2 fp16 forward graphs of about 293 nodes
+(`benchmarks/tools/instantiate_cost.py`), `cudaGraphInstantiateWithFlags` takes 1.34 ms of host time
+(median, first time per graph), the first launch after it 0.27 ms more (the upload) and
+`cudaGraphExecDestroy` 0.25 ms, against 0.90 ms for a call of a dedicated executable (launch and
+synchronisation). A generation loop calls lengths growing by one, a cycle longer than any budgeted
+cache, so plain `lru` misses at every call and pays about 1.9 ms extra per call. So after each call
+(`prefetch_next`, not at the acquisition made at capture) the cache predicts the next call's key from
+the last three calls (`predict_next`; the backend's understands `GraphKey`s: the last two transitions
+stepped every tensor shape by the same amount, so the next key is the current one stepped once more).
+If the prediction names a registered graph without an executable, room is made for it (least recently
+used first, never the executable just called; skipped when even that would not fit the budget) and the
+driver instantiates it on its background thread, uploading it on the stream of the call that predicted
+it; evictions then destroy in the background too, after the executable's last launch. The diagnostic
+measured what this can reach: a background thread instantiating and destroying without pause made 1523
+pairs per second while a dedicated executable's loop slowed from 0.901 to 0.948 ms per call, and
+prefetching the next length on one thread left 0.4% of calls waiting, at 1.0 ms per call (there the
+foreground still paid the upload, which `upload` now moves to the worker). An `acquire` of a key whose
+executable is still being made waits for it (counted in `GraphMemory.prefetch_waits`; the wait is part
+of `switch_ms`, the background time is not); errors of the background thread are raised there, or at the
+next `acquire` for a background destroy. A pending executable counts against the budget like a live
+one. Background instantiations are not measured (other threads' allocations would pollute
+cudaMemGetInfo) and are charged at the learnt rate. Random call orders rarely step twice alike, so
+they rarely prefetch; a prefetched executable evicted before any call used it is counted as wasted.
+
 Ordering. CUDA applies updates to later launches only and frees a destroyed executable after its running
 launch completes (`tendril.cuda.graph_exec`); the CUDA driver of this policy still waits for an
 executable's last launch before updating or destroying it (`CudaExecutables`). The memory the graphs
@@ -43,7 +68,10 @@ from __future__ import annotations
 import enum
 import math
 import time
-from collections.abc import Hashable
+from collections import deque
+from collections.abc import Callable, Hashable
+from concurrent.futures import Future
+from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -82,8 +110,15 @@ def resolve_strategy(strategy: MemoryStrategy | str, budget: int | None) -> Memo
     return chosen
 
 
+PredictNext = Callable[[Hashable, Hashable, Hashable], Hashable | None]
+"""Given the keys of the last three calls (oldest first), the key the next call is expected to have, or None."""
+
+
 class ExecutableDriver(Protocol):
-    """What the policy needs from CUDA (`tendril.graphs.cuda_backend.CudaExecutables`; a fake in tests)."""
+    """What the policy needs from CUDA (`tendril.graphs.cuda_backend.CudaExecutables`; a fake in tests).
+
+    The `_async` operations run in submission order on one background thread; their errors are raised by the
+    futures' `result()`."""
 
     def instantiate(self, graph: Any) -> tuple[int, int | None]:
         """Instantiate `graph`; return the executable's handle and the driver bytes it took (None: unmeasured)."""
@@ -94,15 +129,28 @@ class ExecutableDriver(Protocol):
     def destroy(self, executable: int) -> None:
         """Destroy `executable` (a launch still running completes first)."""
 
+    def instantiate_async(self, graph: Any, stream: Any) -> Future[tuple[int, int | None]]:
+        """Instantiate `graph` in the background (and upload it in `stream`, the stream of the call that asked
+        for it, if not None); the future gives what `instantiate` returns."""
+
+    def destroy_async(self, executable: int) -> Future[None]:
+        """Destroy `executable` in the background, once its last launch has completed."""
+
+    def close(self) -> None:
+        """Finish the background work and stop the background thread."""
+
 
 @dataclass
 class _Executable:
-    handle: int
+    handle: int | None
+    """None while `pending`."""
     family: str
     nodes: int
     holder: Hashable
     """The key whose graph the executable runs now."""
     last_used: int
+    pending: Future[tuple[int, int | None]] | None = None
+    """A prefetch no call has taken yet (the instantiation may still run)."""
 
 
 @dataclass
@@ -114,14 +162,26 @@ class _Source:
 
 
 class ExecutableCache:
-    """Gives each graph an executable on demand, within a device-memory budget (see the module docstring)."""
+    """Gives each graph an executable on demand, within a device-memory budget (see the module docstring).
 
-    def __init__(self, driver: ExecutableDriver, strategy: MemoryStrategy, budget: int | None) -> None:
+    `predict_next` turns prefetching on (strategy `lru` only); the cache itself stays generic over hashable
+    keys."""
+
+    def __init__(
+        self,
+        driver: ExecutableDriver,
+        strategy: MemoryStrategy,
+        budget: int | None,
+        *,
+        predict_next: PredictNext | None = None,
+    ) -> None:
         if strategy is MemoryStrategy.AUTO or (strategy is MemoryStrategy.DEDICATED and budget is None):
             raise ValueError("resolve the strategy first: 'auto' is 'dedicated' (served by torch) or 'lru'")
         self.driver = driver
         self.strategy = strategy
         self.budget = budget
+        self.predict_next = predict_next if strategy is MemoryStrategy.LRU else None
+        """How the next call's key is predicted; None: no prefetching (and every driver call on the caller's thread)."""
         self.reserved_bytes = 0
         """Driver bytes of executables outside the cache (never evicted) that count against the budget."""
         self.over_budget = 0
@@ -138,6 +198,10 @@ class ExecutableCache:
         self._charged: int | None = 0
         """Sum of the live executables' charges; None when it must be recomputed (the live set or the rate
         changed). Updates change neither, so the per-call path of a switch stays O(family)."""
+        self._calls: deque[Hashable] = deque(maxlen=3)
+        """Keys of the last calls, oldest first (what `predict_next` reads)."""
+        self._destroying: list[Future[None]] = []
+        """Background destructions not yet seen to complete (their errors are raised at the next `acquire`)."""
 
     # -- accounting ----------------------------------------------------------------------------------
 
@@ -153,18 +217,48 @@ class ExecutableCache:
 
     @property
     def live_bytes(self) -> int:
-        """Charges of the live executables plus reserved bytes; at most the budget (bar `over_budget`)."""
+        """Charges of the live and pending executables plus reserved bytes; at most the budget (bar
+        `over_budget`)."""
         if self._charged is None:
             self._charged = sum(self.charge(e.nodes) for e in self._live)
         return self._charged + self.reserved_bytes
 
     @property
     def executables(self) -> int:
+        """Live executables, pending prefetches included."""
         return len(self._live)
 
+    @property
+    def prefetching(self) -> bool:
+        return self.predict_next is not None
+
+    @property
+    def prefetches(self) -> int:
+        """Instantiations started in the background ahead of a predicted call."""
+        return sum(source.memory.prefetches for source in self._sources.values())
+
+    @property
+    def prefetch_hits(self) -> int:
+        """Calls that found their executable prefetched (ready or still being made)."""
+        return sum(source.memory.prefetch_hits for source in self._sources.values())
+
+    @property
+    def prefetch_waits(self) -> int:
+        """Calls that waited for their prefetched executable to be ready (a subset of the hits)."""
+        return sum(source.memory.prefetch_waits for source in self._sources.values())
+
+    @property
+    def prefetch_wasted(self) -> int:
+        """Prefetched executables evicted before any call used them."""
+        return sum(source.memory.prefetch_wasted for source in self._sources.values())
+
     def holder_keys(self) -> list[Hashable]:
-        """Keys whose graph has an executable now, least recently used first."""
+        """Keys whose graph has an executable now (pending prefetches included), least recently used first."""
         return [e.holder for e in sorted(self._live, key=lambda e: e.last_used)]
+
+    def pending_keys(self) -> list[Hashable]:
+        """Keys whose prefetched executable no call has taken yet."""
+        return [e.holder for e in self._live if e.pending is not None]
 
     def family(self, key: Hashable) -> str:
         return self._sources[key].family
@@ -185,20 +279,70 @@ class ExecutableCache:
         memory.nodes = topology.nodes
         self._sources[key] = _Source(graph, topology.nodes, topology.digest, memory)
 
-    def acquire(self, key: Hashable) -> int:
-        """The handle of an executable that runs `key`'s graph at its next launch (instantiated, switched or
-        already there)."""
+    def acquire(self, key: Hashable, *, call: bool = True) -> int:
+        """The handle of an executable that runs `key`'s graph at its next launch (instantiated, switched, taken
+        from a prefetch, or already there). `call=False` for an acquisition that is not a call (at capture): it
+        does not count towards prediction. Raises the error of a failed background instantiation or destruction."""
         self._clock += 1
+        self._raise_background_errors()
+        if call:
+            self._calls.append(key)
         held = self._holding.get(key)
-        if held is not None:
+        if held is not None and held.pending is None:
             held.last_used = self._clock
+            assert held.handle is not None
             return held.handle
         source = self._sources[key]
         start = time.perf_counter()
-        executable = self._switch_or_instantiate(key, source)
+        try:
+            if held is not None:
+                assert held.pending is not None
+                source.memory.prefetch_hits += 1
+                if not held.pending.done():
+                    source.memory.prefetch_waits += 1
+                self._take(held)
+                executable = held
+            else:
+                executable = self._switch_or_instantiate(key, source)
+        finally:
+            source.memory.switch_ms += (time.perf_counter() - start) * 1e3
         executable.last_used = self._clock
-        source.memory.switch_ms += (time.perf_counter() - start) * 1e3
+        assert executable.handle is not None
         return executable.handle
+
+    def prefetch_next(self, stream: Any = None) -> Hashable | None:
+        """After a call's launch: predict the next call's key and, if its registered graph has no executable, make
+        room for one (never evicting the executable just called) and start instantiating it in the background,
+        uploading it in `stream`. Returns the key prefetched, if any. The host time spent here counts in that
+        graph's `switch_ms`."""
+        if self.predict_next is None or len(self._calls) < 3:
+            return None
+        predicted = self.predict_next(*self._calls)
+        current = self._calls[-1]
+        if predicted is None or predicted == current or predicted not in self._sources or predicted in self._holding:
+            return None
+        source = self._sources[predicted]
+        needed = self.charge(source.nodes)
+        protected = self._holding.get(current)
+        if self.budget is not None:
+            floor = self.reserved_bytes + (self.charge(protected.nodes) if protected is not None else 0)
+            if floor + needed > self.budget:
+                return None  # only by evicting the executable just called
+        start = time.perf_counter()
+        try:
+            self._make_room(needed, protected)
+            future = self.driver.instantiate_async(source.graph, stream)
+            self._admit(_Executable(None, source.family, source.nodes, predicted, self._clock, future))
+            source.memory.instantiations += 1
+            source.memory.prefetches += 1
+        finally:
+            source.memory.switch_ms += (time.perf_counter() - start) * 1e3
+        return predicted
+
+    def wait_idle(self) -> None:
+        """Wait until the background work started so far has finished (errors stay for `acquire` to raise)."""
+        futures: list[Future[Any]] = [e.pending for e in self._live if e.pending is not None]
+        futures_wait(futures + list[Future[Any]](self._destroying))
 
     def discard(self, key: Hashable) -> None:
         """Forget `key`'s graph (a capture that failed after registering), destroying its executable if any."""
@@ -206,16 +350,27 @@ class ExecutableCache:
         if held is not None:
             self._evict(held)
         self._sources.pop(key, None)
+        self._calls = deque((k for k in self._calls if k != key), maxlen=3)
 
     def close(self) -> None:
-        """Destroy every executable (their running launches complete first)."""
-        for executable in self._live:
+        """Destroy every executable (their running launches complete first) and stop the background thread.
+
+        A prefetch whose instantiation failed left nothing to destroy; its error is dropped here."""
+        for executable in list(self._live):
+            if executable.pending is not None:
+                try:
+                    self._take(executable)
+                except Exception:  # nothing was made; no call is left to report the error to
+                    continue
+            assert executable.handle is not None
             self.driver.destroy(executable.handle)
             self._sources[executable.holder].memory.executable_bytes = 0
         self._live.clear()
         self._families.clear()
         self._holding.clear()
         self._charged = 0
+        self._destroying.clear()
+        self.driver.close()
 
     # -- policy --------------------------------------------------------------------------------------
 
@@ -226,6 +381,7 @@ class ExecutableCache:
         if not family:
             return self._instantiate(key, source)
         target = min(family, key=lambda e: e.last_used)
+        assert target.handle is not None  # `update` never prefetches
         outcome = self.driver.update(target.handle, source.graph)
         if outcome.ok:
             self._sources[target.holder].memory.executable_bytes = 0
@@ -245,29 +401,64 @@ class ExecutableCache:
     def _instantiate(self, key: Hashable, source: _Source) -> _Executable:
         self._make_room(self.charge(source.nodes))
         handle, measured = self.driver.instantiate(source.graph)
-        if measured is not None:
-            self._measured_bytes += measured
-            self._measured_nodes += source.nodes
+        self._learn(source, measured)
         source.memory.instantiations += 1
         executable = _Executable(handle, source.family, source.nodes, key, self._clock)
-        self._live.append(executable)
-        self._families.setdefault(executable.family, []).append(executable)
-        self._holding[key] = executable
-        self._charged = None
-        self._refresh_charges()
+        self._admit(executable)
         if self.budget is not None and self.live_bytes > self.budget:
             self.over_budget += 1
         return executable
 
-    def _make_room(self, needed: int) -> None:
-        """Evict least recently used executables until `needed` more bytes fit the budget (or none is left)."""
+    def _admit(self, executable: _Executable) -> None:
+        self._live.append(executable)
+        self._families.setdefault(executable.family, []).append(executable)
+        self._holding[executable.holder] = executable
+        self._charged = None
+        self._refresh_charges()
+
+    def _learn(self, source: _Source, measured: int | None) -> None:
+        if measured is not None:
+            self._measured_bytes += measured
+            self._measured_nodes += source.nodes
+
+    def _take(self, executable: _Executable) -> None:
+        """Wait for a prefetched executable; on failure forget it (nothing was made) and raise the error."""
+        assert executable.pending is not None
+        try:
+            handle, measured = executable.pending.result()
+        except Exception as error:
+            self._forget(executable)
+            error.add_note(f"(raised on tendril's background thread instantiating graph {executable.holder})")
+            raise
+        executable.handle = handle
+        executable.pending = None
+        self._learn(self._sources[executable.holder], measured)
+
+    def _make_room(self, needed: int, protected: _Executable | None = None) -> None:
+        """Evict executables until `needed` more bytes fit the budget (or only `protected` is left), the least
+        recently used first (a prefetch counts as used by the call that predicted it: a stale one ages out)."""
         if self.budget is None:
             return
-        while self._live and self.live_bytes + needed > self.budget:
-            self._evict(min(self._live, key=lambda e: e.last_used))
+        while self.live_bytes + needed > self.budget:
+            candidates = [e for e in self._live if e is not protected]
+            if not candidates:
+                return
+            self._evict(min(candidates, key=lambda e: e.last_used))
 
     def _evict(self, executable: _Executable) -> None:
-        self.driver.destroy(executable.handle)
+        memory = self._sources[executable.holder].memory
+        if executable.pending is not None:
+            memory.prefetch_wasted += 1
+            self._take(executable)  # the destruction needs the handle (and a failure is raised, not lost)
+        assert executable.handle is not None
+        if self.prefetching:
+            self._destroying.append(self.driver.destroy_async(executable.handle))
+        else:
+            self.driver.destroy(executable.handle)
+        self._forget(executable)
+        memory.evictions += 1
+
+    def _forget(self, executable: _Executable) -> None:
         self._live.remove(executable)
         family = self._families[executable.family]
         family.remove(executable)
@@ -275,9 +466,20 @@ class ExecutableCache:
             del self._families[executable.family]
         self._charged = None
         del self._holding[executable.holder]
-        memory = self._sources[executable.holder].memory
-        memory.executable_bytes = 0
-        memory.evictions += 1
+        self._sources[executable.holder].memory.executable_bytes = 0
+
+    def _raise_background_errors(self) -> None:
+        """Raise the error of a background destruction that failed (CUDA errors are sticky: the next call would
+        fail anyway, here it fails naming the cause)."""
+        if not self._destroying:
+            return
+        finished: list[Future[None]] = []
+        running: list[Future[None]] = []
+        for future in self._destroying:
+            (finished if future.done() else running).append(future)
+        self._destroying = running
+        for future in finished:
+            future.result()
 
     def _refresh_charges(self) -> None:
         for executable in self._live:

@@ -13,6 +13,7 @@ tested without a GPU. Calls that cannot be keyed (an unhashable non-tensor argum
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Hashable, Mapping
 from dataclasses import dataclass
 from typing import Any, cast
@@ -138,3 +139,41 @@ def key_of(flat: Flattened) -> GraphKey | Unkeyable:
 def key_for(*args: Any, **kwargs: Any) -> GraphKey | Unkeyable:
     """The key a call `fn(*args, **kwargs)` dispatches on."""
     return key_of(flatten_call(args, kwargs))
+
+
+Step = tuple[tuple[int, ...], ...]
+"""Per tensor leaf, per dimension: how much one key's shapes differ from another's."""
+
+
+def step_between(earlier: Hashable, later: Hashable) -> Step | None:
+    """How `later`'s tensor shapes differ from `earlier`'s, if the two keys differ in shapes only (same key type,
+    structure, constants, dtypes, devices and ranks; a `LaneKey`'s lane and generation too); else None."""
+    if not isinstance(earlier, GraphKey) or type(earlier) is not type(later):
+        return None
+    assert isinstance(later, GraphKey)
+    if len(earlier.tensors) != len(later.tensors) or dataclasses.replace(earlier, tensors=later.tensors) != later:
+        return None
+    step = []
+    for a, b in zip(earlier.tensors, later.tensors, strict=True):
+        if a.dtype != b.dtype or a.device != b.device or len(a.shape) != len(b.shape):
+            return None
+        step.append(tuple(y - x for x, y in zip(a.shape, b.shape, strict=True)))
+    return tuple(step)
+
+
+def next_in_step(before: Hashable, previous: Hashable, current: Hashable) -> GraphKey | None:
+    """The key after `current` if calls keep stepping shapes as the last two transitions did (e.g. length n-1 to n
+    after n-2 to n-1 predicts n+1); None when the steps differ, are zero, or the keys differ in more than shapes.
+
+    What a graph-memory cache prefetches the executable of (`tendril.graphs.executables`)."""
+    step = step_between(previous, current)
+    if step is None or not any(any(dims) for dims in step) or step_between(before, previous) != step:
+        return None
+    assert isinstance(current, GraphKey)
+    tensors = []
+    for spec, dims in zip(current.tensors, step, strict=True):
+        shape = tuple(size + delta for size, delta in zip(spec.shape, dims, strict=True))
+        if min(shape, default=0) < 0:
+            return None
+        tensors.append(TensorSpec(shape, spec.dtype, spec.device))
+    return dataclasses.replace(current, tensors=tuple(tensors))

@@ -57,12 +57,22 @@ class GraphMemory:
     executable_bytes: int = 0
     """Driver memory charged to the executable holding this graph now (0 while it has none)."""
     instantiations: int = 0
+    """Instantiations of this graph's executables, on the call path and in the background (`prefetches`)."""
+    prefetches: int = 0
+    """Instantiations started in the background ahead of a call predicted to need this graph."""
+    prefetch_hits: int = 0
+    """Calls that found this graph's executable prefetched (ready, or still being made: then also a wait)."""
+    prefetch_waits: int = 0
+    """Calls that waited on the host for this graph's prefetched executable to be ready."""
+    prefetch_wasted: int = 0
+    """Prefetched executables of this graph evicted before any call used them."""
     updates: int = 0
     """Switches of another graph's executable to this graph by `cudaGraphExecUpdate`."""
     update_failures: int = 0
     evictions: int = 0
     switch_ms: float = 0.0
-    """Host time spent giving this graph an executable (instantiations and updates after capture)."""
+    """Host time the call path spent giving this graph an executable (instantiations, updates, evictions, starting
+    a prefetch and waiting for one, after capture); the background thread's time is not counted."""
 
 
 @dataclass
@@ -182,5 +192,14 @@ def _switching(memory: GraphMemory) -> str:
         return ""
     return (
         f", {memory.strategy}: family {memory.family}, {memory.instantiations} instantiations, {memory.updates} "
-        f"updates, {memory.evictions} evictions, switching {memory.switch_ms:.2f} ms"
+        f"updates, {memory.evictions} evictions, switching {memory.switch_ms:.2f} ms{_prefetching(memory)}"
+    )
+
+
+def _prefetching(memory: GraphMemory) -> str:
+    if not memory.prefetches:
+        return ""
+    return (
+        f", {memory.prefetches} prefetched ({memory.prefetch_hits} hits, {memory.prefetch_waits} waits, "
+        f"{memory.prefetch_wasted} wasted)"
     )
