@@ -1,8 +1,8 @@
 """Case `graphs-memory`: device memory of one graph per shape, and what keeping it small costs per call.
 
 Models (batch 1, fp16, random weights): GPT-2 124M forward with one graph per length 1..1024 (Grape's
-setup), and a Wav2Vec2-base-sized encoder (12 layers, hidden 768) at audio lengths spread over 1-16 s.
-Each is graphed three ways, one after the other in one process:
+setup; the quick run: 1..48), and a Wav2Vec2-base-sized encoder (12 layers, hidden 768) at audio
+lengths spread over 1-16 s. Each is graphed three ways, one after the other in one process:
 
 - (a) one `torch.cuda.graph` per length with its own pool (what a user of PyTorch's graphs gets),
   captured in order of length until free device memory falls to `RESERVE_BYTES`; the memory of the
@@ -12,7 +12,11 @@ Each is graphed three ways, one after the other in one process:
   without a budget (shared pool, outputs released to it, the dedicated strategy);
 - (c) `tendril.graphed(..., graph_memory_budget=BUDGET)`: the same graphs, executables instantiated on
   demand and evicted least recently used under the budget (the automatic strategy; until 00ea47f it also
-  switched executables within topology families by `cudaGraphExecUpdate`).
+  switched executables within topology families by `cudaGraphExecUpdate`). Since prefetching, when the
+  last calls stepped the length by a constant amount the executable of the next length is instantiated
+  (and uploaded) ahead on a background thread; its counts are reported as `latency_runs_prefetch_*`
+  (all latency passes) and `latency_runs_{growing,random}_prefetch_*` (hits: calls that found their
+  executable prefetched; waits: of those, calls that waited for it; wasted: prefetches evicted unused).
 
 Memory is the device memory in use (cudaMemGetInfo after emptying the allocator's cache) after
 capturing all lengths, relative to before. Every length first runs once eagerly with the attention
@@ -49,9 +53,15 @@ SAMPLE_RATE = 16_000
 BUDGET = "64MiB"
 QUICK_BUDGET = "16MiB"
 """Budget of the quick run: its 48 GPT-2 graphs (about 40 MiB of executables) would all fit in `BUDGET`."""
+QUICK_GPT2_LENGTHS = 48
+"""The quick run's GPT-2 lengths are 1..48: consecutive, so its growing pass steps by one per call as the
+full run's (and the latency target's) does; a spread over 1..1024 would step by 21-22 and test another loop."""
 RESERVE_BYTES = 8 << 30
 """Free device memory left when capturing (a) stops."""
 PASSES = 3
+PREFETCH_STATS = ("prefetches", "prefetch_hits", "prefetch_waits", "prefetch_wasted")
+"""`GraphMemory` counters of prefetching (see `tendril.graphs.executables`)."""
+SWITCH_STATS = ("instantiations", "updates", "update_failures", "evictions", "switch_ms", *PREFETCH_STATS)
 
 
 # -- pure helpers (tested on the CPU) -----------------------------------------------------------------
@@ -240,6 +250,7 @@ def _measure_model(
         growing, growing_ours, growing_theirs = _latency(
             budgeted, dedicated, [examples[n] for n in lengths], device, passes
         )
+        between = _switching(budgeted)
         shuffled = list(lengths)
         random.Random(0).shuffle(shuffled)
         randomly, random_ours, random_theirs = _latency(
@@ -285,8 +296,20 @@ def _measure_model(
     for name, ours, theirs in (("growing", growing_ours, growing_theirs), ("random", random_ours, random_theirs)):
         ctx.add_value(variant["c"], f"ms_per_call_{name}_median", statistics.median(x for p in ours for x in p))
         ctx.add_value(variant["b"], f"ms_per_call_{name}_median", statistics.median(x for p in theirs for x in p))
-    for what in ("instantiations", "updates", "update_failures", "evictions", "switch_ms"):
+    for what in SWITCH_STATS:
         ctx.add_value(variant["c"], f"latency_runs_{what}", after[what] - before[what])
+    for what in PREFETCH_STATS:
+        ctx.add_value(variant["c"], f"latency_runs_growing_{what}", between[what] - before[what])
+        ctx.add_value(variant["c"], f"latency_runs_random_{what}", after[what] - between[what])
+    growing_calls = len(lengths) * (passes + 1)
+    ctx.note(
+        f"{label} (c) prefetching over {growing_calls} growing calls (warm-up pass included): "
+        f"{between['prefetch_hits'] - before['prefetch_hits']:.0f} found their executable prefetched, "
+        f"{between['prefetch_waits'] - before['prefetch_waits']:.0f} of them waited for it, "
+        f"{between['prefetch_wasted'] - before['prefetch_wasted']:.0f} prefetches wasted; random order: "
+        f"{after['prefetches'] - between['prefetches']:.0f} prefetches, "
+        f"{after['prefetch_hits'] - between['prefetch_hits']:.0f} hits"
+    )
     ctx.extra[label] = {
         "separate_pool_bytes_measured": {str(n): b for n, b in measured.items()},
         "tendril_stats": stats_line,
@@ -303,13 +326,7 @@ def _measure_model(
 
 def _switching(fast: GraphedCallable) -> dict[str, float]:
     memory = [r.memory for r in fast.stats.graphs.values()]
-    return {
-        "instantiations": sum(m.instantiations for m in memory),
-        "updates": sum(m.updates for m in memory),
-        "update_failures": sum(m.update_failures for m in memory),
-        "evictions": sum(m.evictions for m in memory),
-        "switch_ms": sum(m.switch_ms for m in memory),
-    }
+    return {what: sum(getattr(m, what) for m in memory) for what in SWITCH_STATS}
 
 
 def _tensors(tree: Any) -> list[torch.Tensor]:
@@ -323,7 +340,7 @@ def run(ctx: Context) -> None:
     device = ctx.device
     torch.manual_seed(0)
     passes = 1 if ctx.quick else PASSES
-    gpt2_lengths = spread(1, 1024, 48) if ctx.quick else list(range(1, 1025))
+    gpt2_lengths = list(range(1, QUICK_GPT2_LENGTHS + 1) if ctx.quick else range(1, 1025))
     model = _gpt2(device)
     ids = {n: torch.randint(0, VOCAB, (1, n), device=device) for n in gpt2_lengths}
     budget = QUICK_BUDGET if ctx.quick else BUDGET

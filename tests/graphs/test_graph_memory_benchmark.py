@@ -49,3 +49,19 @@ def test_overhead_and_per_extra_graph():
     assert case.overhead([[1.0, 1.0], [3.0, 3.0], [2.2, 2.2]], [[1.0, 1.0], [2.0, 2.0], [2.0, 2.0]]) == 1.1
     assert case.per_extra_graph(10, 110, 11) == 10.0
     assert case.per_extra_graph(10, 10, 1) == 0.0
+
+
+def test_switching_totals_include_the_prefetch_counters():
+    from types import SimpleNamespace
+
+    from tendril.graphs.stats import GraphMemory
+
+    memories = [
+        GraphMemory(instantiations=2, prefetches=1, prefetch_hits=1, switch_ms=0.5),
+        GraphMemory(instantiations=1, prefetches=1, prefetch_wasted=1, prefetch_waits=0, evictions=1),
+    ]
+    fake = SimpleNamespace(stats=SimpleNamespace(graphs={i: SimpleNamespace(memory=m) for i, m in enumerate(memories)}))
+    totals = case._switching(fake)  # type: ignore[arg-type]
+    assert set(case.PREFETCH_STATS) <= set(totals)
+    assert totals["prefetches"] == 2 and totals["prefetch_hits"] == 1 and totals["prefetch_wasted"] == 1
+    assert totals["instantiations"] == 3 and totals["switch_ms"] == 0.5

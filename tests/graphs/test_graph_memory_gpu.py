@@ -1,5 +1,6 @@
 """Graph memory on the GPU: budgeted executables give the results of dedicated ones, hold the budget, and
-switch an executable only in stream order (never disturbing a replay still running)."""
+switch an executable only in stream order (never disturbing a replay still running); prefetched executables
+(instantiated and uploaded on the background thread) give the same results as dedicated ones."""
 
 from __future__ import annotations
 
@@ -48,8 +49,10 @@ def test_budgeted_executables_equal_dedicated_ones_under_random_call_orders(stra
         f"{sum(m.evictions for m in memory)} evictions, switching {budgeted.stats.switch_ms:.1f} ms"
     )
     assert switches > budgeted.stats.captures, "the budget never forced a switch: the test exercised nothing"
-    if strategy != "lru":
+    if strategy == "update":
         assert sum(m.updates for m in memory) > 0
+    else:  # lru, and auto (which is lru: updates crash some graphs on driver 580, see executables.py)
+        assert sum(m.updates for m in memory) == 0
 
 
 def test_wav2vec2_under_a_budget_matches_eager():
@@ -84,11 +87,11 @@ def test_the_budget_holds_in_device_memory():
         rng = random.Random(1)
         for _ in range(200):
             budgeted(examples[rng.randrange(len(examples))][0])
+        (cache,) = budgeted._backend.executable_caches().values()  # type: ignore[attr-defined]
+        cache.wait_idle()  # destructions queued on the background thread have run
         used = _device_used() - before
     stats = budgeted.stats
     growth = used - stats.pool_bytes - stats.placeholder_bytes - first
-    caches = budgeted._backend.executable_caches()  # type: ignore[attr-defined]
-    (cache,) = caches.values()
     print(
         f"48 graphs under {budget / MIB:.0f} MiB: device {used / MIB:.1f} MiB, pool {stats.pool_bytes / MIB:.1f} MiB, "
         f"outside the pool {first / MIB:.1f} MiB after the first graph, +{growth / MIB:.1f} MiB after all; "
@@ -224,3 +227,72 @@ def test_graphs_with_device_side_loops_switch_under_a_budget(strategy):
     assert not budgeted.stats.fallbacks, budgeted.stats.fallback_details
     memory = [record.memory for record in budgeted.stats.graphs.values()]
     assert sum(m.updates + m.instantiations for m in memory) > len(memory), "no switch happened"
+
+
+def _poisoned_equal(budgeted, dedicated, ids: torch.Tensor) -> None:
+    expected = dedicated(ids).logits.clone()
+    got = budgeted(ids).logits
+    assert torch.equal(got, expected), f"length {ids.shape[1]}: budgeted executable differs from a dedicated one"
+    got.fill_(float("nan"))  # the next replay of this graph must overwrite all of it
+
+
+def test_prefetched_executables_equal_dedicated_ones():
+    """Lengths growing 1..40 then shrinking 40..1, twice, under a budget of a few executables: after the first
+    steps every call finds its executable prefetched; results equal dedicated executables' bit for bit. Then a
+    random order (which rarely prefetches) still gives the same results."""
+    model = gpt2()
+    lengths = list(range(1, 41))
+    dedicated = fast(model, max_graphs=64)
+    budgeted = fast(model, max_graphs=64, graph_memory_budget="2MiB")
+    with torch.inference_mode():
+        examples = [(torch.randint(0, 1000, (1, n), device="cuda"),) for n in reversed(lengths)]
+        dedicated.capture(examples, progress=False)
+        budgeted.capture(examples, progress=False)
+        (cache,) = budgeted._backend.executable_caches().values()  # type: ignore[attr-defined]
+        largest = cache.charge(max(r.memory.nodes or 0 for r in budgeted.stats.graphs.values()))
+        assert cache.budget >= 2 * largest, "the budget must hold the executable called and a prefetch"
+        hits = []
+        for order in (lengths, lengths[::-1], lengths, lengths[::-1]):
+            before = cache.prefetch_hits
+            for n in order:
+                _poisoned_equal(budgeted, dedicated, torch.randint(0, 1000, (1, n), device="cuda"))
+            hits.append(cache.prefetch_hits - before)
+        growing = (cache.prefetches, cache.prefetch_hits, cache.prefetch_waits, cache.prefetch_wasted)
+        rng = random.Random(4)
+        for _ in range(120):
+            _poisoned_equal(budgeted, dedicated, torch.randint(0, 1000, (1, rng.choice(lengths)), device="cuda"))
+        cache.wait_idle()
+    print(
+        f"prefetch hits per pass {hits}; growing/shrinking: {growing[0]} prefetches, {growing[1]} hits, "
+        f"{growing[2]} waits, {growing[3]} wasted; after the random order: {cache.prefetches} prefetches, "
+        f"{cache.prefetch_wasted} wasted; {cache.executables} executables, {cache.live_bytes / MIB:.2f} MiB charged; "
+        f"background destroys that waited for a launch: {cache.driver.background_waits}"
+    )
+    assert hits[0] > 0, "the growing pass never found a prefetched executable"
+    assert min(hits) >= len(lengths) - 4, f"prefetch hits per pass {hits}: expected all but the first calls"
+    assert cache.over_budget == 0 and cache.live_bytes <= cache.budget
+    assert cache.prefetches - growing[0] <= 12, "random order prefetched more than a handful"
+
+
+def _slow_double(x: torch.Tensor) -> torch.Tensor:
+    torch.cuda._sleep(SLEEP_CYCLES // 5)  # ~5 ms: launches still run when their executables are evicted
+    return x * 2 + 1
+
+
+def test_background_destruction_waits_for_a_running_launch():
+    budgeted = fast(_slow_double, graph_memory_budget="1GiB")
+    xs = [torch.randn(n, device="cuda") for n in range(1, 13)]
+    with torch.inference_mode():
+        budgeted.capture([(x,) for x in reversed(xs)], progress=False)
+        (cache,) = budgeted._backend.executable_caches().values()  # type: ignore[attr-defined]
+        cache.budget = 2 * cache.charge(max(r.memory.nodes or 0 for r in budgeted.stats.graphs.values()))
+        cache.reserve(0)  # evicts down to the two executables acquired last at capture (lengths 2 and 1)
+        cache.wait_idle()
+        torch.cuda.synchronize()
+        results = [budgeted(x).clone() for x in xs]  # no synchronisation: evictions meet running launches
+        torch.cuda.synchronize()
+        for x, got in zip(xs, results, strict=True):
+            torch.testing.assert_close(got, x * 2 + 1)
+        cache.wait_idle()
+    assert cache.prefetch_hits >= 8 and cache.executables <= 2
+    assert cache.driver.background_waits > 0, "no background destruction found its launch still running"

@@ -151,7 +151,9 @@ def step_between(earlier: Hashable, later: Hashable) -> Step | None:
     if not isinstance(earlier, GraphKey) or type(earlier) is not type(later):
         return None
     assert isinstance(later, GraphKey)
-    if len(earlier.tensors) != len(later.tensors) or dataclasses.replace(earlier, tensors=later.tensors) != later:
+    if len(earlier.tensors) != len(later.tensors):
+        return None
+    if any(getattr(earlier, name) != getattr(later, name) for name in _fields_besides_tensors(type(earlier))):
         return None
     step = []
     for a, b in zip(earlier.tensors, later.tensors, strict=True):
@@ -159,6 +161,17 @@ def step_between(earlier: Hashable, later: Hashable) -> Step | None:
             return None
         step.append(tuple(y - x for x, y in zip(a.shape, b.shape, strict=True)))
     return tuple(step)
+
+
+_FIELDS_BESIDES_TENSORS: dict[type, tuple[str, ...]] = {}
+
+
+def _fields_besides_tensors(cls: type) -> tuple[str, ...]:
+    """The fields of a `GraphKey` (sub)class other than `tensors` (a `LaneKey`'s lane and generation too)."""
+    names = _FIELDS_BESIDES_TENSORS.get(cls)
+    if names is None:
+        names = _FIELDS_BESIDES_TENSORS[cls] = tuple(f.name for f in dataclasses.fields(cls) if f.name != "tensors")
+    return names
 
 
 def next_in_step(before: Hashable, previous: Hashable, current: Hashable) -> GraphKey | None:
