@@ -269,7 +269,10 @@ def test_prefetched_executables_equal_dedicated_ones():
         f"background destroys that waited for a launch: {cache.driver.background_waits}"
     )
     assert hits[0] > 0, "the growing pass never found a prefetched executable"
-    assert min(hits) >= len(lengths) - 4, f"prefetch hits per pass {hits}: expected all but the first calls"
+    # a pass starts on the lengths the previous one left held (no prefetch needed), then steps into the others
+    nodes = max(r.memory.nodes or 0 for r in budgeted.stats.graphs.values())
+    held = max(cache.budget // largest, cache.budget // cache.charge(nodes))  # the learnt rate moved meanwhile
+    assert min(hits) >= len(lengths) - held - 3, f"prefetch hits per pass {hits}: expected all but the first calls"
     assert cache.over_budget == 0 and cache.live_bytes <= cache.budget
     assert cache.prefetches - growing[0] <= 12, "random order prefetched more than a handful"
 
@@ -285,7 +288,8 @@ def test_background_destruction_waits_for_a_running_launch():
     with torch.inference_mode():
         budgeted.capture([(x,) for x in reversed(xs)], progress=False)
         (cache,) = budgeted._backend.executable_caches().values()  # type: ignore[attr-defined]
-        cache.budget = 2 * cache.charge(max(r.memory.nodes or 0 for r in budgeted.stats.graphs.values()))
+        charge = cache.charge(max(r.memory.nodes or 0 for r in budgeted.stats.graphs.values()))
+        cache.budget = 5 * charge // 2  # two executables (with room for the learnt rate to move), never three
         cache.reserve(0)  # evicts down to the two executables acquired last at capture (lengths 2 and 1)
         cache.wait_idle()
         torch.cuda.synchronize()
