@@ -41,6 +41,7 @@ a prefetched executable is the instantiation of exactly its graph.
 from __future__ import annotations
 
 import gc
+import threading
 import weakref
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -329,9 +330,7 @@ class CudaExecutables:
 
     def _submit(self, task: Callable[..., Any], *args: Any) -> Future[Any]:
         if self._worker is None:
-            self._worker = ThreadPoolExecutor(
-                max_workers=1, thread_name_prefix=f"tendril-executables-{self.device}", initializer=_worker_setup
-            )
+            self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"tendril-executables-{self.device}")
         future = self._worker.submit(task, *args)
         self._background_busy()  # drop finished futures
         self._outstanding.append(future)
@@ -343,6 +342,7 @@ class CudaExecutables:
 
     def _instantiate_and_upload(self, raw: int, stream: int | None) -> tuple[int, int | None]:
         with torch.cuda.device(self.device):
+            _relax_this_thread()
             handle = graph_exec.instantiate(raw)
             if stream is not None:
                 try:
@@ -354,14 +354,21 @@ class CudaExecutables:
 
     def _destroy_after(self, executable: int, last_launch: torch.cuda.Event | None) -> None:
         with torch.cuda.device(self.device):
+            _relax_this_thread()
             if last_launch is not None and not last_launch.query():
                 self.background_waits += 1
                 last_launch.synchronize()
             graph_exec.destroy(executable)
 
 
-def _worker_setup() -> None:
-    graph_exec.relax_capture_mode()
+_worker_state = threading.local()
+
+
+def _relax_this_thread() -> None:
+    """Put the worker thread in CUDA's relaxed capture mode, once (in a task, so that a failure is the task's)."""
+    if not getattr(_worker_state, "relaxed", False):
+        graph_exec.relax_capture_mode()
+        _worker_state.relaxed = True
 
 
 class _ManagedReplay:

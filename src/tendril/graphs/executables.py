@@ -56,6 +56,11 @@ next `acquire` for a background destroy. A pending executable counts against the
 one. Background instantiations are not measured (other threads' allocations would pollute
 cudaMemGetInfo) and are charged at the learnt rate. Random call orders rarely step twice alike, so
 they rarely prefetch; a prefetched executable evicted before any call used it is counted as wasted.
+Limits: the first three calls after a jump (and steps that change) are not predicted; the background
+thread runs in order, so a prefetch queued behind the destruction of an executable whose launch is
+still running (host far ahead of the GPU, budget of few executables) waits for that launch; device
+memory may exceed the charges briefly while destructions are queued (the budget is for the charges).
+Whether this meets `graphs-memory`'s `latency_overhead_growing_len` <= 1.05 is for that case to say.
 
 Ordering. CUDA applies updates to later launches only and frees a destroyed executable after its running
 launch completes (`tendril.cuda.graph_exec`); the CUDA driver of this policy still waits for an
