@@ -10,9 +10,10 @@ lengths 1..N (captured with `torch.cuda.graph`, one shared pool), then:
 3. the same loop while a background thread instantiates and destroys executables of the other graphs
    without pause: does the foreground slow down, and how many instantiations per second does the
    background thread reach;
-4. prefetching as a budgeted cache would: before each call, the executable of the next length is
-   instantiated on the background thread; the call waits for its own executable if it is not ready yet,
-   and the executable two calls back is destroyed. Reports per-call time and the waits.
+4. prefetching as a budgeted cache would: while each call runs, the executable of the next length is
+   made on a background thread; the call waits for its own executable if it is not ready yet, and is
+   destroyed after it, in three arrangements of the background work (`WORKER_PATTERNS`). Reports
+   per-call time, the waits and the host time of each background task.
 
     PYTHONPATH=src:. python3 -m benchmarks.tools.instantiate_cost --out OUT [--lengths 256]
 
@@ -118,39 +119,70 @@ def main() -> None:
         destroy_ms.append(ms(time.perf_counter() - begin))
     result["destroy_ms_median"] = statistics.median(destroy_ms)
 
-    for workers in (1, 2):
-        result[f"prefetch_{workers}_threads"] = prefetch_loop(raw, stream, workers)
+    for pattern in WORKER_PATTERNS:
+        result[f"prefetch_{pattern}"] = prefetch_loop(raw, stream, pattern)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "instantiate_cost.json").write_text(json.dumps(result, indent=2))
     print(json.dumps(result, indent=2))
 
 
-def prefetch_loop(raw: list[int], stream: int, workers: int, ahead: int = 2) -> dict[str, float]:
-    """Growing lengths where the executables of the next `ahead` lengths are instantiated on `workers` background
-    threads while the current call runs; the executable of the previous call is destroyed after it."""
+WORKER_PATTERNS = {
+    "serial": "one worker thread: destroy the evicted executable, instantiate the next, upload it",
+    "split": "instantiate + upload on one worker thread, destroys on a second",
+    "no_upload": "one worker thread: destroy, instantiate; the first launch uploads on the calling thread",
+}
+
+
+def prefetch_loop(raw: list[int], stream: int, pattern: str) -> dict[str, float]:
+    """Lengths growing by one per call, the next call's executable made in the background while this one runs
+    (as a budgeted cache prefetches: `WORKER_PATTERNS`); the executable of the call is destroyed after it.
+    Reports per-call wall time, the calls that waited for their executable, and the worker tasks' host time."""
+    task_ms: dict[str, list[float]] = {"instantiate": [], "upload": [], "destroy": []}
+
+    def timed(name: str, fn: Any, *args: Any) -> Any:
+        begin = time.perf_counter()
+        value = fn(*args)
+        task_ms[name].append(ms(time.perf_counter() - begin))
+        return value
+
+    def make(handle: int) -> int:
+        with torch.cuda.device(0):
+            executable = timed("instantiate", graph_exec.instantiate, handle)
+            if pattern != "no_upload":
+                timed("upload", graph_exec.upload, executable, stream)
+            return executable
+
+    def drop(executable: int) -> None:
+        with torch.cuda.device(0):
+            timed("destroy", graph_exec.destroy, executable)
+
+    makers = ThreadPoolExecutor(1)
+    droppers = ThreadPoolExecutor(1) if pattern == "split" else makers
     times: list[float] = []
     waits: list[float] = []
-    with ThreadPoolExecutor(workers) as pool:
-        for _ in range(2):
-            pending: dict[int, Future[int]] = {}
-            times.clear()
-            waits.clear()
-            for index in range(len(raw)):
-                for upcoming in range(index, min(index + ahead + 1, len(raw))):
-                    if upcoming not in pending:
-                        pending[upcoming] = pool.submit(graph_exec.instantiate, raw[upcoming])
-                begin = time.perf_counter()
-                ready = pending[index].done()
-                executable = pending.pop(index).result()
-                waits.append(0.0 if ready else 1.0)
-                graph_exec.launch(executable, stream)
-                torch.cuda.synchronize()
-                times.append(ms(time.perf_counter() - begin))
-                graph_exec.destroy(executable)
-            for future in pending.values():
-                graph_exec.destroy(future.result())
-    return {"ms_per_call_median": statistics.median(times), "ms_per_call_mean": statistics.fmean(times),
-            "calls_that_waited": sum(waits) / len(waits)}
+    for _ in range(2):  # the first pass warms up
+        times.clear()
+        waits.clear()
+        for values in task_ms.values():
+            values.clear()
+        pending: dict[int, Future[int]] = {0: makers.submit(make, raw[0])}
+        for index in range(len(raw)):
+            if index + 1 < len(raw):
+                pending[index + 1] = makers.submit(make, raw[index + 1])
+            begin = time.perf_counter()
+            ready = pending[index].done()
+            executable = pending.pop(index).result()
+            waits.append(0.0 if ready else 1.0)
+            graph_exec.launch(executable, stream)
+            torch.cuda.synchronize()
+            times.append(ms(time.perf_counter() - begin))
+            droppers.submit(drop, executable)
+    makers.shutdown(wait=True)
+    droppers.shutdown(wait=True)
+    result = {"ms_per_call_median": statistics.median(times), "ms_per_call_mean": statistics.fmean(times),
+              "calls_that_waited": sum(waits) / len(waits)}
+    result.update({f"worker_{name}_ms_median": statistics.median(v) for name, v in task_ms.items() if v})
+    return result
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ Writes OUT/zero_copy_profile.json and OUT/zero_copy_profile.md.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import statistics
 from contextlib import nullcontext
@@ -25,7 +26,7 @@ from typing import Any
 import torch
 
 from benchmarks.cases import graphs_zero_copy as case
-from benchmarks.tools.profile_generation import kernel_profile
+from benchmarks.tools.profile_generation import GAP_LIMIT_US, kernel_profile
 from tendril.graphs.callable import graphed
 from tendril.graphs.cuda_backend import CudaBackend
 
@@ -67,6 +68,7 @@ def main() -> None:
                         state = v.step(state)
 
             profile = kernel_profile(repetition, calls=args.reps)
+            behind_sleep = timeline_behind_sleep(variant, start)
             times = device_times[variant.name]
             report["variants"][variant.name] = {
                 "device_ms_per_step_median": statistics.median(times),
@@ -79,6 +81,7 @@ def main() -> None:
                                      "us_per_step": g.total_us_per_call / case.STEPS,
                                      "mean_us": g.mean_us} for g in profile.groups},
             }
+            report["variants"][variant.name]["behind_sleep"] = behind_sleep
             report["variants"][variant.name]["stats"] = {
                 "redirects": variant.fast.stats.redirects,
                 "mispredictions": {r.name: n for r, n in variant.fast.stats.mispredictions.items()},
@@ -87,6 +90,38 @@ def main() -> None:
     (args.out / "zero_copy_profile.json").write_text(json.dumps(report, indent=2))
     (args.out / "zero_copy_profile.md").write_text(markdown(report))
     print(markdown(report))
+
+
+def timeline_behind_sleep(variant: case.Variant, start: case.State) -> dict[str, float]:
+    """One repetition enqueued behind a GPU sleep (as `device_ms_per_step` is measured), traced: per step after
+    the sleep, the span of the GPU's work, its busy time, and its idle time in gaps shorter and longer than
+    `GAP_LIMIT_US` (a long gap behind a sleep means the GPU waited for the host: a synchronisation)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    state = start.clone()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as trace:
+        with variant.context():
+            torch.cuda._sleep(case.SLEEP_CYCLES)
+            for _ in range(case.STEPS):
+                state = variant.step(state)
+        del state
+        torch.cuda.synchronize()
+    events = sorted((e for e in trace.events() if e.device_type == DeviceType.CUDA), key=lambda e: e.time_range.start)
+    sleeps = [i for i, e in enumerate(events) if "sleep" in e.name.lower() or "spin" in e.name.lower()]
+    after = events[sleeps[-1] + 1:] if sleeps else events
+    busy = sum(e.time_range.elapsed_us() for e in after)
+    short = long = 0.0
+    for previous, event in itertools.pairwise(after):
+        gap = event.time_range.start - previous.time_range.end
+        if gap >= GAP_LIMIT_US:
+            long += gap
+        elif gap > 0:
+            short += gap
+    span = after[-1].time_range.end - after[0].time_range.start if after else 0.0
+    per_step = {"span": span, "busy": busy, "short_gap": short, "long_gap": long}
+    return {"found_sleep": float(bool(sleeps)), **{f"{k}_us_per_step": v / case.STEPS for k, v in per_step.items()}}
 
 
 def markdown(report: dict[str, Any]) -> str:
@@ -104,6 +139,13 @@ def markdown(report: dict[str, Any]) -> str:
         lines.append(f"| {name} | {row['device_ms_per_step_p10']:.4f}, {row['device_ms_per_step_median']:.4f}, "
                      f"{row['device_ms_per_step_p90']:.4f} | {row['operations_per_step']:.1f} | "
                      f"{row['busy_us_per_step']:.1f} | {row['gap_us_per_step']:.1f} |")
+    lines += ["", "Behind a GPU sleep (one repetition; gaps of 50 us or more mean the GPU waited for the host):", "",
+              "| variant | span us/step | busy us/step | short gaps us/step | long gaps us/step |",
+              "|---|---:|---:|---:|---:|"]
+    for name, row in report["variants"].items():
+        b = row["behind_sleep"]
+        lines.append(f"| {name} | {b['span_us_per_step']:.1f} | {b['busy_us_per_step']:.1f} | "
+                     f"{b['short_gap_us_per_step']:.1f} | {b['long_gap_us_per_step']:.1f} |")
     lines += ["", "| kernel | plain us/step | auto us/step | auto - plain | plain n/step | auto n/step |",
               "|---|---:|---:|---:|---:|---:|"]
     names = set(plain["kernels"]) | set(auto["kernels"])
