@@ -35,7 +35,8 @@ current generation (captured on first use, once per key and lane after each grow
 cache that moves to a longer range would keep meeting graphs of the outgrown buffers and be copied.
 A redirect is refused (and counted in `stats.mispredictions`) when:
 
-- the target slot still holds a redirected tensor the program references (storage weak references);
+- the target slot still holds a redirected tensor (or a view of one) the program references (the use count of
+  the storage every redirect into the slot is made on, `Lanes.busy`);
 - the op reads the buffer it would write, or an argument requires grad;
 - the signature differs from the learned one (the output dtype could differ);
 - the output does not fit the buffer (the zero-length target's storage cannot grow, so the op raises
@@ -77,7 +78,6 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import torch
-from torch.multiprocessing.reductions import StorageWeakRef
 from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
@@ -267,19 +267,31 @@ def overlaps(a: tuple[int, int], b: tuple[int, int]) -> bool:
     return a[0] < b[1] and b[0] < a[1]
 
 
-def empty_at(buffer: torch.Tensor) -> torch.Tensor:
-    """A zero-length tensor at `buffer`'s start over a storage that aliases it but cannot grow.
-
-    An `out=` op resizes it in place to its output shape while that fits; a larger output makes the op
-    raise before writing anything (the storage has no allocator), never move the buffer. Tensors made
-    from it share one storage object, whose weak reference tells whether the program still holds any.
-    It is made under the caller's grad and inference mode, so what an op writes into it is the same
-    kind of tensor (inference or not) as the op's eager output.
-    """
+def alias_storage(buffer: torch.Tensor) -> torch.UntypedStorage:
+    """A storage over `buffer`'s memory that cannot grow (it has no allocator) and does not own it."""
     alias = torch._C._construct_storage_from_data_pointer(
         buffer.data_ptr(), buffer.device, buffer.numel() * buffer.element_size()
     )
-    return buffer.new_empty(0).set_(alias, 0, (0,), (1,))
+    assert isinstance(alias, torch.UntypedStorage)
+    return alias
+
+
+def empty_at(buffer: torch.Tensor, alias: torch.UntypedStorage | None = None) -> torch.Tensor:
+    """A zero-length tensor at `buffer`'s start over `alias` (`alias_storage(buffer)` when None).
+
+    An `out=` op resizes it in place to its output shape while that fits; a larger output makes the op
+    raise before writing anything (the storage cannot grow), never move the buffer. Every tensor made on
+    one alias, and every view of them, holds a reference to its storage: `storage_users` tells whether the
+    program still holds any. It is made under the caller's grad and inference mode, so what an op writes
+    into it is the same kind of tensor (inference or not) as the op's eager output.
+    """
+    return buffer.new_empty(0).set_(alias_storage(buffer) if alias is None else alias, 0, (0,), (1,))
+
+
+def storage_users(storage: torch.UntypedStorage) -> int:
+    """How many references the storage's memory has: tensors (views included) and storage objects such as
+    `storage` itself."""
+    return int(torch._C._storage_Use_Count(storage._cdata))
 
 
 @dataclass
@@ -291,7 +303,10 @@ class Lanes:
     active: bool = False
     """Set once zero-copy or carried state is in use; until then calls never look at lanes."""
     last_lane: int = COPY_LANE
-    occupants: dict[tuple[int, int], StorageWeakRef] = field(default_factory=dict)
+    aliases: dict[tuple[int, int], tuple[int, torch.UntypedStorage]] = field(default_factory=dict)
+    """Per redirect-lane slot (lane, position): the start address of its current buffer and the storage aliasing
+    it that every tensor redirected into the slot is made on (`redirect_target`). The slot is referenced while
+    anything but this table uses that storage."""
     pinned: set[int] = field(default_factory=set)
     """Positions never redirected: a graph returns a view of their placeholder."""
     carried: set[int] = field(default_factory=set)
@@ -310,7 +325,10 @@ class Lanes:
     def arena(self, lane: int) -> PlaceholderArena:
         if lane == COPY_LANE:
             return self.copy_arena
-        return self.arenas.setdefault(lane, PlaceholderArena())
+        arena = self.arenas.get(lane)
+        if arena is None:
+            arena = self.arenas[lane] = PlaceholderArena()
+        return arena
 
     def placeholder(
         self, lane: int, position: int, spec: TensorSpec, example: torch.Tensor | None = None
@@ -344,9 +362,19 @@ class Lanes:
         self.owners[address] = slot
 
     def busy(self, lane: int, position: int) -> bool:
-        """Whether the slot holds a redirected tensor the program still references."""
-        occupant = self.occupants.get((lane, position))
-        return occupant is not None and not occupant.expired()
+        """Whether the slot holds a redirected tensor (or a view of one) the program still references."""
+        alias = self.aliases.get((lane, position))
+        return alias is not None and storage_users(alias[1]) > 1
+
+    def redirect_target(self, lane: int, position: int, buffer: torch.Tensor) -> torch.Tensor:
+        """A zero-length tensor at the start of `buffer`, the slot's current buffer, for an `out=` op to write
+        into (`empty_at`), on the slot's alias storage (made anew when the buffer changed)."""
+        slot = (lane, position)
+        alias = self.aliases.get(slot)
+        address = buffer.data_ptr()
+        if alias is None or alias[0] != address:
+            alias = self.aliases[slot] = (address, alias_storage(buffer))
+        return empty_at(buffer, alias[1])
 
     def key_for(self, key: GraphKey, flat: Flattened, indices: Sequence[int], stats: GraphStats) -> GraphKey:
         """The key of the graph that reads this call's arguments where they are (see the module docstring).
@@ -502,7 +530,7 @@ class ZeroCopyPredictor:
             result = self._redirect(slot, link, learned, args, kwargs)
         if result is None:
             result = op(*args, **kwargs)
-        if isinstance(result, torch.Tensor):
+        if isinstance(result, torch.Tensor) and id(result) not in self.redirected:  # a redirect's call is `observe`d
             self._record(result, slot, op, learned)
         return result
 
@@ -542,7 +570,7 @@ class ZeroCopyPredictor:
                 self._miss(Misprediction.READS_PLACEHOLDER, f"{_name(link, slot)} reads the buffer it would write")
                 return None
         try:
-            result = link.out_op(*args, **kwargs, out=empty_at(buffer))
+            result = link.out_op(*args, **kwargs, out=lanes.redirect_target(lane, position, buffer))
         except (RuntimeError, TypeError) as error:  # raised before writing: the output does not fit, or out= refused
             first_line = str(error).splitlines()[0] if str(error) else type(error).__name__
             if "not resizable" not in first_line:
@@ -551,7 +579,6 @@ class ZeroCopyPredictor:
                 return None
             self._miss(Misprediction.TOO_LARGE, f"{_name(link, slot)}: {first_line}")
             return self._outgrown(lane, link, link.op(*args, **kwargs))
-        lanes.occupants[(lane, position)] = StorageWeakRef(result.untyped_storage())
         self.redirected[id(result)] = _Redirected(weakref.ref(result), slot, link.op, position)
         self.stats.redirects += 1
         return result
