@@ -16,6 +16,7 @@ Writes OUT/zero_copy_profile.json and OUT/zero_copy_profile.md.
 from __future__ import annotations
 
 import argparse
+import collections
 import itertools
 import json
 import statistics
@@ -92,10 +93,20 @@ def main() -> None:
     print(markdown(report))
 
 
-def timeline_behind_sleep(variant: case.Variant, start: case.State) -> dict[str, float]:
+def short_name(kernel: str) -> str:
+    """A kernel's name without its template arguments and parameters, at most 48 characters."""
+    kernel = kernel.replace("(anonymous namespace)::", "")
+    for marker in ("<", "("):
+        kernel = kernel.split(marker, 1)[0]
+    return kernel.removeprefix("void ").rsplit("::", 1)[-1].strip()[:48] or "?"
+
+
+def timeline_behind_sleep(variant: case.Variant, start: case.State) -> dict[str, Any]:
     """One repetition enqueued behind a GPU sleep (as `device_ms_per_step` is measured), traced: per step after
     the sleep, the span of the GPU's work, its busy time, and its idle time in gaps shorter and longer than
-    `GAP_LIMIT_US` (a long gap behind a sleep means the GPU waited for the host: a synchronisation)."""
+    `GAP_LIMIT_US` (a long gap behind a sleep means the GPU waited for the host: a synchronisation). The short
+    gaps are also summed per (operation before, operation after) pair (`gaps_by_pair`), and the copies'
+    span per step is measured as the case measures it (`copy_span_us_per_step`, steps with copies only)."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
@@ -113,15 +124,24 @@ def timeline_behind_sleep(variant: case.Variant, start: case.State) -> dict[str,
     after = events[sleeps[-1] + 1:] if sleeps else events
     busy = sum(e.time_range.elapsed_us() for e in after)
     short = long = 0.0
+    pairs: dict[str, float] = collections.defaultdict(float)
     for previous, event in itertools.pairwise(after):
         gap = event.time_range.start - previous.time_range.end
         if gap >= GAP_LIMIT_US:
             long += gap
         elif gap > 0:
             short += gap
+            pairs[f"{short_name(previous.name)} -> {short_name(event.name)}"] += gap / case.STEPS
     span = after[-1].time_range.end - after[0].time_range.start if after else 0.0
     per_step = {"span": span, "busy": busy, "short_gap": short, "long_gap": long}
-    return {"found_sleep": float(bool(sleeps)), **{f"{k}_us_per_step": v / case.STEPS for k, v in per_step.items()}}
+    copies = case.copy_spans_ms([(e.name, e.time_range.start, e.time_range.end) for e in after])
+    big = [ms * 1e3 for ms in copies if ms * 1e3 > 20.0]  # a step's staging, not the 32-byte token copy
+    return {
+        "found_sleep": float(bool(sleeps)),
+        **{f"{k}_us_per_step": v / case.STEPS for k, v in per_step.items()},
+        "copy_span_us_per_step": statistics.median(big) if big else 0.0,
+        "gaps_by_pair": dict(sorted(pairs.items(), key=lambda item: -item[1])),
+    }
 
 
 def markdown(report: dict[str, Any]) -> str:
@@ -146,6 +166,18 @@ def markdown(report: dict[str, Any]) -> str:
         b = row["behind_sleep"]
         lines.append(f"| {name} | {b['span_us_per_step']:.1f} | {b['busy_us_per_step']:.1f} | "
                      f"{b['short_gap_us_per_step']:.1f} | {b['long_gap_us_per_step']:.1f} |")
+    plain_pairs, auto_pairs = plain["behind_sleep"]["gaps_by_pair"], auto["behind_sleep"]["gaps_by_pair"]
+
+    def gap_delta(pair: str) -> float:
+        return auto_pairs.get(pair, 0.0) - plain_pairs.get(pair, 0.0)
+
+    copy_span = plain["behind_sleep"]["copy_span_us_per_step"]
+    lines += ["", f"Copies' span per step in plain behind the sleep: {copy_span:.1f} us.",
+              "", "Short gaps by neighbouring operations (us per step), largest differences first:", "",
+              "| before -> after | plain | auto | auto - plain |", "|---|---:|---:|---:|"]
+    for pair in sorted(set(plain_pairs) | set(auto_pairs), key=lambda p: -abs(gap_delta(p)))[:16]:
+        lines.append(f"| `{pair}` | {plain_pairs.get(pair, 0.0):.2f} | {auto_pairs.get(pair, 0.0):.2f} | "
+                     f"{gap_delta(pair):+.2f} |")
     lines += ["", "| kernel | plain us/step | auto us/step | auto - plain | plain n/step | auto n/step |",
               "|---|---:|---:|---:|---:|---:|"]
     names = set(plain["kernels"]) | set(auto["kernels"])
