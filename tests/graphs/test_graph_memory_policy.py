@@ -459,11 +459,19 @@ def test_a_call_waits_for_a_pending_prefetch():
 def test_waiting_on_a_background_thread_counts_as_switching_time():
     """The wait for a prefetch still running counts in the graph's switch_ms; the background time does not."""
 
+    go = threading.Event()  # the prefetch completes 50 ms after the test starts waiting for it, never before
+
     class SlowDriver(FakeDriver):
         def instantiate_async(self, graph: FakeGraph, stream: Any) -> Future[tuple[int, int | None]]:
             future: Future[tuple[int, int | None]] = Future()
             handle, _ = self.instantiate(graph)
-            threading.Timer(0.05, future.set_result, ((handle, None),)).start()
+
+            def finish() -> None:
+                go.wait()
+                time.sleep(0.05)
+                future.set_result((handle, None))
+
+            threading.Thread(target=finish, daemon=True).start()
             return future
 
     cache, driver, graphs, memories = _keyed_cache(range(1, 6), None, SlowDriver())
@@ -472,9 +480,10 @@ def test_waiting_on_a_background_thread_counts_as_switching_time():
     assert cache.pending_keys() == [_ids(4)]
     before = memories[_ids(4)].switch_ms
     started = time.perf_counter()
+    go.set()
     _acquire(cache, driver, graphs, _ids(4))
     waited_ms = (time.perf_counter() - started) * 1e3
-    assert cache.prefetch_waits == 1 and waited_ms > 20
+    assert cache.prefetch_waits == 1 and waited_ms >= 45
     assert memories[_ids(4)].switch_ms - before == pytest.approx(waited_ms, abs=5)
 
 
