@@ -20,22 +20,25 @@ the first of a repetition). `device_ms_per_step` is the device time alone: the s
 behind a GPU sleep, so the host is never what the GPU waits for.
 
 The copy time. The targets divide the step-time saving by "the measured copy time in (a)": the device
-time (a)'s placeholder copies take *inside (a)'s loop*, where their sources were just written by the
-reordering `index_select`s (at L=128 the whole cache fits in L2). It is measured by running (a)'s
-loop with the staging done by hand, exactly as `GraphedCallable` does it (one `_foreach_copy_` of the
-call's tensors into the graph's placeholders, then the replay, which finds its inputs in place), with
-the steps enqueued behind a GPU sleep so no host gap falls inside a step's copies, under the CUDA
-profiler: a step's copy time is the span of its copy operations in the trace, from the start of the
-first to the end of the last, gaps between them included (`copy_ms`). The same copies bracketed by
-CUDA events (`copy_ms_bracket`, the first measure) are reported beside it; the bracket adds the events'
-own cost. `benchmarks/tools/zero_copy_profile.py` showed that (b)'s step keeps every kernel of (a)'s but
-the copies, with the same durations.
-`copy_ms_alone` (the same copy timed in isolation by `time_callable`) is reported for comparison. Bytes
-copied come from each callable's `stats`.
+time (a)'s placeholder copies take *inside (a)'s own loop*, where their sources were just written by the
+reordering `index_select`s (at L=128 the whole cache fits in L2). (a)'s loop is run behind a GPU sleep
+(so no host gap falls inside a step's copies) under the CUDA profiler, and a step's copy time is the span
+of its staging copies in the trace, from the start of the first to the end of the last, gaps between them
+included (`copy_ms`; the staging is the one run of at least as many consecutive copies as the cache has
+tensors). `copy_trace_host_wait_us` is the longest the GPU waited for the host in any traced loop, in gaps
+of 50 us or more: 0 means the sleep was long enough. Two other measures are reported beside it: the
+same loop with the staging done by hand (`GraphedCallable`'s `_foreach_copy_` into the placeholders
+between two CUDA events, then the call on the placeholders), as the copies' span in the trace
+(`copy_ms_staged`, the denominator before) and between the events, traced (`copy_ms_bracket`) and not
+(`copy_ms_bracket_untraced`: whether tracing slows the copies); and
+`copy_ms_alone`, the same copy timed in isolation by `time_callable`.
+`benchmarks/tools/zero_copy_profile.py` showed that (b)'s step keeps every kernel of (a)'s but the
+copies, with the same durations. Bytes copied come from each callable's `stats`.
 """
 
 from __future__ import annotations
 
+import itertools
 import statistics
 import time
 from collections import Counter
@@ -215,13 +218,13 @@ def _timed_rep(
     steady_bytes.append((variant.fast.stats.input_bytes_copied - copied_after_first) / (STEPS - 1))
 
 
-def _device_rep(variant: Variant, start: State, times: list[float]) -> None:
+def _device_rep(variant: Variant, start: State, times: list[float], sleep_cycles: int = SLEEP_CYCLES) -> None:
     """Per-step device time: the steps are enqueued behind a GPU sleep, so the GPU never waits for the host."""
     events = [torch.cuda.Event(enable_timing=True) for _ in range(STEPS + 1)]
     state = start.clone()
     torch.cuda.synchronize()
     with variant.context():
-        torch.cuda._sleep(SLEEP_CYCLES)
+        torch.cuda._sleep(sleep_cycles)
         events[0].record()
         for index in range(STEPS):
             state = variant.step(state)
@@ -235,47 +238,77 @@ COPY_OPERATION = "Memcpy DtoD"
 """How the CUDA profiler names a device-to-device copy (what `_foreach_copy_` of cache tensors runs)."""
 
 
-def copy_spans_ms(operations: Sequence[tuple[str, float, float]]) -> list[float]:
-    """Milliseconds from the start of the first to the end of the last operation of every maximal run of
-    consecutive copies (`COPY_OPERATION`) in `operations` ((name, start us, end us) in any order)."""
-    spans = []
+def copy_runs(operations: Sequence[tuple[str, float, float]]) -> list[tuple[float, int]]:
+    """Every maximal run of consecutive copies (`COPY_OPERATION`) in `operations` ((name, start us, end us) in
+    any order), in time order: milliseconds from the start of its first to the end of its last copy, and how
+    many copies it has."""
+    runs = []
     run: list[tuple[float, float]] = []
     for name, begin, end in [*sorted(operations, key=lambda op: op[1]), ("", 0.0, 0.0)]:
         if name.startswith(COPY_OPERATION):
             run.append((begin, end))
             continue
         if run:
-            spans.append((max(e for _, e in run) - run[0][0]) / 1e3)
+            runs.append(((max(e for _, e in run) - run[0][0]) / 1e3, len(run)))
             run = []
-    return spans
+    return runs
 
 
-def _copy_in_context(plain: GraphedCallable, start: State, times: list[float], spans: list[float]) -> None:
-    """Device time of (a)'s staging copies inside (a)'s own loop (see the module docstring).
+def staging_spans_ms(operations: Sequence[tuple[str, float, float]], tensors: int) -> list[float]:
+    """The span of each step's staging in a traced loop of `STEPS` steps: the last `STEPS` runs of at least
+    `tensors` consecutive copies (a step stages every cache tensor in one batch; cloning the start state
+    before the loop makes one more run). Raises if there are fewer."""
+    spans = [span for span, count in copy_runs(operations) if count >= tensors]
+    if len(spans) < STEPS:
+        raise RuntimeError(f"expected the staging copies of {STEPS} steps in the trace, found {len(spans)}")
+    return spans[-STEPS:]
 
-    Each step stages its inputs as `GraphedCallable` does (one `_foreach_copy_` into the placeholders of
-    the step's graph) between two events, then calls `plain` on the placeholders, which copies nothing.
-    Appends the bracketed times to `times` and the copies' spans in the profiler's trace to `spans`
-    (steps after the first of the repetition, as elsewhere).
-    """
+
+def _traced(run: Callable[[], None]) -> list[tuple[str, float, float]]:
+    """The CUDA operations `run` enqueues, as (name, start us, end us), from the CUDA profiler."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as trace:
-        _bracketed_copies(plain, start, times)
-    operations = [(e.name, e.time_range.start, e.time_range.end) for e in trace.events()
-                  if e.device_type == DeviceType.CUDA]
-    steps = copy_spans_ms(operations)[-STEPS:]
-    if len(steps) != STEPS:
-        raise RuntimeError(f"expected the copies of {STEPS} steps in the trace, found {len(steps)} runs of copies")
-    spans.extend(steps[1:])
+        run()
+    return [(e.name, e.time_range.start, e.time_range.end) for e in trace.events() if e.device_type == DeviceType.CUDA]
 
 
-def _bracketed_copies(plain: GraphedCallable, start: State, times: list[float]) -> None:
+TRACED_SLEEP_CYCLES = 4 * SLEEP_CYCLES
+"""The sleep ahead of a traced loop: the profiler slows the host that enqueues it several times."""
+HOST_WAIT_US = 50.0
+"""A gap between consecutive operations behind the sleep at least this long means the GPU waited for the host."""
+
+
+def host_waits_us(operations: Sequence[tuple[str, float, float]]) -> float:
+    """Microseconds the GPU spent in gaps of at least `HOST_WAIT_US` after the last sleep of a traced loop."""
+    ordered = sorted(operations, key=lambda op: op[1])
+    sleeps = [i for i, (name, _, _) in enumerate(ordered) if "sleep" in name.lower() or "spin" in name.lower()]
+    after = ordered[sleeps[-1] + 1:] if sleeps else ordered
+    gaps = (b[1] - a[2] for a, b in itertools.pairwise(after))
+    return sum(gap for gap in gaps if gap >= HOST_WAIT_US)
+
+
+def _copies_in_loop(plain: Variant, start: State, spans: list[float], waits: list[float]) -> None:
+    """`copy_ms`: the span of (a)'s staging copies in its own loop behind a GPU sleep (steps after the first);
+    appends to `waits` how long the GPU waited for the host in that loop (it should not have)."""
+    operations = _traced(lambda: _device_rep(plain, start, [], TRACED_SLEEP_CYCLES))
+    spans.extend(staging_spans_ms(operations, len(start.past))[1:])
+    waits.append(host_waits_us(operations))
+
+
+def _copies_staged(plain: GraphedCallable, start: State, times: list[float], spans: list[float]) -> None:
+    """`copy_ms_staged` and `copy_ms_bracket`: (a)'s loop with the staging done by hand (see the module
+    docstring), its copies' span in the trace appended to `spans` and their CUDA-event bracket to `times`."""
+    operations = _traced(lambda: _bracketed_copies(plain, start, times, TRACED_SLEEP_CYCLES))
+    spans.extend(staging_spans_ms(operations, len(start.past))[1:])
+
+
+def _bracketed_copies(plain: GraphedCallable, start: State, times: list[float], sleep_cycles: int) -> None:
     state = start.clone()
     brackets = []
     torch.cuda.synchronize()
-    torch.cuda._sleep(SLEEP_CYCLES)
+    torch.cuda._sleep(sleep_cycles)
     for _ in range(STEPS):
         inputs = (state.ids, state.positions, *state.past)
         placeholders, _ = plain.static_inputs(*inputs)
@@ -309,8 +342,8 @@ def run(ctx: Context) -> None:
     device = ctx.device
     dtype = torch.float16
     lengths = (128,) if ctx.quick else LENGTHS
-    reps = 3 if ctx.quick else 12
-    device_reps = 2 if ctx.quick else 5
+    reps = 3 if ctx.quick else 30
+    device_reps = 2 if ctx.quick else 10
     model = gpt2(device, dtype)
     backend = CudaBackend()  # one pool for all three callables
     plain = graphed(forward_step(model), backend=backend, max_graphs=1024)
@@ -340,7 +373,10 @@ def run(ctx: Context) -> None:
             steady: dict[str, list[float]] = {v.name: [] for v in variants}
             host: dict[str, list[float]] = {v.name: [] for v in variants}
             copies: list[float] = []
+            waits: list[float] = []
+            staged: list[float] = []
             brackets: list[float] = []
+            untraced: list[float] = []
             before = {v.name: Counter(v.fast.stats.mispredictions) for v in variants}
             for _ in range(reps):
                 for variant in variants:
@@ -352,7 +388,9 @@ def run(ctx: Context) -> None:
             for _ in range(device_reps):
                 for variant in variants:
                     _device_rep(variant, start, device_times[variant.name])
-                _copy_in_context(plain, start, brackets, copies)
+                _copies_in_loop(variants[0], start, copies, waits)
+                _copies_staged(plain, start, brackets, staged)
+                _bracketed_copies(plain, start, untraced, SLEEP_CYCLES)
             copy_ms = statistics.median(copies)
             row = {"copy_ms": copy_ms}
             for variant in variants:
@@ -366,7 +404,10 @@ def run(ctx: Context) -> None:
                 ctx.add_value(f"{variant.name} L={length}", "bytes_copied_per_step", bytes_per_step)
                 ctx.add_value(f"{variant.name} L={length}", "host_ms_per_step", statistics.median(host[variant.name]))
             ctx.add_value(f"plain L={length}", "copy_ms", copy_ms)
+            ctx.add_value(f"plain L={length}", "copy_trace_host_wait_us", max(waits))
+            ctx.add_value(f"plain L={length}", "copy_ms_staged", statistics.median(staged))
             ctx.add_value(f"plain L={length}", "copy_ms_bracket", statistics.median(brackets))
+            ctx.add_value(f"plain L={length}", "copy_ms_bracket_untraced", statistics.median(untraced))
             ctx.add_value(f"plain L={length}", "copy_ms_alone", _copy_ms_alone(start, device, reps=20))
             for name in ("auto", "carried"):
                 device_saved = (row["plain_device_ms"] - row[f"{name}_device_ms"]) / copy_ms
@@ -392,9 +433,9 @@ def run(ctx: Context) -> None:
         "bytes per step are steady-state (steps after the first of each repetition); the first step copies the prefix"
     )
     ctx.note(
-        "copy time = device time of (a)'s staging copies inside (a)'s loop, their span in the CUDA profiler's trace "
-        "(copy_ms; copy_ms_bracket is the same between CUDA events); device_time_saved_fraction is the same ratio "
-        "on device time alone (steps enqueued behind a GPU sleep)"
+        "copy time = device time of (a)'s staging copies inside (a)'s own loop, their span in the CUDA profiler's "
+        "trace (copy_ms; copy_ms_staged and copy_ms_bracket: the loop staged by hand, traced and between CUDA events); "
+        "device_time_saved_fraction is the same ratio on device time alone (steps enqueued behind a GPU sleep)"
     )
     for name in ("auto", "carried"):
         ratio = row[f"{name}_bytes"] / row["plain_bytes"] if row["plain_bytes"] else float("nan")

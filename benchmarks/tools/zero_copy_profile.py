@@ -8,7 +8,7 @@ both variants and the difference, largest first, so a kernel that got slower und
 directly. The device time per step of both variants is also measured over `--device-reps` interleaved
 repetitions behind a GPU sleep (the case's `device_ms_per_step`), with its spread.
 
-    PYTHONPATH=src:. python3 -m benchmarks.tools.zero_copy_profile --out OUT [--length 512]
+    PYTHONPATH=src:. python3 -m benchmarks.tools.zero_copy_profile --out OUT [--length 512] [--host-profile]
 
 Writes OUT/zero_copy_profile.json and OUT/zero_copy_profile.md.
 """
@@ -38,6 +38,8 @@ def main() -> None:
     parser.add_argument("--length", type=int, default=case.TARGET_LENGTH)
     parser.add_argument("--reps", type=int, default=4)
     parser.add_argument("--device-reps", type=int, default=15)
+    parser.add_argument("--host-profile", action="store_true",
+                        help="also profile each variant's host side (cProfile) and list its costliest functions")
     args = parser.parse_args()
     device = torch.device("cuda")
     model = case.gpt2(device)
@@ -83,6 +85,9 @@ def main() -> None:
                                      "mean_us": g.mean_us} for g in profile.groups},
             }
             report["variants"][variant.name]["behind_sleep"] = behind_sleep
+            if args.host_profile:
+                steps = case.STEPS * args.reps
+                report["variants"][variant.name]["host_profile"] = host_profile(repetition, steps=steps)
             report["variants"][variant.name]["stats"] = {
                 "redirects": variant.fast.stats.redirects,
                 "mispredictions": {r.name: n for r, n in variant.fast.stats.mispredictions.items()},
@@ -91,6 +96,33 @@ def main() -> None:
     (args.out / "zero_copy_profile.json").write_text(json.dumps(report, indent=2))
     (args.out / "zero_copy_profile.md").write_text(markdown(report))
     print(markdown(report))
+
+
+def host_profile(repetition: Any, steps: int, top: int = 30) -> dict[str, Any]:
+    """cProfile of `steps // case.STEPS` repetitions: the host's microseconds per step in all, in the `top`
+    functions by own time and in the `top` by time including callees."""
+    import cProfile
+    import pstats
+    import time
+
+    profiler = cProfile.Profile()
+    torch.cuda.synchronize()
+    began = time.perf_counter()
+    profiler.enable()
+    for _ in range(steps // case.STEPS):
+        repetition()
+    profiler.disable()
+    total_us = (time.perf_counter() - began) * 1e6 / steps
+    torch.cuda.synchronize()
+    stats = pstats.Stats(profiler).stats  # type: ignore[attr-defined]
+    by_own = sorted(stats.items(), key=lambda item: -item[1][2])[:top]
+    by_total = sorted(stats.items(), key=lambda item: -item[1][3])[:top]
+    return {
+        "us_per_step_profiled": total_us,
+        "functions": [{"function": f"{path.rsplit('/', 1)[-1]}:{line}({name})", "calls_per_step": calls / steps,
+                       "own_us_per_step": own * 1e6 / steps, "total_us_per_step": total * 1e6 / steps}
+                      for (path, line, name), (_, calls, own, total, _) in [*by_own, *by_total]],
+    }
 
 
 def short_name(kernel: str) -> str:
@@ -134,8 +166,8 @@ def timeline_behind_sleep(variant: case.Variant, start: case.State) -> dict[str,
             pairs[f"{short_name(previous.name)} -> {short_name(event.name)}"] += gap / case.STEPS
     span = after[-1].time_range.end - after[0].time_range.start if after else 0.0
     per_step = {"span": span, "busy": busy, "short_gap": short, "long_gap": long}
-    copies = case.copy_spans_ms([(e.name, e.time_range.start, e.time_range.end) for e in after])
-    big = [ms * 1e3 for ms in copies if ms * 1e3 > 20.0]  # a step's staging, not the 32-byte token copy
+    runs = case.copy_runs([(e.name, e.time_range.start, e.time_range.end) for e in after])
+    big = [ms * 1e3 for ms, count in runs if count >= len(start.past)]  # a step's staging (`case.staging_spans_ms`)
     return {
         "found_sleep": float(bool(sleeps)),
         **{f"{k}_us_per_step": v / case.STEPS for k, v in per_step.items()},
@@ -178,6 +210,15 @@ def markdown(report: dict[str, Any]) -> str:
     for pair in sorted(set(plain_pairs) | set(auto_pairs), key=lambda p: -abs(gap_delta(p)))[:16]:
         lines.append(f"| `{pair}` | {plain_pairs.get(pair, 0.0):.2f} | {auto_pairs.get(pair, 0.0):.2f} | "
                      f"{gap_delta(pair):+.2f} |")
+    for name, row in report["variants"].items():
+        if "host_profile" not in row:
+            continue
+        host = row["host_profile"]
+        profiled = host["us_per_step_profiled"]
+        lines += ["", f"Host profile of {name} (cProfile, {profiled:.0f} us per step under it):", "",
+                  "| function | calls/step | own us/step | total us/step |", "|---|---:|---:|---:|"]
+        lines += [f"| `{f['function']}` | {f['calls_per_step']:.1f} | {f['own_us_per_step']:.1f} | "
+                  f"{f['total_us_per_step']:.1f} |" for f in host["functions"]]
     lines += ["", "| kernel | plain us/step | auto us/step | auto - plain | plain n/step | auto n/step |",
               "|---|---:|---:|---:|---:|---:|"]
     names = set(plain["kernels"]) | set(auto["kernels"])

@@ -183,3 +183,46 @@ def test_a_compiled_producer_inside_the_block_stays_eager_equal():
     with torch.inference_mode(), fast.zero_copy():
         for _ in range(5):
             torch.testing.assert_close(fast(produce(x, order)), (x[[1, 0]] + 1) * 2)
+
+
+@pytest.mark.parametrize("inference", [True, False])
+def test_a_whole_view_of_an_op_output_is_redirected_through_that_op_and_then_copies_nothing(inference):
+    """HF's beam search passes `tokens[:, None]`: the view has no out= form, the op it views (`sub`) has."""
+    fast = make(lambda ids, x: x * ids)
+    x = torch.randn(4, 3)
+    scores = torch.randn(4)
+    expected = []
+    copied = []
+    with torch.inference_mode(inference), fast.zero_copy():
+        for _ in range(6):
+            top = scores.argsort()
+            tokens = top - 1
+            before = fast.stats.input_bytes_copied
+            out = fast(tokens[:, None], x)
+            copied.append(fast.stats.input_bytes_copied - before)
+            expected.append(x * (top - 1)[:, None])
+            torch.testing.assert_close(out, expected[-1])
+            scores = scores.roll(1)
+            x = x.index_select(0, top)
+    assert copied[-2:] == [0, 0]
+    assert fast.stats.redirects >= 4 and not fast.stats.mispredictions
+
+
+@pytest.mark.parametrize(
+    "view",
+    [
+        lambda t: t.view(torch.float32),  # reinterprets the bits: sub's out= form would convert them
+        lambda t: t[:2],  # part of the output
+        lambda t: t.view(2, 2).t(),  # another element order
+    ],
+    ids=["dtype", "part", "transposed"],
+)
+def test_views_that_are_not_the_whole_output_in_order_are_copied_and_stay_eager(view):
+    fast = make(lambda v: v * 2)
+    base = torch.arange(4, dtype=torch.int32)
+    with torch.inference_mode(), fast.zero_copy():
+        for step in range(6):
+            passed = view(base - step)
+            torch.testing.assert_close(fast(passed), passed * 2, equal_nan=True)  # int bits read as float: NaNs
+    assert fast.stats.redirects == 0
+    assert fast.stats.input_bytes_copied >= 6 * passed.numel() * passed.element_size()

@@ -64,7 +64,7 @@ def test_plain_auto_and_carried_variants_equal_eager_and_copy_as_designed(tiny):
     assert carried.stats.input_copies_avoided >= 5 * 5
 
 
-def test_copy_spans_cover_each_run_of_consecutive_copies_with_its_gaps():
+def test_copy_runs_cover_each_run_of_consecutive_copies_with_its_gaps_and_count_its_copies():
     copy = case.COPY_OPERATION + " (Device -> Device)"
     operations = [
         ("kernel", 0.0, 5.0),
@@ -74,5 +74,19 @@ def test_copy_spans_cover_each_run_of_consecutive_copies_with_its_gaps():
         (copy, 60.0, 64.0),
     ]
     shuffled = [operations[i] for i in (3, 0, 4, 2, 1)]
-    assert case.copy_spans_ms(shuffled) == pytest.approx([0.010, 0.004])
-    assert case.copy_spans_ms([("kernel", 0.0, 1.0)]) == []
+    runs = case.copy_runs(shuffled)
+    assert [span for span, _ in runs] == pytest.approx([0.010, 0.004]) and [count for _, count in runs] == [2, 1]
+    assert case.copy_runs([("kernel", 0.0, 1.0)]) == []
+
+
+def test_staging_spans_are_the_runs_with_a_copy_per_cache_tensor_one_per_step():
+    copy = case.COPY_OPERATION + " (Device -> Device)"
+    operations = [(copy, -50.0 + i, -49.0 + i) for i in range(3)] + [("kernel", -40.0, -39.0)]  # cloning the start
+    for step in range(case.STEPS):
+        begin = 100.0 * step
+        operations += [(copy, begin, begin + 1.0), ("kernel", begin + 2.0, begin + 3.0)]  # a lone copy
+        operations += [(copy, begin + 10.0 + i, begin + 10.5 + i) for i in range(3)]  # the staging of 3 tensors
+        operations.append(("graph kernel", begin + 14.0, begin + 50.0))
+    assert case.staging_spans_ms(operations, tensors=3) == pytest.approx([0.0025] * case.STEPS)
+    with pytest.raises(RuntimeError, match="staging copies"):
+        case.staging_spans_ms(operations[8:], tensors=3)
