@@ -343,7 +343,8 @@ def run(ctx: Context) -> None:
     dtype = torch.float16
     lengths = (128,) if ctx.quick else LENGTHS
     reps = 3 if ctx.quick else 30
-    device_reps = 2 if ctx.quick else 10
+    device_reps = 2 if ctx.quick else 30
+    copy_reps = 2 if ctx.quick else 10
     model = gpt2(device, dtype)
     backend = CudaBackend()  # one pool for all three callables
     plain = graphed(forward_step(model), backend=backend, max_graphs=1024)
@@ -385,12 +386,13 @@ def run(ctx: Context) -> None:
                 v.name: {reason.name: count for reason, count in (v.fast.stats.mispredictions - before[v.name]).items()}
                 for v in variants
             }
-            for _ in range(device_reps):
+            for rep in range(device_reps):
                 for variant in variants:
                     _device_rep(variant, start, device_times[variant.name])
-                _copies_in_loop(variants[0], start, copies, waits)
-                _copies_staged(plain, start, brackets, staged)
-                _bracketed_copies(plain, start, untraced, SLEEP_CYCLES)
+                if rep < copy_reps:
+                    _copies_in_loop(variants[0], start, copies, waits)
+                    _copies_staged(plain, start, brackets, staged)
+                    _bracketed_copies(plain, start, untraced, SLEEP_CYCLES)
             copy_ms = statistics.median(copies)
             row = {"copy_ms": copy_ms}
             for variant in variants:

@@ -127,6 +127,14 @@ def _bench_model(ctx: Context, name: str) -> None:
         net.set_backend("cuda")
         gpu_layers = dict(net.profile(inputs[2]))
         layers = net.layers()
+        kernel_times = {layer: {k: round(ms, 4) for k, ms in t.items()} for layer, t in net.kernel_times.items()}
+        compressed, dense = net.weight_bytes()
+        if any(kernel == "dense" for kernel in kernels.values()):  # the same network with sparse kernels only
+            net.dense_fallback = False
+            net.tune(inputs[0])
+            sparse_replay, _ = _graphed(net, inputs[0])
+            results["tendril gpu sparse-kernels-only CUDA graph"] = _time_gpu(ctx, sparse_replay, inputs, reps)
+            del sparse_replay
 
         for label, tf32 in (("cuDNN fp32", False), ("cuDNN tf32", True)):
             _set_tf32(tf32)
@@ -169,12 +177,16 @@ def _bench_model(ctx: Context, name: str) -> None:
     ctx.target(
         f"{name}_speedup_vs_cudnn_fp32_graph", results["dense cuDNN fp32 CUDA graph"].median_ms / best, Goal(">", 1)
     )
-    compressed, dense = net.weight_bytes()
+    if "tendril gpu sparse-kernels-only CUDA graph" in results:
+        sparse_only = results["tendril gpu sparse-kernels-only CUDA graph"].median_ms
+        ctx.add_value(f"{name} sparse kernels only", "speedup_vs_cudnn_fp32_graph",
+                      results["dense cuDNN fp32 CUDA graph"].median_ms / sparse_only)
     ctx.add_value(f"{name} weights", "compressed_MiB", compressed / 2**20)
     ctx.add_value(f"{name} weights", "dense_MiB", dense / 2**20)
     ctx.extra[name] = {
         "pruning": {p.name: round(p.density, 4) for p in pruned},
         "rejected_register_kernels": dict(net.rejected_kernels),
+        "tune_kernel_ms": kernel_times,
         "weight_bytes": {"compressed": compressed, "dense": dense},
         "layers": [
             {
@@ -212,7 +224,10 @@ def run(ctx: Context) -> None:
     ctx.note(
         "tendril GPU = convolutions by the register-tiled sparse-weight CUDA kernel (dense input, bias/residual/ReLU "
         "fused), the shared-memory SCNN CUDA kernel or the Triton global-atomic kernel, whichever measured fastest "
-        "per layer at conversion (extra.*.layers.gpu_conv_kernel); compression and FC layers in Triton. "
+        "per layer at conversion (extra.*.layers.gpu_conv_kernel; each candidate's time in extra.*.tune_kernel_ms), "
+        "or cuDNN fp32 on the dense pruned weights (`dense`) where that measured faster than every sparse kernel; "
+        "compressed_MiB then counts the dense copy too, and the network is also timed with sparse kernels only "
+        "('sparse-kernels-only', '<model> sparse kernels only' row); compression and FC layers in Triton. "
         "CPU = tendril's compiled (numba) CPU engine: zero weights skipped, activations compressed, each conv by "
         "SCNN's Cartesian product or an output-stationary sparse-weight loop, whichever a cost model on the true "
         "nonzero counts picks (tendril.sparse.ops.conv.cpu)."

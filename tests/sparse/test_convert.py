@@ -89,3 +89,16 @@ def test_pixel_run_plans_are_timed_unless_left_out(monkeypatch, pixel_runs):
     plans = [plan for step in one_by_one for plan in net._register_plans(step)]
     assert one_by_one and plans
     assert any(plan.pixel_run for plan in plans) == pixel_runs
+
+
+def test_dense_fallback_convolutions_never_use_tf32():
+    from tendril.sparse.network import fp32_convolutions
+
+    previous = torch.backends.cudnn.allow_tf32
+    torch.backends.cudnn.allow_tf32 = True
+    try:
+        with fp32_convolutions():
+            assert not torch.backends.cudnn.allow_tf32
+        assert torch.backends.cudnn.allow_tf32
+    finally:
+        torch.backends.cudnn.allow_tf32 = previous

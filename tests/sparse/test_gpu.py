@@ -8,6 +8,7 @@ import torch
 
 from tendril.sparse import ActivationOverflowError, convert, prune
 from tendril.sparse.format import ActivationLayout
+from tendril.sparse.network import SparseConvStep
 from tendril.sparse.ops.compress import reference as compress_reference
 from tendril.sparse.ops.compress import triton as compress_triton
 from tendril.sparse.ops.conv import cuda as conv_cuda
@@ -155,9 +156,32 @@ def test_network_matches_dense_pytorch_eager_and_inside_a_cuda_graph(index, back
     model = randomize_batchnorm(build()).eval().to(CUDA)
     prune(model, densities)
     placeholder = torch.randn(1, 3, size, size, device=CUDA)
-    net = convert(model, placeholder).set_backend(backend)
+    net = convert(model, placeholder, dense_fallback=False).set_backend(backend)
     assert_network_matches_dense(net, model, placeholder, replays=5)
     net.check_overflow()
+    assert "dense" not in {s.conv_kernel for s in net.steps if isinstance(s, SparseConvStep)}
+
+
+@pytest.mark.parametrize("index", range(len(NETWORKS)))
+def test_a_dense_fallback_is_timed_per_layer_and_runs_fp32_exactly_as_the_sparse_kernels(index):
+    """`tune` times cuDNN on every convolution's dense pruned weights; a layer that runs densely (here every
+    one, forced) matches dense PyTorch eagerly and inside a graph, and its dense copy is counted in the
+    network's weight bytes."""
+    build, densities, size = NETWORKS[index]
+    torch.manual_seed(index)
+    model = randomize_batchnorm(build()).eval().to(CUDA)
+    prune(model, densities)
+    placeholder = torch.randn(1, 3, size, size, device=CUDA)
+    net = convert(model, placeholder)
+    convs = [s for s in net.steps if isinstance(s, SparseConvStep)]
+    assert convs and all("dense" in net.kernel_times[s.name] for s in convs)
+    compressed, _ = net.weight_bytes()
+    added = sum(4 * s.weights.dense_numel for s in convs if s.dense_weight is None)
+    for step in convs:
+        step.dense_weight = step.weights.to_dense()
+        step.conv_kernel = "dense"
+    assert net.weight_bytes()[0] == compressed + added
+    assert_network_matches_dense(net, model, placeholder, replays=3)
 
 
 def test_network_overflow_inside_a_graph_is_reported_after_the_replay():

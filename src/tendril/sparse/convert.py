@@ -265,6 +265,7 @@ def convert(
     activation_capacity: float = 1.0,
     tune: bool = True,
     pixel_runs: bool = True,
+    dense_fallback: bool = True,
 ) -> SparseNetwork:
     """Turn an eval-mode CNN into a `SparseNetwork` for inputs shaped like `example_input` ([N, C, H, W]).
 
@@ -274,7 +275,8 @@ def convert(
     kernels on every layer with `example_input` and keeps the faster (`SparseNetwork.tune`); an
     overflow of a reduced capacity while tuning is not reported (it concerns the example only).
     `pixel_runs=False` keeps `tune` from timing the register-tiled kernel's 1×1 pixel-run plans
-    (`SparseNetwork.pixel_runs`).
+    (`SparseNetwork.pixel_runs`); `dense_fallback=False` keeps it from running a convolution densely (cuDNN)
+    where that measures faster than the sparse kernels (`SparseNetwork.dense_fallback`).
     """
     if model.training:
         raise ValueError("convert needs an eval-mode model (dropout and batch norm behave differently in training)")
@@ -293,6 +295,7 @@ def convert(
         ShapeProp(gm).propagate(example_input)
     network = _Converter(gm, activation_capacity).run()
     network.pixel_runs = pixel_runs
+    network.dense_fallback = dense_fallback
     if tune and network.device.type == "cuda":
         network.tune(example_input[:1].to(network.device))
         network.reset_overflow()

@@ -25,10 +25,11 @@ A batch is run one sample at a time (the engine is built for batch-1 latency).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import time
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -92,7 +93,10 @@ class SparseConvStep:
     """The weights in the CUDA kernel's tile order (GPU networks only)."""
     conv_kernel: str = "cuda"
     """Under the `"cuda"` backend, which convolution kernel this layer uses (`SparseNetwork.tune` picks):
-    `"cuda"`, `"triton"` or `"register"`."""
+    `"cuda"`, `"triton"`, `"register"` or `"dense"` (cuDNN in fp32 on the pruned weights, where it measured
+    faster than every sparse kernel)."""
+    dense_weight: torch.Tensor | None = None
+    """The pruned weights as a dense tensor, kept only for the `"dense"` kernel."""
     register: register_cuda.RegisterConvLayer | None = None
     """The weights and buffers of the register-tiled kernel (built by `tune` where it supports the layer)."""
     cpu_plan: conv_cpu.CpuConvPlan | None = None
@@ -134,6 +138,8 @@ class SparseConvStep:
             return self._run_cpu(x, values[1] if self.residual else None, state)
         if state.backend == "cuda" and self.conv_kernel == "register":
             return self._run_register(x, values[1] if self.residual else None, state)
+        if state.backend == "cuda" and self.conv_kernel == "dense":
+            return self._run_dense(x, values[1] if self.residual else None, state)
         outputs = []
         for b in range(x.shape[0]):
             acts = state.compress(self.name, x[b], self.layout)
@@ -157,6 +163,19 @@ class SparseConvStep:
             state.last_counts[self.name] = self.register.counts
         return torch.stack(outputs)
 
+    def _run_dense(self, x: torch.Tensor, residual: torch.Tensor | None, state: RunState) -> torch.Tensor:
+        """cuDNN on the dense pruned weights, in full fp32 (never TF32), then the residual and ReLU; the input's
+        nonzero count is still taken (one small kernel) for the layer report."""
+        if self.dense_weight is None:
+            raise ValueError(f"{self.name}: the dense kernel was chosen but not prepared; SparseNetwork.tune builds it")
+        g = self.weights.geometry
+        with fp32_convolutions():
+            y = F.conv2d(x, self.dense_weight, self.bias, stride=g.stride, padding=g.padding, groups=g.groups)
+        if residual is not None:
+            y.add_(residual)
+        state.last_counts[self.name] = torch.count_nonzero(x[-1]).view(1)
+        return y.relu_() if self.relu else y
+
     def _run_cpu(self, x: torch.Tensor, residual: torch.Tensor | None, state: RunState) -> torch.Tensor:
         """The CPU kernels read the dense input and fuse bias, residual and ReLU (`conv_dense_input`)."""
         if self.cpu_plan is None:
@@ -176,6 +195,17 @@ class SparseConvStep:
             )
             state.count(self.name, counts, self.layout)
         return y
+
+
+@contextlib.contextmanager
+def fp32_convolutions() -> Iterator[None]:
+    """cuDNN convolutions in full fp32 inside the block (PyTorch lets them use TF32 by default)."""
+    previous = torch.backends.cudnn.allow_tf32
+    torch.backends.cudnn.allow_tf32 = False
+    try:
+        yield
+    finally:
+        torch.backends.cudnn.allow_tf32 = previous
 
 
 @dataclass
@@ -260,6 +290,12 @@ class SparseNetwork:
         """Whether `tune` also times the register-tiled kernel's pixel-run plans for 1×1 convolutions. On the
         H200 the best pixel-run plan beat the best tile plan on each of ResNet-50's 14 distinct 1×1 layers
         (0.61 ms against 0.93 ms in all, `sparse-conv-kernels`); `convert(..., pixel_runs=False)` leaves them out."""
+        self.dense_fallback = True
+        """Whether `tune` also times cuDNN (fp32) on each convolution's dense pruned weights and keeps it where it is
+        faster than every sparse kernel (`convert(..., dense_fallback=False)`: sparse kernels only). The layers
+        that fell back, with every candidate's time, are in `kernel_times` and the layer report."""
+        self.kernel_times: dict[str, dict[str, float]] = {}
+        """`{layer: {kernel: ms}}` as `tune` measured them on the example input (`reps` calls each)."""
 
     def set_backend(self, backend: str, threads: int = 1) -> SparseNetwork:
         """Choose `"cuda"`, `"triton"` or `"cpu"` (with `threads` workers for the CPU backend)."""
@@ -310,8 +346,9 @@ class SparseNetwork:
     @torch.no_grad()
     def tune(self, x: torch.Tensor, reps: int = 5) -> dict[str, str]:
         """Pick each convolution's kernel by timing the candidates on `x`: shared-memory CUDA (`"cuda"`),
-        Triton atomics (`"triton"`) and, where its planner supports the geometry, the register-tiled
-        sparse-weight kernel (`"register"`, timed on the layer's dense input, as it runs).
+        Triton atomics (`"triton"`), where its planner supports the geometry, the register-tiled
+        sparse-weight kernel (`"register"`, timed on the layer's dense input, as it runs) and, with
+        `dense_fallback`, cuDNN fp32 on the dense pruned weights (`"dense"`).
 
         Runs one forward, and for every convolution times the kernels on the activations it really
         sees (host syncs: call it once, after conversion, never inside a graph capture). Returns
@@ -341,6 +378,9 @@ class SparseNetwork:
                         self.rejected_kernels[step.name] = rejection
                         warnings.warn(f"{step.name}: register-tiled kernel not used: {rejection}", stacklevel=2)
                 step.conv_kernel = choice[step.name] = min(times, key=lambda k: times[k])
+                self.kernel_times[step.name] = times
+                if step.conv_kernel != "dense":
+                    step.dense_weight = None
             values[step.output] = step.run(inputs, self._state)
         return choice
 
@@ -401,6 +441,9 @@ class SparseNetwork:
             candidates[f"register {rank}"] = functools.partial(
                 register_cuda.conv, dense_input, layer, step.bias, relu=step.relu
             )
+        if self.dense_fallback:
+            step.dense_weight = step.weights.to_dense().to(self.device)
+            candidates["dense"] = functools.partial(step._run_dense, dense_input[None], None, self._state)
         times = {}
         for kernel, run_kernel in candidates.items():
             step.conv_kernel = kernel
@@ -468,13 +511,16 @@ class SparseNetwork:
             else:
                 dense_w = step.weights.in_features * step.weights.out_features
             bias_bytes = 4 * step.bias.numel()
+            held = step.weights.nbytes + bias_bytes
+            if isinstance(step, SparseConvStep) and step.dense_weight is not None:
+                held += step.dense_weight.numel() * step.dense_weight.element_size()  # a dense fallback's copy
             reports.append(
                 LayerReport(
                     step.name,
                     "conv" if isinstance(step, SparseConvStep) else "linear",
                     step.weights.density,
                     act,
-                    step.weights.nbytes + bias_bytes,
+                    held,
                     4 * dense_w + bias_bytes,
                 )
             )
