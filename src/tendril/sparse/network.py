@@ -273,6 +273,12 @@ H200) exceeds its spread between the best few plans. For 1×1 layers it holds th
 best 2-D tile plan at least (the model is calibrated on tiles only)."""
 
 
+TUNE_SLEEP_CYCLES = 20_000_000
+"""GPU sleep (about 10 ms on the H200) ahead of each candidate's timed calls in `tune`, longer than the host needs
+to enqueue them: the time is the kernels' on the device, as inside a CUDA graph, not the host's launch cost
+(which, timed eagerly, favoured kernels with fewer launches on small layers)."""
+
+
 class SparseNetwork:
     """Runs a plan built by `tendril.sparse.convert`; call it like the model it came from."""
 
@@ -351,7 +357,9 @@ class SparseNetwork:
         `dense_fallback`, cuDNN fp32 on the dense pruned weights (`"dense"`).
 
         Runs one forward, and for every convolution times the kernels on the activations it really
-        sees (host syncs: call it once, after conversion, never inside a graph capture). Returns
+        sees, behind a GPU sleep so the device time counts, not the launches (a network runs in a CUDA
+        graph), the sparse-activation kernels with their input's compression (host syncs: call it once,
+        after conversion, never inside a graph capture). Returns
         `{layer: kernel}`; the choice is used by the `"cuda"` backend.
 
         The register-tiled kernel is timed with the planner's `REGISTER_PLANS_TIMED` best plans (the fastest
@@ -369,8 +377,7 @@ class SparseNetwork:
         for step in self.steps:
             inputs = [values[name] for name in step.inputs]
             if isinstance(step, SparseConvStep) and step.tiled is not None:
-                acts = self._state.compress(step.name, inputs[0][0], step.layout)
-                times = self._time_conv_kernels(step, acts, inputs[0][0].contiguous(), reps)
+                times = self._time_conv_kernels(step, inputs[0][0].contiguous(), reps)
                 if "register" in times:
                     rejection = self._register_rejection(step, inputs)
                     if rejection is not None:
@@ -426,16 +433,15 @@ class SparseNetwork:
             return f"relative error {float(error_norm):.2e} against the dense reference (limit {AGREEMENT_RTOL})"
         return None
 
-    def _time_conv_kernels(
-        self, step: SparseConvStep, acts: CompressedActivations, dense_input: torch.Tensor, reps: int
-    ) -> dict[str, float]:
+    def _time_conv_kernels(self, step: SparseConvStep, dense_input: torch.Tensor, reps: int) -> dict[str, float]:
         """Milliseconds of `reps` calls of each candidate kernel on one layer's real input."""
         g = step.weights.geometry
         init = torch.zeros(g.out_channels, *g.out_hw, device=self.device)
-        candidates: dict[str, Callable[[], object]] = {
-            "cuda": lambda: step.convolve(acts, init, self._state),
-            "triton": lambda: step.convolve(acts, init, self._state),
-        }
+
+        def compress_and_convolve() -> object:  # as the layer runs: its input is compressed first
+            return step.convolve(self._state.compress(step.name, dense_input, step.layout), init, self._state)
+
+        candidates: dict[str, Callable[[], object]] = {"cuda": compress_and_convolve, "triton": compress_and_convolve}
         layers = self._register_layers(step, dense_input)
         for rank, layer in enumerate(layers):
             candidates[f"register {rank}"] = functools.partial(
@@ -449,6 +455,7 @@ class SparseNetwork:
             step.conv_kernel = kernel
             run_kernel()
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda._sleep(TUNE_SLEEP_CYCLES)  # the calls queue up behind it: device time, as in a graph
             start.record()
             for _ in range(reps):
                 run_kernel()
