@@ -27,7 +27,7 @@ from torch import nn
 from benchmarks.registry import Context, Goal, register
 from tendril.graphs.capture import capture
 from tendril.sparse import convert, prune
-from tendril.sparse.network import SparseConvStep
+from tendril.sparse.network import SparseConvStep, SparseLinearStep
 from tendril.sparse.ops.conv import register_cuda
 from tendril.sparse.ops.conv.register_tiling import RegisterTilePlan
 from tendril.utils.timing import Timing, time_callable
@@ -115,6 +115,7 @@ def _bench_model(ctx: Context, name: str) -> None:
         net.check_overflow()
         convs = [s for s in net.steps if isinstance(s, SparseConvStep)]
         kernels = {s.name: s.conv_kernel for s in convs}
+        fc_kernels = {s.name: f"triton ({s.fc_kernel})" for s in net.steps if isinstance(s, SparseLinearStep)}
         register_plans = {
             s.name: _describe(s.register.plan) for s in convs if s.register and s.conv_kernel == "register"
         }
@@ -195,7 +196,7 @@ def _bench_model(ctx: Context, name: str) -> None:
                 "weight_density": round(r.weight_density, 4),
                 "activation_density": None if r.activation_density is None else round(r.activation_density, 4),
                 "gpu_ms": round(gpu_layers.get(r.name, float("nan")), 4),
-                "gpu_conv_kernel": kernels.get(r.name, "triton (fc)"),
+                "gpu_conv_kernel": kernels.get(r.name, fc_kernels.get(r.name)),
                 "register_plan": register_plans.get(r.name),
                 "cpu_allthreads_ms": round(cpu_layers.get(r.name, float("nan")), 2),
             }
@@ -227,7 +228,9 @@ def run(ctx: Context) -> None:
         "per layer at conversion (extra.*.layers.gpu_conv_kernel; each candidate's time in extra.*.tune_kernel_ms), "
         "or cuDNN fp32 on the dense pruned weights (`dense`) where that measured faster than every sparse kernel; "
         "compressed_MiB then counts the dense copy too, and the network is also timed with sparse kernels only "
-        "('sparse-kernels-only', '<model> sparse kernels only' row); compression and FC layers in Triton. "
+        "('sparse-kernels-only', '<model> sparse kernels only' row); compression and FC layers in Triton, each FC "
+        "by compressed activations x CSC weights with atomics (spmspv) or dense input x a CSR copy (rows), whichever "
+        "tune measured faster. "
         "CPU = tendril's compiled (numba) CPU engine: zero weights skipped, activations compressed, each conv by "
         "SCNN's Cartesian product or an output-stationary sparse-weight loop, whichever a cost model on the true "
         "nonzero counts picks (tendril.sparse.ops.conv.cpu)."

@@ -130,6 +130,25 @@ def check_linear(
     assert relative_error(y.cpu(), ref) <= REL_TOL
 
 
+def check_linear_rows(
+    features: int, outputs: int, weight_density: float, act_density: float, relu: bool, device: torch.device
+) -> None:
+    """`linear_triton.linear_rows` on a CSR copy (`SparseLinearWeights.to_csr`) against float64 dense math;
+    the output is written over NaN-poisoned memory, so an unwritten row shows."""
+    from tendril.sparse.ops.linear import triton as linear_triton
+
+    gen = torch.Generator().manual_seed(features + outputs)
+    weight = sparse_tensor((outputs, features), weight_density, gen)
+    x = sparse_tensor((features,), act_density, gen, positive=True)
+    bias = torch.randn(outputs, generator=gen)
+    ref = weight.double() @ x.double() + bias.double()
+    ref = ref.relu() if relu else ref
+    csr = SparseLinearWeights.from_dense(weight.to(device)).to_csr()
+    torch.empty(outputs, device=device).fill_(float("nan"))  # leaves NaN in the allocator's next block
+    y = linear_triton.linear_rows(x.to(device), csr, bias.to(device), relu=relu, block_r=4, block_k=16)
+    assert relative_error(y.cpu(), ref) <= REL_TOL
+
+
 def assert_network_matches_dense(net, model: torch.nn.Module, placeholder: torch.Tensor, replays: int) -> None:
     """`net` agrees with `model` eagerly on `placeholder` and, captured in a CUDA graph reading `placeholder`,
     on `replays` fresh random inputs, with the graph's output poisoned (NaN) before each replay."""

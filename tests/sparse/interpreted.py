@@ -13,7 +13,15 @@ from tendril.sparse.ops.compress import reference as compress_reference
 from tendril.sparse.ops.compress import triton as compress_triton
 from tendril.sparse.ops.conv import triton as conv_triton
 from tendril.sparse.ops.linear import triton as linear_triton
-from tests.sparse.checks import CONV_CASES, REL_TOL, assert_same_compression, check_conv, check_linear, relative_error
+from tests.sparse.checks import (
+    CONV_CASES,
+    REL_TOL,
+    assert_same_compression,
+    check_conv,
+    check_linear,
+    check_linear_rows,
+    relative_error,
+)
 from tests.sparse.models import Bottleneck, ResNetLike, randomize_batchnorm, vgg_like
 
 CPU = torch.device("cpu")
@@ -29,6 +37,7 @@ def main() -> None:
         check_conv(case, _compress, lambda a, w, i: conv_triton.conv(a, w, i, block_a=64, block_w=32), CPU)
     for wd, ad in ((0.3, 0.5), (1.0, 1.0), (0.0, 0.5), (0.5, 0.0)):
         check_linear(97, 33, wd, ad, _compress, linear_triton.linear, CPU)
+        check_linear_rows(97, 33, wd, ad, relu=wd != 1.0, device=CPU)
 
     x = torch.rand(2, 6, 6) + 0.1
     layout = ActivationLayout(2, (6, 6), (1, 1), (0, 0), 10)

@@ -81,3 +81,19 @@ def test_activation_capacity_is_a_fraction_of_the_plane():
     assert layout.with_capacity(0.5).capacity == 13
     with pytest.raises(ValueError, match="capacity"):
         layout.with_capacity(0.0)
+
+
+@pytest.mark.parametrize("density", [0.0, 0.3, 1.0])
+def test_linear_weights_in_csr_hold_the_same_matrix_row_by_row(density):
+    gen = torch.Generator().manual_seed(3)
+    weight = torch.randn(7, 11, generator=gen) * (torch.rand(7, 11, generator=gen) < density)
+    csr = SparseLinearWeights.from_dense(weight).to_csr()
+    assert csr.row_ptr.tolist()[-1] == int((weight != 0).sum()) and csr.cols.dtype == torch.int32
+    rebuilt = torch.zeros(7, 11)
+    for r in range(7):
+        begin, end = csr.row_ptr[r].item(), csr.row_ptr[r + 1].item()
+        cols = csr.cols[begin:end].long()
+        assert (cols[1:] > cols[:-1]).all()  # increasing within a row
+        rebuilt[r, cols] = csr.values[begin:end]
+    assert torch.equal(rebuilt, weight)
+    assert csr.nbytes == 4 * (2 * csr.values.numel() + 8)

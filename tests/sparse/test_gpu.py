@@ -8,7 +8,7 @@ import torch
 
 from tendril.sparse import ActivationOverflowError, convert, prune
 from tendril.sparse.format import ActivationLayout
-from tendril.sparse.network import SparseConvStep
+from tendril.sparse.network import SparseConvStep, SparseLinearStep
 from tendril.sparse.ops.compress import reference as compress_reference
 from tendril.sparse.ops.compress import triton as compress_triton
 from tendril.sparse.ops.conv import cuda as conv_cuda
@@ -23,6 +23,7 @@ from tests.sparse.checks import (
     assert_same_compression,
     check_conv,
     check_linear,
+    check_linear_rows,
     conv_operands,
     relative_error,
 )
@@ -181,6 +182,31 @@ def test_a_dense_fallback_is_timed_per_layer_and_runs_fp32_exactly_as_the_sparse
         step.dense_weight = step.weights.to_dense()
         step.conv_kernel = "dense"
     assert net.weight_bytes()[0] == compressed + added
+    assert_network_matches_dense(net, model, placeholder, replays=3)
+
+
+@pytest.mark.parametrize(
+    ("features", "outputs", "weight_density", "act_density"),
+    [(97, 33, 0.3, 0.5), (97, 33, 1.0, 1.0), (97, 33, 0.0, 0.5), (9216, 4096, 0.09, 0.64), (4096, 1000, 0.25, 0.5)],
+)
+@pytest.mark.parametrize("relu", [False, True])
+def test_row_gather_linear_kernel_matches_dense(features, outputs, weight_density, act_density, relu):
+    check_linear_rows(features, outputs, weight_density, act_density, relu, CUDA)
+
+
+@pytest.mark.parametrize("index", range(len(NETWORKS)))
+def test_fully_connected_layers_are_timed_both_ways_and_the_row_kernel_matches_dense(index):
+    build, densities, size = NETWORKS[index]
+    torch.manual_seed(index)
+    model = randomize_batchnorm(build()).eval().to(CUDA)
+    prune(model, densities)
+    placeholder = torch.randn(1, 3, size, size, device=CUDA)
+    net = convert(model, placeholder)
+    linears = [s for s in net.steps if isinstance(s, SparseLinearStep)]
+    assert linears and all(set(net.kernel_times[s.name]) == {"spmspv", "rows"} for s in linears)
+    for step in linears:
+        step.csr = step.weights.to_csr()
+        step.fc_kernel = "rows"
     assert_network_matches_dense(net, model, placeholder, replays=3)
 
 

@@ -21,6 +21,10 @@ Layouts (all on one device; int32 indices, fp32 values):
     CSC: `values[nnz]`, `rows[nnz]` (output feature), `col_ptr[in_features + 1]`; input feature `j`'s
     column is `col_ptr[j]:col_ptr[j + 1]`, so one nonzero activation meets exactly its column.
 
+`CsrLinearWeights` (bytes per nonzero: 8, plus 4 per output feature)
+    The same matrix row by row: `values[nnz]`, `cols[nnz]` (input feature, increasing within a row),
+    `row_ptr[out_features + 1]`; made on a GPU by `tune` for the row-gather kernel where it is faster.
+
 `CompressedActivations` (bytes per nonzero: 8, static capacity)
     `values[Cv, capacity]`, `positions[Cv, capacity]` (flat plane index `iy * plane_w + ix`, ascending),
     `row_ptr[Cv, plane_h + 1]` (how many nonzeros of the channel lie in the rows before each row, so a
@@ -204,6 +208,23 @@ class SparseConvWeights:
             raise ValueError("a tap's output channel or kernel offset is out of range for the geometry")
 
 
+@dataclass
+class CsrLinearWeights:
+    """A linear layer's weights row by row (CSR): the stored values of row `r` are
+    `values[row_ptr[r]:row_ptr[r + 1]]`, at input features `cols[...]` (increasing). 8 bytes per nonzero
+    (fp32 value, int32 column) plus 4 per row; made from `SparseLinearWeights.to_csr`."""
+
+    in_features: int
+    out_features: int
+    values: torch.Tensor
+    cols: torch.Tensor
+    row_ptr: torch.Tensor
+
+    @property
+    def nbytes(self) -> int:
+        return 4 * (2 * self.values.numel() + self.row_ptr.numel())
+
+
 @dataclass(frozen=True)
 class SparseLinearWeights:
     in_features: int
@@ -244,6 +265,17 @@ class SparseLinearWeights:
         dense = torch.zeros(self.out_features, self.in_features, device=self.values.device)
         dense[self.rows.long(), cols] = self.values
         return dense
+
+    def to_csr(self) -> CsrLinearWeights:
+        """The same weights row by row (`CsrLinearWeights`), for the row-gather kernel."""
+        counts = (self.col_ptr[1:] - self.col_ptr[:-1]).long()
+        cols = torch.repeat_interleave(torch.arange(self.in_features, device=counts.device), counts)
+        order = torch.argsort(self.rows.long() * self.in_features + cols)  # by row, then column
+        row_counts = torch.bincount(self.rows.long(), minlength=self.out_features)
+        row_ptr = torch.zeros(self.out_features + 1, dtype=torch.int32, device=self.values.device)
+        row_ptr[1:] = torch.cumsum(row_counts, 0).to(torch.int32)
+        values = self.values[order].contiguous()
+        return CsrLinearWeights(self.in_features, self.out_features, values, cols[order].to(torch.int32), row_ptr)
 
     def validate(self) -> None:
         _check_vector(self.values, torch.float32, "values")

@@ -35,7 +35,13 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from tendril.sparse.format import ActivationLayout, CompressedActivations, SparseConvWeights, SparseLinearWeights
+from tendril.sparse.format import (
+    ActivationLayout,
+    CompressedActivations,
+    CsrLinearWeights,
+    SparseConvWeights,
+    SparseLinearWeights,
+)
 from tendril.sparse.ops.compress import cpu as compress_cpu
 from tendril.sparse.ops.compress import triton as compress_triton
 from tendril.sparse.ops.conv import cpu as conv_cpu
@@ -217,6 +223,11 @@ class SparseLinearStep:
     bias: torch.Tensor
     layout: ActivationLayout
     relu: bool
+    fc_kernel: str = "spmspv"
+    """Under the `"cuda"` backend: `"spmspv"` (compressed activations × CSC weights, atomics) or `"rows"` (dense
+    input × a CSR copy of the weights, `linear_triton.linear_rows`), whichever `SparseNetwork.tune` measured faster."""
+    csr: CsrLinearWeights | None = None
+    """The CSR copy, kept only for the `"rows"` kernel."""
 
     def run(self, values: Sequence[torch.Tensor], state: RunState) -> torch.Tensor:
         x = values[0]
@@ -232,6 +243,12 @@ class SparseLinearStep:
             return y
         outputs = []
         for b in range(x.shape[0]):
+            if state.backend == "cuda" and self.fc_kernel == "rows":
+                if self.csr is None:
+                    raise ValueError(f"{self.name}: the rows kernel was chosen but not prepared (SparseNetwork.tune)")
+                outputs.append(linear_triton.linear_rows(x[b].contiguous(), self.csr, self.bias, relu=self.relu))
+                state.last_counts[self.name] = torch.count_nonzero(x[b]).view(1)
+                continue
             acts = state.compress(self.name, x[b].reshape(1, 1, -1), self.layout)
             y = linear_triton.linear(acts, self.weights, self.bias.clone())
             outputs.append(y.relu_() if self.relu else y)
@@ -277,6 +294,19 @@ TUNE_SLEEP_CYCLES = 20_000_000
 """GPU sleep (about 10 ms on the H200) ahead of each candidate's timed calls in `tune`, longer than the host needs
 to enqueue them: the time is the kernels' on the device, as inside a CUDA graph, not the host's launch cost
 (which, timed eagerly, favoured kernels with fewer launches on small layers)."""
+
+
+def _device_ms(run: Callable[[], object], reps: int) -> float:
+    """Device milliseconds of `reps` calls of `run` (after one untimed call), queued behind a GPU sleep."""
+    run()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda._sleep(TUNE_SLEEP_CYCLES)  # the calls queue up behind it: device time, as in a graph
+    start.record()
+    for _ in range(reps):
+        run()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end)
 
 
 class SparseNetwork:
@@ -354,7 +384,8 @@ class SparseNetwork:
         """Pick each convolution's kernel by timing the candidates on `x`: shared-memory CUDA (`"cuda"`),
         Triton atomics (`"triton"`), where its planner supports the geometry, the register-tiled
         sparse-weight kernel (`"register"`, timed on the layer's dense input, as it runs) and, with
-        `dense_fallback`, cuDNN fp32 on the dense pruned weights (`"dense"`).
+        `dense_fallback`, cuDNN fp32 on the dense pruned weights (`"dense"`); and each fully-connected layer's
+        two kernels (`SparseLinearStep.fc_kernel`).
 
         Runs one forward, and for every convolution times the kernels on the activations it really
         sees, behind a GPU sleep so the device time counts, not the launches (a network runs in a CUDA
@@ -388,6 +419,12 @@ class SparseNetwork:
                 self.kernel_times[step.name] = times
                 if step.conv_kernel != "dense":
                     step.dense_weight = None
+            elif isinstance(step, SparseLinearStep):
+                times = self._time_linear_kernels(step, inputs[0][0].contiguous(), reps)
+                step.fc_kernel = choice[step.name] = min(times, key=lambda k: times[k])
+                self.kernel_times[step.name] = times
+                if step.fc_kernel != "rows":
+                    step.csr = None
             values[step.output] = step.run(inputs, self._state)
         return choice
 
@@ -453,21 +490,22 @@ class SparseNetwork:
         times = {}
         for kernel, run_kernel in candidates.items():
             step.conv_kernel = kernel
-            run_kernel()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            torch.cuda._sleep(TUNE_SLEEP_CYCLES)  # the calls queue up behind it: device time, as in a graph
-            start.record()
-            for _ in range(reps):
-                run_kernel()
-            end.record()
-            end.synchronize()
-            times[kernel] = start.elapsed_time(end)
+            times[kernel] = _device_ms(run_kernel, reps)
         step.conv_kernel = "cuda"
         if layers:
             fastest = min(range(len(layers)), key=lambda rank: times[f"register {rank}"])
             step.register = layers[fastest]
             times["register"] = times[f"register {fastest}"]
         return {k: t for k, t in times.items() if not k.startswith("register ")}
+
+    def _time_linear_kernels(self, step: SparseLinearStep, dense_input: torch.Tensor, reps: int) -> dict[str, float]:
+        """Milliseconds of `reps` calls of each fully-connected kernel on the layer's real input, as it runs."""
+        step.csr = step.weights.to_csr()
+        times = {}
+        for kernel in ("spmspv", "rows"):
+            step.fc_kernel = kernel
+            times[kernel] = _device_ms(functools.partial(step.run, [dense_input[None]], self._state), reps)
+        return times
 
     def _register_layers(
         self, step: SparseConvStep, dense_input: torch.Tensor
@@ -521,6 +559,8 @@ class SparseNetwork:
             held = step.weights.nbytes + bias_bytes
             if isinstance(step, SparseConvStep) and step.dense_weight is not None:
                 held += step.dense_weight.numel() * step.dense_weight.element_size()  # a dense fallback's copy
+            if isinstance(step, SparseLinearStep) and step.csr is not None:
+                held += step.csr.nbytes  # the row kernel's copy
             reports.append(
                 LayerReport(
                     step.name,
