@@ -149,14 +149,19 @@ NETWORKS = [
 ]
 
 
-@pytest.mark.parametrize("backend", ["cuda", "triton"])
-@pytest.mark.parametrize("index", range(len(NETWORKS)))
-def test_network_matches_dense_pytorch_eager_and_inside_a_cuda_graph(index, backend):
+def pruned_network(index: int) -> tuple[torch.nn.Module, torch.Tensor]:
+    """`NETWORKS[index]` pruned on the GPU (seeded by `index`) and an input placeholder for it."""
     build, densities, size = NETWORKS[index]
     torch.manual_seed(index)
     model = randomize_batchnorm(build()).eval().to(CUDA)
     prune(model, densities)
-    placeholder = torch.randn(1, 3, size, size, device=CUDA)
+    return model, torch.randn(1, 3, size, size, device=CUDA)
+
+
+@pytest.mark.parametrize("backend", ["cuda", "triton"])
+@pytest.mark.parametrize("index", range(len(NETWORKS)))
+def test_network_matches_dense_pytorch_eager_and_inside_a_cuda_graph(index, backend):
+    model, placeholder = pruned_network(index)
     net = convert(model, placeholder, dense_fallback=False).set_backend(backend)
     assert_network_matches_dense(net, model, placeholder, replays=5)
     net.check_overflow()
@@ -168,11 +173,7 @@ def test_a_dense_fallback_is_timed_per_layer_and_runs_fp32_exactly_as_the_sparse
     """`tune` times cuDNN on every convolution's dense pruned weights; a layer that runs densely (here every
     one, forced) matches dense PyTorch eagerly and inside a graph, and its dense copy is counted in the
     network's weight bytes."""
-    build, densities, size = NETWORKS[index]
-    torch.manual_seed(index)
-    model = randomize_batchnorm(build()).eval().to(CUDA)
-    prune(model, densities)
-    placeholder = torch.randn(1, 3, size, size, device=CUDA)
+    model, placeholder = pruned_network(index)
     net = convert(model, placeholder)
     convs = [s for s in net.steps if isinstance(s, SparseConvStep)]
     assert convs and all("dense" in net.kernel_times[s.name] for s in convs)
@@ -196,11 +197,7 @@ def test_row_gather_linear_kernel_matches_dense(features, outputs, weight_densit
 
 @pytest.mark.parametrize("index", range(len(NETWORKS)))
 def test_fully_connected_layers_are_timed_both_ways_and_the_row_kernel_matches_dense(index):
-    build, densities, size = NETWORKS[index]
-    torch.manual_seed(index)
-    model = randomize_batchnorm(build()).eval().to(CUDA)
-    prune(model, densities)
-    placeholder = torch.randn(1, 3, size, size, device=CUDA)
+    model, placeholder = pruned_network(index)
     net = convert(model, placeholder)
     linears = [s for s in net.steps if isinstance(s, SparseLinearStep)]
     assert linears and all(set(net.kernel_times[s.name]) == {"spmspv", "rows"} for s in linears)

@@ -51,8 +51,8 @@ A redirected tensor that the call then did not read (passed elsewhere, or not pa
 landed in another buffer than the call's graph reads is counted too, and the link is dropped until
 the next copy relearns it. Results always equal eager: a wrong prediction costs one copy, never a
 wrong value. Tensors written by redirects live in the callable's placeholder memory: they stay
-valid while the program references them (no later redirect reuses their slot), and while the
-callable is alive.
+valid while the program references them (no later redirect reuses their slot, and each holds its
+buffer allocated, even once the buffer is outgrown or the callable is gone: `alias_storage`).
 
 Costs. Every torch call inside the block passes through the mode: about 3 µs of host time for the
 mode machinery on our 2-core CI host, plus ~2 µs of ours for a call that is no linked producer (a
@@ -627,7 +627,7 @@ class ZeroCopyPredictor:
             self._miss(Misprediction.REFERENCED, detail)
             return None
         start, end = alias.start, alias.end
-        for tensor in tensors:  # a tensor on the buffer's memory starts in it: its storage starts at the buffer's
+        for tensor in tensors:  # every tensor on the buffer's memory has its storage start there, so starts inside
             if start <= tensor.data_ptr() < end:
                 self._miss(Misprediction.READS_PLACEHOLDER, f"{_name(link, slot)} reads the buffer it would write")
                 return None
@@ -725,6 +725,7 @@ class ZeroCopyPredictor:
         )
 
     def _forget_redirect(self, record: _Redirected) -> None:
+        """Drop `record` from this interval's redirects (met through a view, so under another tensor's id)."""
         for key, value in self.redirected.items():
             if value is record:
                 del self.redirected[key]

@@ -259,17 +259,19 @@ class SparseLinearWeights:
         col_ptr[1:] = torch.cumsum(counts, 0).to(torch.int32)
         return cls(w_t.shape[0], w_t.shape[1], w_t[cols, rows].contiguous(), rows.to(torch.int32), col_ptr)
 
-    def to_dense(self) -> torch.Tensor:
+    def _columns(self) -> torch.Tensor:
+        """The input feature (column) of every stored value."""
         counts = (self.col_ptr[1:] - self.col_ptr[:-1]).long()
-        cols = torch.repeat_interleave(torch.arange(self.in_features, device=counts.device), counts)
+        return torch.repeat_interleave(torch.arange(self.in_features, device=counts.device), counts)
+
+    def to_dense(self) -> torch.Tensor:
         dense = torch.zeros(self.out_features, self.in_features, device=self.values.device)
-        dense[self.rows.long(), cols] = self.values
+        dense[self.rows.long(), self._columns()] = self.values
         return dense
 
     def to_csr(self) -> CsrLinearWeights:
         """The same weights row by row (`CsrLinearWeights`), for the row-gather kernel."""
-        counts = (self.col_ptr[1:] - self.col_ptr[:-1]).long()
-        cols = torch.repeat_interleave(torch.arange(self.in_features, device=counts.device), counts)
+        cols = self._columns()
         order = torch.argsort(self.rows.long() * self.in_features + cols)  # by row, then column
         row_counts = torch.bincount(self.rows.long(), minlength=self.out_features)
         row_ptr = torch.zeros(self.out_features + 1, dtype=torch.int32, device=self.values.device)
