@@ -585,7 +585,7 @@ class ZeroCopyPredictor:
         produced = self.produced
         first = args[0] if args else None
         viewed = None
-        if type(first) is torch.Tensor and first is not result and first.data_ptr() == result.data_ptr():
+        if type(first) is torch.Tensor and first is not result and out_call(op) is None:  # a view, maybe
             viewed = self._viewed(first, result)
         produced[id(result)] = _Produced(weakref.ref(result), slot, op, learned, viewed)
         if len(produced) >= self._prune_at:
@@ -594,9 +594,11 @@ class ZeroCopyPredictor:
             self._prune_at = max(_PRUNE_MIN, 2 * len(produced))
 
     def _viewed(self, first: torch.Tensor, result: torch.Tensor) -> _Produced | _Redirected | None:
-        """The record of the op output `result` is a whole view of (see `observe`), from `first`, the argument it
-        starts at; a view of a view resolves to the first op output that has an out= form."""
-        if first.dtype != result.dtype or first.numel() != result.numel():
+        """The record of the op output `result` is a whole view of (see `observe`), when it views all of `first`,
+        the op's first argument; a view of a view resolves to the first op output that has an out= form."""
+        if first.data_ptr() != result.data_ptr() or first.numel() != result.numel():
+            return None
+        if first.dtype != result.dtype:
             return None  # `view(dtype)` reinterprets: the producer's out= form would convert instead
         if not (first.is_contiguous() and result.is_contiguous()):
             return None
