@@ -6,7 +6,9 @@ length, (a) `plain` and (b) `auto`, each warmed up as the case does, then profil
 `STEPS` steps. Kernels are grouped by name; the table lists each group's device microseconds per step in
 both variants and the difference, largest first, so a kernel that got slower under zero-copy shows up
 directly. The device time per step of both variants is also measured over `--device-reps` interleaved
-repetitions behind a GPU sleep (the case's `device_ms_per_step`), with its spread.
+repetitions behind a GPU sleep (the case's `device_ms_per_step`), with its spread, and the case's copy
+time (`copy_ms`, `graphs_zero_copy._copies_in_loop`) beside the timeline's copy span, in one process (in
+separate runs the two read 138 and 162-171 us at L=512).
 
     PYTHONPATH=src:. python3 -m benchmarks.tools.zero_copy_profile --out OUT [--length 512] [--host-profile]
 
@@ -59,9 +61,15 @@ def main() -> None:
                 with variant.context():
                     case.run_loop(variant.step, start, case.STEPS)
         device_times: dict[str, list[float]] = {v.name: [] for v in variants}
-        for _ in range(args.device_reps):
+        case_copies: list[float] = []
+        case_waits: list[float] = []
+        for rep in range(args.device_reps):
             for variant in variants:
                 case._device_rep(variant, start, device_times[variant.name])
+            if rep < 5:  # the case's own copy-time measure, in this process beside the timeline's
+                case._copies_in_loop(variants[0], start, case_copies, case_waits)
+        report["case_copy_us"] = statistics.median(case_copies) * 1e3
+        report["case_copy_host_wait_us"] = max(case_waits)
         for variant in variants:
 
             def repetition(v: case.Variant = variant) -> None:
@@ -204,7 +212,9 @@ def markdown(report: dict[str, Any]) -> str:
         return auto_pairs.get(pair, 0.0) - plain_pairs.get(pair, 0.0)
 
     copy_span = plain["behind_sleep"]["copy_span_us_per_step"]
-    lines += ["", f"Copies' span per step in plain behind the sleep: {copy_span:.1f} us.",
+    lines += ["", f"Copies' span per step in plain behind the sleep: {copy_span:.1f} us (the case's measure, "
+              f"`copy_ms`, in this process: {report['case_copy_us']:.1f} us; the GPU waited "
+              f"{report['case_copy_host_wait_us']:.0f} us for the host there).",
               "", "Short gaps by neighbouring operations (us per step), largest differences first:", "",
               "| before -> after | plain | auto | auto - plain |", "|---|---:|---:|---:|"]
     for pair in sorted(set(plain_pairs) | set(auto_pairs), key=lambda p: -abs(gap_delta(p)))[:16]:
