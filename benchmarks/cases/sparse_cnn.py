@@ -3,12 +3,14 @@
 AlexNet and VGG-16 pruned to the Deep Compression densities, ResNet-50 to 80% uniform weight
 sparsity (torchvision architectures, random weights, fp32, random 224×224 inputs: activation
 sparsity is what ReLU gives). Variants, side by side in one process: tendril on the GPU eager and
-replayed inside a CUDA graph; dense cuDNN fp32 (TF32 off), TF32 and fp16, each inside a CUDA graph;
+replayed inside a CUDA graph (and, where `tune` ran some convolutions with cuDNN, the same network with
+sparse kernels only); dense cuDNN fp32 (TF32 off), TF32 and fp16, each inside a CUDA graph;
 tendril's CPU implementation of the same algorithm on 1 thread and on all threads; dense PyTorch on
 the CPU (1 thread and all threads). Also weight memory (compressed vs dense), the time `convert` took
 (tuning included), and a per-layer breakdown (densities, chosen GPU kernel, GPU and all-thread CPU time
-per layer, register-tiled kernels `tune` refused and why) in `extra`. The slow CPU variants get few
-repetitions (1 warm-up, 3 timed): one VGG-16 forward of the CPU sparse engine on one thread takes ~0.6 s.
+per layer, every kernel `tune` timed per layer, register-tiled kernels it refused and why) in `extra`.
+The slow CPU variants get few repetitions (1 warm-up, 3 timed): one VGG-16 forward of the CPU sparse
+engine on one thread takes ~0.6 s.
 The register-tiled kernels every model's `tune` will time are compiled first, all at once in parallel
 processes. `SPARSE_CNN_MODELS=vgg16,resnet50` runs only those models (default: all three).
 """

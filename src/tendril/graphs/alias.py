@@ -58,7 +58,7 @@ Costs. Every torch call inside the block passes through the mode: about 3 µs of
 mode machinery on our 2-core CI host, plus ~2 µs of ours for a call that is no linked producer (a
 counter, a lookup, a weak reference to its output); signatures are computed only for linked
 producers, and a redirect adds its checks, the zero-length target (a `detach()` of a per-slot
-template) and the `out=` call: about 18 µs per redirected `index_select` on that host, against 4 µs
+template) and the `out=` call: 15-18 µs per redirected `index_select` on that host, against 4 µs
 for the bare op. A function
 mode sees the program's calls only, not the aten ops underneath them, and while a call of the
 callable runs the mode is lifted off torch's mode stack (`enter_call`), so the call's own tensor
