@@ -27,6 +27,7 @@ class FakeGraphs:
             3: ([KERNEL, MEMSET, KERNEL], [(0, 1), (1, 2)]),
             4: ([KERNEL, KERNEL, MEMSET], [(0, 2), (1, 2)]),
             5: ([KERNEL, KERNEL, MEMSET], [(0, 1), (1, 2)]),
+            9: ([KERNEL, KERNEL, MEMSET], [(0, 1), (1, 2)]),
             6: ([KERNEL, CHILD], [(0, 1)]),
             7: ([KERNEL, CHILD], [(0, 1)]),
             8: ([KERNEL, CHILD], [(0, 1)]),
@@ -38,6 +39,8 @@ class FakeGraphs:
         """Graph -> the graph its child-graph node (node 1) holds."""
         self.functions = {(5, 1): 9999, (81, 0): 8888}
         """(graph, node index) -> kernel function where it differs from the default `7000 + index`."""
+        self.clusters = {(9, 1): (2, 2, 1)}
+        """(graph, node index) -> cluster dimensions where they differ from the default (1, 1, 1)."""
         self.unreadable_functions: set[int] = set()
         self.lossy_edges = False
         self.launched: list[tuple[int, int]] = []
@@ -66,6 +69,11 @@ class FakeGraphs:
         if graph in self.unreadable_functions:
             return driver.CUresult.CUDA_ERROR_INVALID_VALUE, None
         return driver.CUresult.CUDA_SUCCESS, SimpleNamespace(func=self.functions.get((graph, index), 7000 + index))
+
+    def kernel_attribute(self, node, attribute):
+        assert attribute == driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
+        x, y, z = self.clusters.get((int(node) // 100, int(node) % 100), (1, 1, 1))
+        return driver.CUresult.CUDA_SUCCESS, SimpleNamespace(clusterDim=SimpleNamespace(x=x, y=y, z=z))
 
     def child_graph(self, node):
         return OK, runtime.cudaGraph_t(init_value=self.children[int(node) // 100])
@@ -129,6 +137,7 @@ def fake(monkeypatch: pytest.MonkeyPatch) -> FakeGraphs:
     }.items():
         monkeypatch.setattr(runtime, name, fn)
     monkeypatch.setattr(driver, "cuGraphKernelNodeGetParams", graphs.kernel_params)
+    monkeypatch.setattr(driver, "cuGraphKernelNodeGetAttribute", graphs.kernel_attribute)
     return graphs
 
 
@@ -142,6 +151,14 @@ def test_graphs_running_other_kernels_are_not_one_family(fake: FakeGraphs):
     assert graph_exec.topology(5).digest != graph_exec.topology(1).digest
     fake.unreadable_functions = {1, 2}
     assert graph_exec.topology(1).digest != graph_exec.topology(2).digest  # unknown kernels: no updates
+
+
+def test_one_function_launched_with_other_clusters_is_another_family(fake: FakeGraphs):
+    """cuBLAS ran one function with clusters (5, 1, 1) and (2, 2, 1) at two Wav2Vec2-base lengths; updating an
+    executable between them ended in an illegal instruction on the H200."""
+    assert graph_exec.topology(9).digest != graph_exec.topology(1).digest
+    fake.clusters[(1, 1)] = (2, 2, 1)
+    assert graph_exec.topology(9).digest == graph_exec.topology(1).digest
 
 
 def test_kernels_inside_child_graphs_decide_the_family_too(fake: FakeGraphs):

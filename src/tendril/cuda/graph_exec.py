@@ -53,14 +53,14 @@ class UpdateOutcome:
 @dataclass(frozen=True)
 class Topology:
     """A captured graph's shape: node count (top level) and a digest of node types in creation order, the
-    function of every kernel node, and the edges, child graphs included.
+    function and cluster dimensions of every kernel node, and the edges, child graphs included.
 
     Graphs with equal digests are candidates for `update`, which then only changes kernel arguments, launch
     dimensions and copy/memset parameters, never which kernels run. CUDA accepts updates that swap a kernel
     node's function too; tendril does not ask for them. A graph whose kernel functions cannot be read gets a
-    digest of its own (no updates). Even between graphs of equal digests, updates of Wav2Vec2-base
-    executables (kernel and memset nodes) ended in an illegal instruction on the H200 (driver 580), which is
-    why the automatic policy does not update (`tendril.graphs.executables`)."""
+    digest of its own (no updates). Before the digest covered cluster dimensions, updates of Wav2Vec2-base
+    executables between graphs of equal digests ended in an illegal instruction on the H200 (driver 580): one
+    cuBLAS node ran the same function with other clusters (`_kernel_function`)."""
 
     nodes: int
     digest: str
@@ -185,16 +185,26 @@ def _digest_graph(handle: Any, graph: int, digest: Any) -> int:
 
 
 def _kernel_function(node: Any, graph: int) -> str:
-    """The kernel node's function (`CUfunction`) as a string, or one unique to `graph` when CUDA cannot say.
+    """The kernel node's function (`CUfunction`) and cluster dimensions as a string, or one unique to `graph`
+    when CUDA cannot say.
 
-    Through the driver API: the runtime's `cudaGraphKernelNodeGetParams` answers "invalid device function"
-    for kernels that torch's own (statically linked) runtime launched."""
+    The cluster dimensions are part of the identity: cuBLAS launches one function with other cluster shapes at
+    other problem sizes (a Wav2Vec2-base node ran with clusters of (5, 1, 1) at one length and (2, 2, 1) at
+    another), and `cudaGraphExecUpdate` between such nodes is accepted but ended in an illegal instruction on
+    the H200 (driver 580). Through the driver API: the runtime's `cudaGraphKernelNodeGetParams` answers
+    "invalid device function" for kernels that torch's own (statically linked) runtime launched."""
     from cuda.bindings import driver
 
-    err, params = driver.cuGraphKernelNodeGetParams(driver.CUgraphNode(init_value=int(node)))
+    handle = driver.CUgraphNode(init_value=int(node))
+    err, params = driver.cuGraphKernelNodeGetParams(handle)
     if int(err) != 0 or params is None:
         return f"unknown function in graph {graph}"
-    return str(int(params.func))
+    cluster_attribute = driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
+    err, value = driver.cuGraphKernelNodeGetAttribute(handle, cluster_attribute)
+    if int(err) != 0:
+        return f"unknown cluster of a node in graph {graph}"
+    cluster = value.clusterDim
+    return f"{int(params.func)}@{cluster.x},{cluster.y},{cluster.z}"
 
 
 def _edges(handle: Any) -> list[tuple[Any, Any]]:
