@@ -4,7 +4,9 @@ AlexNet and VGG-16 pruned to the Deep Compression densities, ResNet-50 to 80% un
 sparsity (torchvision architectures, random weights, fp32, random 224×224 inputs: activation
 sparsity is what ReLU gives). Variants, side by side in one process: tendril on the GPU eager and
 replayed inside a CUDA graph (and, where `tune` ran some convolutions with cuDNN, the same network with
-sparse kernels only); dense cuDNN fp32 (TF32 off), TF32 and fp16, each inside a CUDA graph;
+sparse kernels only); dense cuDNN fp32 (TF32 off), TF32 and fp16, each inside a CUDA graph, with PyTorch's
+default algorithm choice (cuDNN's heuristic: the targets' baseline), and fp32 also in cuDNN's benchmark mode (its
+own search of algorithms, which tendril's dense-fallback layers use);
 tendril's CPU implementation of the same algorithm on 1 thread and on all threads; dense PyTorch on
 the CPU (1 thread and all threads). Also weight memory (compressed vs dense), the time `convert` took
 (tuning included), and a per-layer breakdown (densities, chosen GPU kernel, GPU and all-thread CPU time
@@ -29,7 +31,7 @@ from torch import nn
 from benchmarks.registry import Context, Goal, register
 from tendril.graphs.capture import capture
 from tendril.sparse import convert, prune
-from tendril.sparse.network import SparseConvStep, SparseLinearStep
+from tendril.sparse.network import DENSE_KERNELS, SparseConvStep, SparseLinearStep, fp32_convolutions
 from tendril.sparse.ops.conv import register_cuda
 from tendril.sparse.ops.conv.register_tiling import RegisterTilePlan
 from tendril.utils.timing import Timing, time_callable
@@ -65,6 +67,13 @@ def _describe(plan: RegisterTilePlan) -> str:
     if plan.pixel_run:
         return f"pixel run pw {plan.pw} kt {plan.kt} warps {plan.warps} splits {plan.splits}"
     return f"ph {plan.ph} pw {plan.pw} kt {plan.kt} lanes_x {plan.lanes_x} warps {plan.warps} splits {plan.splits}"
+
+
+def _describe_fc(step: SparseLinearStep) -> str:
+    if step.fc_kernel != "rows":
+        return f"triton ({step.fc_kernel})"
+    c = step.rows_config
+    return f"triton (rows {c.block_r}x{c.block_k}, {c.num_warps} warps)"
 
 
 def _pruned_model(ctx: Context, name: str) -> tuple[nn.Module, list[Any]]:
@@ -117,7 +126,7 @@ def _bench_model(ctx: Context, name: str) -> None:
         net.check_overflow()
         convs = [s for s in net.steps if isinstance(s, SparseConvStep)]
         kernels = {s.name: s.conv_kernel for s in convs}
-        fc_kernels = {s.name: f"triton ({s.fc_kernel})" for s in net.steps if isinstance(s, SparseLinearStep)}
+        fc_kernels = {s.name: _describe_fc(s) for s in net.steps if isinstance(s, SparseLinearStep)}
         register_plans = {
             s.name: _describe(s.register.plan) for s in convs if s.register and s.conv_kernel == "register"
         }
@@ -132,7 +141,7 @@ def _bench_model(ctx: Context, name: str) -> None:
         layers = net.layers()
         kernel_times = {layer: {k: round(ms, 4) for k, ms in t.items()} for layer, t in net.kernel_times.items()}
         compressed, dense = net.weight_bytes()
-        if any(kernel == "dense" for kernel in kernels.values()):  # the same network with sparse kernels only
+        if any(kernel in DENSE_KERNELS for kernel in kernels.values()):  # the same network with sparse kernels only
             net.dense_fallback = False
             net.tune(inputs[0])
             sparse_replay, _ = _graphed(net, inputs[0])
@@ -144,6 +153,10 @@ def _bench_model(ctx: Context, name: str) -> None:
             dense_replay, _ = _graphed(model, inputs[0])
             results[f"dense {label} CUDA graph"] = _time_gpu(ctx, dense_replay, inputs, reps)
         _set_tf32(False)
+        with fp32_convolutions(benchmark=True):  # cuDNN's own search of algorithms, as tendril's dense layers use it
+            model(inputs[0])
+            searched_replay, _ = _graphed(model, inputs[0])
+        results["dense cuDNN fp32 benchmark-mode CUDA graph"] = _time_gpu(ctx, searched_replay, inputs, reps)
         half = copy.deepcopy(model).half()
         half_replay, _ = _graphed(half, inputs[0].half())
         results["dense cuDNN fp16 CUDA graph"] = _time_gpu(ctx, half_replay, [x.half() for x in inputs], reps)
@@ -180,6 +193,8 @@ def _bench_model(ctx: Context, name: str) -> None:
     ctx.target(
         f"{name}_speedup_vs_cudnn_fp32_graph", results["dense cuDNN fp32 CUDA graph"].median_ms / best, Goal(">", 1)
     )
+    searched = results["dense cuDNN fp32 benchmark-mode CUDA graph"].median_ms
+    ctx.add_value(f"{name} tendril gpu", "speedup_vs_cudnn_fp32_benchmark_mode_graph", searched / best)
     if "tendril gpu sparse-kernels-only CUDA graph" in results:
         sparse_only = results["tendril gpu sparse-kernels-only CUDA graph"].median_ms
         ctx.add_value(f"{name} sparse kernels only", "speedup_vs_cudnn_fp32_graph",
@@ -188,7 +203,7 @@ def _bench_model(ctx: Context, name: str) -> None:
     ctx.add_value(f"{name} weights", "dense_MiB", dense / 2**20)
     ctx.extra[name] = {
         "pruning": {p.name: round(p.density, 4) for p in pruned},
-        "rejected_register_kernels": dict(net.rejected_kernels),
+        "rejected_kernels": dict(net.rejected_kernels),
         "tune_kernel_ms": kernel_times,
         "weight_bytes": {"compressed": compressed, "dense": dense},
         "layers": [
@@ -228,11 +243,13 @@ def run(ctx: Context) -> None:
         "tendril GPU = convolutions by the register-tiled sparse-weight CUDA kernel (dense input, bias/residual/ReLU "
         "fused), the shared-memory SCNN CUDA kernel or the Triton global-atomic kernel, whichever measured fastest "
         "per layer at conversion (extra.*.layers.gpu_conv_kernel; each candidate's time in extra.*.tune_kernel_ms), "
-        "or cuDNN fp32 on the dense pruned weights (`dense`) where that measured faster than every sparse kernel; "
+        "or cuDNN fp32 on the dense pruned weights (`dense`: the convolution, then residual and ReLU; `dense-fused`: "
+        "one fused cuDNN call) where that measured faster than every sparse kernel; "
         "compressed_MiB then counts the dense copy too, and the network is also timed with sparse kernels only "
         "('sparse-kernels-only', '<model> sparse kernels only' row); compression and FC layers in Triton, each FC "
         "by compressed activations x CSC weights with atomics (spmspv) or dense input x a CSR copy (rows), whichever "
-        "tune measured faster. "
+        "tune measured faster (the row kernel in the fastest of its launch configurations). Plain forwards count "
+        "no activations beyond what the kernels count on the way (`count_activations` off). "
         "CPU = tendril's compiled (numba) CPU engine: zero weights skipped, activations compressed, each conv by "
         "SCNN's Cartesian product or an output-stationary sparse-weight loop, whichever a cost model on the true "
         "nonzero counts picks (tendril.sparse.ops.conv.cpu)."

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import itertools
 import json
 import statistics
 import time
@@ -84,12 +85,12 @@ def kernel_profile(fn: Callable[[], Any], calls: int) -> KernelProfile:
     events = sorted((e for e in prof.events() if e.device_type == DeviceType.CUDA), key=lambda e: e.time_range.start)
     durations: dict[str, list[float]] = collections.defaultdict(list)
     gaps = 0.0
-    for previous, event in zip([None, *events[:-1]], events, strict=True):
+    for event in events:
         durations[event.name].append(event.time_range.elapsed_us())
-        if previous is not None:
-            gap = event.time_range.start - previous.time_range.end
-            if 0 < gap < GAP_LIMIT_US:
-                gaps += gap
+    for previous, event in itertools.pairwise(events):
+        gap = event.time_range.start - previous.time_range.end
+        if 0 < gap < GAP_LIMIT_US:
+            gaps += gap
     groups = [KernelGroup(name[:240], len(d) / calls, statistics.fmean(d), sum(d) / calls)
               for name, d in durations.items()]
     groups.sort(key=lambda g: -g.total_us_per_call)

@@ -131,10 +131,17 @@ def check_linear(
 
 
 def check_linear_rows(
-    features: int, outputs: int, weight_density: float, act_density: float, relu: bool, device: torch.device
+    features: int,
+    outputs: int,
+    weight_density: float,
+    act_density: float,
+    relu: bool,
+    device: torch.device,
+    config: object = None,
 ) -> None:
-    """`linear_triton.linear_rows` on a CSR copy (`SparseLinearWeights.to_csr`) against float64 dense math;
-    the output is written over NaN-poisoned memory, so an unwritten row shows."""
+    """`linear_triton.linear_rows` on a CSR copy (`SparseLinearWeights.to_csr`) against float64 dense math, with
+    launch `config` (default: small blocks, for the interpreter); the output is written over NaN-poisoned memory,
+    so an unwritten row shows."""
     from tendril.sparse.ops.linear import triton as linear_triton
 
     gen = torch.Generator().manual_seed(features + outputs)
@@ -145,7 +152,8 @@ def check_linear_rows(
     ref = ref.relu() if relu else ref
     csr = SparseLinearWeights.from_dense(weight.to(device)).to_csr()
     torch.empty(outputs, device=device).fill_(float("nan"))  # leaves NaN in the allocator's next block
-    y = linear_triton.linear_rows(x.to(device), csr, bias.to(device), relu=relu, block_r=4, block_k=16)
+    config = config or linear_triton.RowsConfig(block_r=4, block_k=16)
+    y = linear_triton.linear_rows(x.to(device), csr, bias.to(device), relu=relu, config=config)
     assert relative_error(y.cpu(), ref) <= REL_TOL
 
 

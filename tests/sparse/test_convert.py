@@ -98,7 +98,9 @@ def test_dense_fallback_convolutions_never_use_tf32():
     torch.backends.cudnn.allow_tf32 = True
     try:
         with fp32_convolutions():
-            assert not torch.backends.cudnn.allow_tf32
-        assert torch.backends.cudnn.allow_tf32
+            assert not torch.backends.cudnn.allow_tf32 and not torch.backends.cudnn.benchmark
+        with fp32_convolutions(benchmark=True):
+            assert not torch.backends.cudnn.allow_tf32 and torch.backends.cudnn.benchmark
+        assert torch.backends.cudnn.allow_tf32 and not torch.backends.cudnn.benchmark
     finally:
         torch.backends.cudnn.allow_tf32 = previous

@@ -8,7 +8,7 @@ import torch
 
 from tendril.sparse import ActivationOverflowError, convert, prune
 from tendril.sparse.format import ActivationLayout
-from tendril.sparse.network import SparseConvStep, SparseLinearStep
+from tendril.sparse.network import DENSE_KERNELS, SparseConvStep, SparseLinearStep
 from tendril.sparse.ops.compress import reference as compress_reference
 from tendril.sparse.ops.compress import triton as compress_triton
 from tendril.sparse.ops.conv import cuda as conv_cuda
@@ -177,13 +177,35 @@ def test_a_dense_fallback_is_timed_per_layer_and_runs_fp32_exactly_as_the_sparse
     net = convert(model, placeholder)
     convs = [s for s in net.steps if isinstance(s, SparseConvStep)]
     assert convs and all("dense" in net.kernel_times[s.name] for s in convs)
+    assert all("dense-fused" in net.kernel_times[s.name] for s in convs if s.relu)
     compressed, _ = net.weight_bytes()
     added = sum(4 * s.weights.dense_numel for s in convs if s.dense_weight is None)
-    for step in convs:
-        step.dense_weight = step.weights.to_dense()
-        step.conv_kernel = "dense"
-    assert net.weight_bytes()[0] == compressed + added
-    assert_network_matches_dense(net, model, placeholder, replays=3)
+    for kernel in DENSE_KERNELS:
+        for step in convs:
+            step.dense_weight = step.weights.to_dense()
+            step.conv_kernel = kernel if step.relu else "dense"  # cuDNN fuses only a ReLU (and the residual)
+        assert net.weight_bytes()[0] == compressed + added
+        assert_network_matches_dense(net, model, placeholder, replays=3)
+
+
+def test_plain_forwards_leave_the_extra_counts_to_tune_and_profile():
+    """Layers whose kernels do not count their input's nonzeros (cuDNN, the FC row kernel) count them only in
+    `tune`, `profile` and forwards with `count_activations`: a plain forward leaves their densities as they were."""
+    model, placeholder = pruned_network(0)
+    net = convert(model, placeholder)
+    convs = [s for s in net.steps if isinstance(s, SparseConvStep)]
+    convs[0].dense_weight = convs[0].weights.to_dense()
+    convs[0].conv_kernel = "dense"
+    counted = {s.name for s in net.steps if isinstance(s, SparseLinearStep) and s.fc_kernel == "rows"} | {convs[0].name}
+    net.profile(placeholder)
+    tuned = {r.name: r.activation_density for r in net.layers()}
+    assert all(tuned[name] is not None for name in counted)
+    net(torch.zeros_like(placeholder))  # a zero input: every density would change if counted
+    plain = {r.name: r.activation_density for r in net.layers()}
+    assert all(plain[name] == tuned[name] for name in counted)
+    net.count_activations = True
+    net(torch.zeros_like(placeholder))
+    assert plain[convs[0].name] != 0 and {r.name: r.activation_density for r in net.layers()}[convs[0].name] == 0
 
 
 @pytest.mark.parametrize(
@@ -191,8 +213,9 @@ def test_a_dense_fallback_is_timed_per_layer_and_runs_fp32_exactly_as_the_sparse
     [(97, 33, 0.3, 0.5), (97, 33, 1.0, 1.0), (97, 33, 0.0, 0.5), (9216, 4096, 0.09, 0.64), (4096, 1000, 0.25, 0.5)],
 )
 @pytest.mark.parametrize("relu", [False, True])
-def test_row_gather_linear_kernel_matches_dense(features, outputs, weight_density, act_density, relu):
-    check_linear_rows(features, outputs, weight_density, act_density, relu, CUDA)
+@pytest.mark.parametrize("config", linear_triton.ROWS_CONFIGS)
+def test_row_gather_linear_kernel_matches_dense(features, outputs, weight_density, act_density, relu, config):
+    check_linear_rows(features, outputs, weight_density, act_density, relu, CUDA, config)
 
 
 @pytest.mark.parametrize("index", range(len(NETWORKS)))
@@ -211,6 +234,9 @@ def test_network_overflow_inside_a_graph_is_reported_after_the_replay():
     model = vgg_like(width=8).eval().to(CUDA)
     x = torch.rand(1, 3, 32, 32, device=CUDA) + 0.1
     net = convert(model, x, activation_capacity=0.05)
+    for step in net.steps:  # the kernels that read compressed activations (the others never overflow)
+        if isinstance(step, SparseConvStep):
+            step.conv_kernel = "cuda"
     graph = torch.cuda.CUDAGraph()
     net(x)
     net.reset_overflow()

@@ -70,7 +70,7 @@ def test_a_correct_kernel_is_admitted_when_the_shared_memory_kernel_is_wrong(
         if isinstance(step, SparseConvStep):
             step.conv_kernel = "cuda"
             assert float(step.run(inputs[step.name], net._state).min()) == 1e6  # the shared-memory path is wrong
-            assert net._register_rejection(step, inputs[step.name]) is None, step.name
+            assert net._rejection(step, inputs[step.name], "register") is None, step.name
 
 
 def test_bottleneck_1x1_layers_run_as_admitted_pixel_runs_with_their_fused_epilogue(overflowed_shared_memory_kernel):
@@ -80,7 +80,7 @@ def test_bottleneck_1x1_layers_run_as_admitted_pixel_runs_with_their_fused_epilo
     runs = [s for s in net.steps if isinstance(s, SparseConvStep) and s.register and s.register.plan.pixel_run]
     assert {s.weights.geometry.stride for s in runs} == {(1, 1), (2, 2)} and any(s.residual for s in runs)
     for step in runs:
-        assert net._register_rejection(step, inputs[step.name]) is None, step.name
+        assert net._rejection(step, inputs[step.name], "register") is None, step.name
 
 
 @torch.no_grad()
@@ -111,7 +111,7 @@ def test_a_disagreeing_kernel_is_rejected_with_its_error(monkeypatch, wrong, rea
     net, inputs = _network_and_inputs(vgg_like(width=4), 16)
     monkeypatch.setattr(register_cuda, "conv", lambda *a, **k: wrong(_emulated_register_conv(*a, **k)))
     step = next(s for s in net.steps if isinstance(s, SparseConvStep))
-    rejection = net._register_rejection(step, inputs[step.name])
+    rejection = net._rejection(step, inputs[step.name], "register")
     assert rejection is not None and reason in rejection
 
 
@@ -121,7 +121,7 @@ def test_a_slightly_perturbed_kernel_is_still_admitted(monkeypatch):
         register_cuda, "conv", lambda *a, **k: _emulated_register_conv(*a, **k) * (1 + AGREEMENT_RTOL / 10)
     )
     step = next(s for s in net.steps if isinstance(s, SparseConvStep))
-    assert net._register_rejection(step, inputs[step.name]) is None
+    assert net._rejection(step, inputs[step.name], "register") is None
 
 
 def test_a_kernel_that_cannot_run_is_rejected_with_the_exception(monkeypatch):
@@ -132,4 +132,30 @@ def test_a_kernel_that_cannot_run_is_rejected_with_the_exception(monkeypatch):
 
     monkeypatch.setattr(register_cuda, "conv", broken)
     step = next(s for s in net.steps if isinstance(s, SparseConvStep))
-    assert net._register_rejection(step, inputs[step.name]) == "RuntimeError: NVRTC: unsupported option"
+    assert net._rejection(step, inputs[step.name], "register") == "RuntimeError: NVRTC: unsupported option"
+
+
+def _cudnn_convolution_add_relu(x, weight, z, alpha, bias, stride, padding, dilation, groups):
+    """What cuDNN's fused call computes, in plain PyTorch (the op itself runs on CUDA only)."""
+    y = F.conv2d(x, weight, bias, stride=stride, padding=padding, dilation=dilation, groups=groups)
+    return (y + alpha * z).relu() if z is not None else y.relu()
+
+
+@pytest.mark.parametrize("fails", [False, True])
+def test_the_fused_dense_kernel_passes_the_layer_geometry_and_residual_and_is_checked(monkeypatch, fails):
+    """`"dense-fused"` calls cuDNN's conv + bias (+ residual) + ReLU in one op: with the op standing in as plain
+    PyTorch, every ReLU layer of a residual network agrees with its reference; an op that raises is rejected."""
+    def fused(*args):
+        if fails:
+            raise RuntimeError("CUDNN_STATUS_NOT_SUPPORTED")
+        return _cudnn_convolution_add_relu(*args)
+
+    monkeypatch.setattr(torch, "cudnn_convolution_add_relu", fused)
+    monkeypatch.setattr(torch, "cudnn_convolution_relu", lambda x, w, b, *rest: fused(x, w, None, 1.0, b, *rest))
+    net, inputs = _network_and_inputs(ResNetLike(BasicBlock, (1, 1)), 16)
+    steps = [s for s in net.steps if isinstance(s, SparseConvStep) and s.relu]
+    assert any(s.residual for s in steps) and any(s.weights.geometry.stride != (1, 1) for s in steps)
+    for step in steps:
+        step.dense_weight = step.weights.to_dense()
+        rejection = net._rejection(step, inputs[step.name], "dense-fused")
+        assert rejection == ("RuntimeError: CUDNN_STATUS_NOT_SUPPORTED" if fails else None), step.name

@@ -8,19 +8,24 @@ when one was fused. Pooling, flatten and unfused ReLU/adds run as dense PyTorch 
 tensors they are single cheap passes, while a compressed version would need irregular gathers.
 
 Backends: `"cuda"` (the default on a GPU: each convolution by the shared-memory CUDA C++ kernel,
-with bias, residual and ReLU fused, by the Triton kernel, or by the register-tiled sparse-weight
+with bias, residual and ReLU fused, by the Triton kernel, by the register-tiled sparse-weight
 kernel (`ops/conv/register_cuda.py`, which reads the dense input, so that layer skips compression),
-whichever `tune` measured fastest for that layer; compression and FC layers by Triton kernels),
+or by cuDNN fp32 on the dense pruned weights (alone, or fused with bias, residual and ReLU in one
+call), whichever `tune` measured fastest for that layer; compression and FC layers by Triton kernels),
 `"triton"` (every op a Triton kernel, convolutions accumulating by global atomics; also runs on
 CPU tensors under `TRITON_INTERPRET=1`) and `"cpu"` (compiled numba loops, `ops/conv/cpu.py`: per layer SCNN's
 Cartesian product or the output-stationary sparse-weight dataflow, whichever its cost model
 predicts faster, on `threads` threads of numba's pool; the CPU steps read their dense input
 directly, compress it only for SCNN's dataflow, and fuse bias, residual and ReLU into the kernels).
-The GPU forwards never sync with the host: every buffer has a static size, nonzero counts stay on
-the device, overflow of a reduced activation capacity raises a device flag that `check_overflow()`
-turns into an error after the run. So a whole network replays inside one CUDA graph.
+A plain forward launches the layers' kernels and nothing else: the kernels that read compressed
+activations or count them on the way report each layer's input nonzeros, the others (cuDNN, the FC
+row kernel) only in `tune`, `profile` or with `count_activations`. The GPU forwards never sync with
+the host: every buffer has a static size, nonzero counts stay on the device, overflow of a reduced
+activation capacity raises a device flag that `check_overflow()` turns into an error after the run.
+So a whole network replays inside one CUDA graph.
 
-A batch is run one sample at a time (the engine is built for batch-1 latency).
+A batch is run one sample at a time (the engine is built for batch-1 latency), except by cuDNN, which
+takes it whole; a batch of one is a view of the sample's output, not a copy.
 """
 
 from __future__ import annotations
@@ -67,6 +72,9 @@ class RunState:
     threads: int
     overflow: torch.Tensor
     last_counts: dict[str, torch.Tensor] = field(default_factory=dict)
+    count_inputs: bool = False
+    """Whether the layers whose kernels do not count their input's nonzeros on the way (cuDNN fallbacks, the FC
+    row kernel) count them with extra small kernels (for `SparseNetwork.layers`; off in plain forwards)."""
 
     def compress(self, step: str, x: torch.Tensor, layout: ActivationLayout) -> CompressedActivations:
         if self.backend in ("cuda", "triton"):
@@ -99,10 +107,14 @@ class SparseConvStep:
     """The weights in the CUDA kernel's tile order (GPU networks only)."""
     conv_kernel: str = "cuda"
     """Under the `"cuda"` backend, which convolution kernel this layer uses (`SparseNetwork.tune` picks):
-    `"cuda"`, `"triton"`, `"register"` or `"dense"` (cuDNN in fp32 on the pruned weights, where it measured
-    faster than every sparse kernel)."""
+    `"cuda"`, `"triton"`, `"register"`, or `"dense"` / `"dense-fused"` (cuDNN in fp32 on the pruned weights,
+    where it measured faster than every sparse kernel; see `_run_dense`)."""
     dense_weight: torch.Tensor | None = None
-    """The pruned weights as a dense tensor, kept only for the `"dense"` kernel."""
+    """The pruned weights as a dense tensor, kept only for the dense kernels."""
+    benchmarked_shape: tuple[int, ...] | None = None
+    """The input shape `tune` ran the dense kernels at with cuDNN's benchmark mode (the search runs eagerly there):
+    inputs of this shape use the measured algorithm, others cuDNN's heuristic (no search inside a graph capture).
+    On the H200 the search chose algorithms as fast as the heuristic's for AlexNet, VGG-16 and ResNet-50."""
     register: register_cuda.RegisterConvLayer | None = None
     """The weights and buffers of the register-tiled kernel (built by `tune` where it supports the layer)."""
     cpu_plan: conv_cpu.CpuConvPlan | None = None
@@ -144,7 +156,7 @@ class SparseConvStep:
             return self._run_cpu(x, values[1] if self.residual else None, state)
         if state.backend == "cuda" and self.conv_kernel == "register":
             return self._run_register(x, values[1] if self.residual else None, state)
-        if state.backend == "cuda" and self.conv_kernel == "dense":
+        if state.backend == "cuda" and self.conv_kernel in DENSE_KERNELS:
             return self._run_dense(x, values[1] if self.residual else None, state)
         outputs = []
         for b in range(x.shape[0]):
@@ -152,7 +164,7 @@ class SparseConvStep:
             init = self.bias.view(-1, 1, 1).expand(g.out_channels, *g.out_hw)
             init = (init + values[1][b]) if self.residual else init.contiguous()
             outputs.append(self.convolve(acts, init, state))
-        return torch.stack(outputs)
+        return _batched(outputs)
 
     def _run_register(self, x: torch.Tensor, residual: torch.Tensor | None, state: RunState) -> torch.Tensor:
         """The register-tiled kernel reads the dense input (no compression, so no capacity to overflow)
@@ -167,19 +179,31 @@ class SparseConvStep:
             y = register_cuda.conv(x[b].contiguous(), self.register, self.bias, residual=resid, relu=self.relu)
             outputs.append(y)
             state.last_counts[self.name] = self.register.counts
-        return torch.stack(outputs)
+        return _batched(outputs)
 
     def _run_dense(self, x: torch.Tensor, residual: torch.Tensor | None, state: RunState) -> torch.Tensor:
-        """cuDNN on the dense pruned weights, in full fp32 (never TF32), then the residual and ReLU; the input's
-        nonzero count is still taken (one small kernel) for the layer report."""
+        """cuDNN on the dense pruned weights, in full fp32 (never TF32), the whole batch at once, with the algorithm
+        cuDNN measured fastest at `tune` (`benchmarked_shape`). `"dense"`: the convolution with bias, then the
+        residual and ReLU as PyTorch ops; `"dense-fused"` (layers with a fused ReLU): one cuDNN call for all of it
+        (`cudnn_convolution_relu` / `_add_relu`)."""
         if self.dense_weight is None:
             raise ValueError(f"{self.name}: the dense kernel was chosen but not prepared; SparseNetwork.tune builds it")
         g = self.weights.geometry
-        with fp32_convolutions():
+        if state.count_inputs:
+            state.last_counts[self.name] = torch.count_nonzero(x[-1]).view(1)
+        dilation = (1, 1)
+        with fp32_convolutions(benchmark=tuple(x.shape) == self.benchmarked_shape):
+            if self.conv_kernel == "dense-fused" and residual is not None:
+                return torch.cudnn_convolution_add_relu(
+                    x, self.dense_weight, residual, 1.0, self.bias, g.stride, g.padding, dilation, g.groups
+                )
+            if self.conv_kernel == "dense-fused":
+                return torch.cudnn_convolution_relu(
+                    x, self.dense_weight, self.bias, g.stride, g.padding, dilation, g.groups
+                )
             y = F.conv2d(x, self.dense_weight, self.bias, stride=g.stride, padding=g.padding, groups=g.groups)
         if residual is not None:
             y.add_(residual)
-        state.last_counts[self.name] = torch.count_nonzero(x[-1]).view(1)
         return y.relu_() if self.relu else y
 
     def _run_cpu(self, x: torch.Tensor, residual: torch.Tensor | None, state: RunState) -> torch.Tensor:
@@ -203,15 +227,26 @@ class SparseConvStep:
         return y
 
 
+DENSE_KERNELS = ("dense", "dense-fused")
+CHECKED_KERNELS = ("register", *DENSE_KERNELS)
+"""Candidates `tune` admits only once the layer's output agrees with its float64 dense reference."""
+
+
+def _batched(samples: list[torch.Tensor]) -> torch.Tensor:
+    """One output per sample stacked into a batch (a view, not a copy, for the batch of one the engine is built for)."""
+    return samples[0].unsqueeze(0) if len(samples) == 1 else torch.stack(samples)
+
+
 @contextlib.contextmanager
-def fp32_convolutions() -> Iterator[None]:
-    """cuDNN convolutions in full fp32 inside the block (PyTorch lets them use TF32 by default)."""
-    previous = torch.backends.cudnn.allow_tf32
-    torch.backends.cudnn.allow_tf32 = False
+def fp32_convolutions(benchmark: bool = False) -> Iterator[None]:
+    """cuDNN convolutions in full fp32 inside the block (PyTorch lets them use TF32 by default); `benchmark`: with
+    the algorithm cuDNN measured fastest for each shape (`torch.backends.cudnn.benchmark`), not its heuristic's."""
+    previous = torch.backends.cudnn.allow_tf32, torch.backends.cudnn.benchmark
+    torch.backends.cudnn.allow_tf32, torch.backends.cudnn.benchmark = False, benchmark
     try:
         yield
     finally:
-        torch.backends.cudnn.allow_tf32 = previous
+        torch.backends.cudnn.allow_tf32, torch.backends.cudnn.benchmark = previous
 
 
 @dataclass
@@ -228,6 +263,8 @@ class SparseLinearStep:
     input × a CSR copy of the weights, `linear_triton.linear_rows`), whichever `SparseNetwork.tune` measured faster."""
     csr: CsrLinearWeights | None = None
     """The CSR copy, kept only for the `"rows"` kernel."""
+    rows_config: linear_triton.RowsConfig = linear_triton.DEFAULT_ROWS_CONFIG
+    """The row kernel's launch configuration (`SparseNetwork.tune` times `linear_triton.ROWS_CONFIGS`)."""
 
     def run(self, values: Sequence[torch.Tensor], state: RunState) -> torch.Tensor:
         x = values[0]
@@ -246,13 +283,16 @@ class SparseLinearStep:
             if state.backend == "cuda" and self.fc_kernel == "rows":
                 if self.csr is None:
                     raise ValueError(f"{self.name}: the rows kernel was chosen but not prepared (SparseNetwork.tune)")
-                outputs.append(linear_triton.linear_rows(x[b].contiguous(), self.csr, self.bias, relu=self.relu))
-                state.last_counts[self.name] = torch.count_nonzero(x[b]).view(1)
+                y = linear_triton.linear_rows(x[b].contiguous(), self.csr, self.bias, relu=self.relu,
+                                              config=self.rows_config)
+                outputs.append(y)
+                if state.count_inputs:
+                    state.last_counts[self.name] = torch.count_nonzero(x[b]).view(1)
                 continue
             acts = state.compress(self.name, x[b].reshape(1, 1, -1), self.layout)
             y = linear_triton.linear(acts, self.weights, self.bias.clone())
             outputs.append(y.relu_() if self.relu else y)
-        return torch.stack(outputs)
+        return _batched(outputs)
 
 
 @dataclass
@@ -275,7 +315,9 @@ class LayerReport:
     kind: str
     weight_density: float
     activation_density: float | None
-    """Fraction of nonzero input activations at the last forward (None before any forward)."""
+    """Fraction of nonzero input activations at the last forward that counted them (None before any): every
+    forward for layers whose kernels count on the way, else the last `tune`, `profile` or forward with
+    `SparseNetwork.count_activations`."""
     weight_bytes: int
     dense_weight_bytes: int
 
@@ -320,8 +362,9 @@ class SparseNetwork:
         self.backend = "cuda" if device.type == "cuda" else "cpu"
         self.threads = 1
         self._state = RunState(self.backend, self.threads, torch.zeros(1, dtype=torch.int32, device=device))
-        self.rejected_kernels: dict[str, str] = {}
-        """`{layer: why}` for register-tiled kernels `tune` refused (failed to build or run, or disagreed)."""
+        self.rejected_kernels: dict[str, dict[str, str]] = {}
+        """`{layer: {kernel: why}}` for the candidates `tune` refused (`CHECKED_KERNELS` that failed to build or run,
+        or disagreed with the layer's reference)."""
         self.pixel_runs = True
         """Whether `tune` also times the register-tiled kernel's pixel-run plans for 1×1 convolutions. On the
         H200 the best pixel-run plan beat the best tile plan on each of ResNet-50's 14 distinct 1×1 layers
@@ -332,6 +375,11 @@ class SparseNetwork:
         that fell back, with every candidate's time, are in `kernel_times` and the layer report."""
         self.kernel_times: dict[str, dict[str, float]] = {}
         """`{layer: {kernel: ms}}` as `tune` measured them on the example input (`reps` calls each)."""
+        self.count_activations = False
+        """Whether every forward also counts the nonzero inputs of the layers whose kernels do not count them on
+        the way (cuDNN fallbacks, the FC row kernel), for `layers`: one reduction (three small kernels, ~11 us on
+        the H200) per such layer. Off by default, so those densities are from the last `tune` or `profile`
+        forward (which always count)."""
 
     def set_backend(self, backend: str, threads: int = 1) -> SparseNetwork:
         """Choose `"cuda"`, `"triton"` or `"cpu"` (with `threads` workers for the CPU backend)."""
@@ -351,6 +399,7 @@ class SparseNetwork:
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.device != self.device or x.dtype != torch.float32:
             raise ValueError(f"expected a float32 input on {self.device}, got {x.dtype} on {x.device}")
+        self._state.count_inputs = self.count_activations
         values = {self.input_name: x}
         for step in self.steps:
             values[step.output] = step.run([values[name] for name in step.inputs], self._state)
@@ -360,8 +409,11 @@ class SparseNetwork:
 
     @torch.no_grad()
     def profile(self, x: torch.Tensor) -> list[tuple[str, float]]:
-        """One forward timing each step (CUDA events on the GPU, wall clock on the CPU): `(step, ms)`."""
+        """One forward timing each step (CUDA events on the GPU, wall clock on the CPU): `(step, ms)`. It counts
+        every layer's nonzero inputs (for `layers`), and the time of layers that count with extra kernels
+        includes theirs."""
         values = {self.input_name: x}
+        self._state.count_inputs = True
         if self.device.type != "cuda":
             timings = []
             for step in self.steps:
@@ -380,12 +432,13 @@ class SparseNetwork:
         return [(name, b.elapsed_time(e)) for name, b, e in events]
 
     @torch.no_grad()
-    def tune(self, x: torch.Tensor, reps: int = 5) -> dict[str, str]:
+    def tune(self, x: torch.Tensor, reps: int = 10) -> dict[str, str]:
         """Pick each convolution's kernel by timing the candidates on `x`: shared-memory CUDA (`"cuda"`),
         Triton atomics (`"triton"`), where its planner supports the geometry, the register-tiled
         sparse-weight kernel (`"register"`, timed on the layer's dense input, as it runs) and, with
-        `dense_fallback`, cuDNN fp32 on the dense pruned weights (`"dense"`); and each fully-connected layer's
-        two kernels (`SparseLinearStep.fc_kernel`).
+        `dense_fallback`, cuDNN fp32 on the dense pruned weights (`"dense"`, and `"dense-fused"` for layers with
+        a ReLU); and each fully-connected layer's two kernels (`SparseLinearStep.fc_kernel`), the row kernel in
+        each of `linear_triton.ROWS_CONFIGS`.
 
         Runs one forward, and for every convolution times the kernels on the activations it really
         sees, behind a GPU sleep so the device time counts, not the launches (a network runs in a CUDA
@@ -394,11 +447,12 @@ class SparseNetwork:
         `{layer: kernel}`; the choice is used by the `"cuda"` backend.
 
         The register-tiled kernel is timed with the planner's `REGISTER_PLANS_TIMED` best plans (the fastest
-        stays) and is a candidate only once its layer output agrees with the layer's float64 dense reference
-        (`SparseConvStep.reference`, relative error <= `AGREEMENT_RTOL`); one that fails to build or run, or
-        disagrees, is left out, with the reason in `rejected_kernels` and a warning. (The reference is not
-        another kernel: the shared-memory kernel is wrong by design when a reduced activation capacity
-        overflows, and would make a correct register kernel look wrong.)
+        stays). It and the cuDNN kernels (benchmark mode: cuDNN times its algorithms on the layer's input shape)
+        are candidates only once the layer output agrees with the layer's
+        float64 dense reference (`SparseConvStep.reference`, relative error <= `AGREEMENT_RTOL`); one that fails
+        to build or run, or disagrees, is left out, with the reason in `rejected_kernels` and a warning. (The
+        reference is not another kernel: the shared-memory kernel is wrong by design when a reduced activation
+        capacity overflows, and would make a correct register kernel look wrong.)
         """
         if self.device.type != "cuda" or self.backend != "cuda":
             return {}
@@ -407,24 +461,25 @@ class SparseNetwork:
         choice: dict[str, str] = {}
         for step in self.steps:
             inputs = [values[name] for name in step.inputs]
+            self._state.count_inputs = False  # candidates are timed as a plain forward runs them
             if isinstance(step, SparseConvStep) and step.tiled is not None:
-                times = self._time_conv_kernels(step, inputs[0][0].contiguous(), reps)
-                if "register" in times:
-                    rejection = self._register_rejection(step, inputs)
+                times = self._time_conv_kernels(step, inputs, reps)
+                for kernel in CHECKED_KERNELS:
+                    rejection = self._rejection(step, inputs, kernel) if kernel in times else None
                     if rejection is not None:
-                        del times["register"]
-                        self.rejected_kernels[step.name] = rejection
-                        warnings.warn(f"{step.name}: register-tiled kernel not used: {rejection}", stacklevel=2)
+                        del times[kernel]
+                        self._reject(step.name, kernel, rejection)
                 step.conv_kernel = choice[step.name] = min(times, key=lambda k: times[k])
                 self.kernel_times[step.name] = times
-                if step.conv_kernel != "dense":
-                    step.dense_weight = None
+                if step.conv_kernel not in DENSE_KERNELS:
+                    step.dense_weight = step.benchmarked_shape = None
             elif isinstance(step, SparseLinearStep):
                 times = self._time_linear_kernels(step, inputs[0][0].contiguous(), reps)
                 step.fc_kernel = choice[step.name] = min(times, key=lambda k: times[k])
                 self.kernel_times[step.name] = times
                 if step.fc_kernel != "rows":
                     step.csr = None
+            self._state.count_inputs = True  # the layer report's densities
             values[step.output] = step.run(inputs, self._state)
         return choice
 
@@ -457,22 +512,31 @@ class SparseNetwork:
         except Exception as error:  # e.g. no writable cache directory or a worker that cannot start
             warnings.warn(f"register-tiled kernels not precompiled ({error}); they compile one by one", stacklevel=3)
 
-    def _register_rejection(self, step: SparseConvStep, inputs: list[torch.Tensor]) -> str | None:
-        """Why the register-tiled kernel must not serve `step` (None: its output agrees with the layer's
-        float64 dense reference on this input)."""
+    def _rejection(self, step: SparseConvStep, inputs: list[torch.Tensor], kernel: str) -> str | None:
+        """Why `kernel` must not serve `step` (None: its output agrees with the layer's float64 dense reference on
+        this input)."""
         expected = step.reference(inputs)
+        previous, step.conv_kernel = step.conv_kernel, kernel
         try:
-            got = step._run_register(inputs[0], inputs[1] if step.residual else None, self._state)
+            got = step.run(inputs, self._state)
         except Exception as error:  # a kernel that cannot run here is a rejected candidate, not a failed tune
             return f"{type(error).__name__}: {error}"
+        finally:
+            step.conv_kernel = previous
         error_norm = (got.double() - expected).norm() / expected.norm().clamp_min(torch.finfo(torch.float32).tiny)
         if not torch.isfinite(got).all() or error_norm > AGREEMENT_RTOL:
             return f"relative error {float(error_norm):.2e} against the dense reference (limit {AGREEMENT_RTOL})"
         return None
 
-    def _time_conv_kernels(self, step: SparseConvStep, dense_input: torch.Tensor, reps: int) -> dict[str, float]:
-        """Milliseconds of `reps` calls of each candidate kernel on one layer's real input."""
+    def _reject(self, layer: str, kernel: str, why: str) -> None:
+        self.rejected_kernels.setdefault(layer, {})[kernel] = why
+        warnings.warn(f"{layer}: {kernel} kernel not used: {why}", stacklevel=3)
+
+    def _time_conv_kernels(self, step: SparseConvStep, inputs: list[torch.Tensor], reps: int) -> dict[str, float]:
+        """Milliseconds of `reps` calls of each candidate kernel on one layer's real input (and residual)."""
         g = step.weights.geometry
+        dense_input = inputs[0][0].contiguous()
+        residual = inputs[1][0].contiguous() if step.residual else None
         init = torch.zeros(g.out_channels, *g.out_hw, device=self.device)
 
         def compress_and_convolve() -> object:  # as the layer runs: its input is compressed first
@@ -482,15 +546,23 @@ class SparseNetwork:
         layers = self._register_layers(step, dense_input)
         for rank, layer in enumerate(layers):
             candidates[f"register {rank}"] = functools.partial(
-                register_cuda.conv, dense_input, layer, step.bias, relu=step.relu
+                register_cuda.conv, dense_input, layer, step.bias, residual=residual, relu=step.relu
             )
         if self.dense_fallback:
             step.dense_weight = step.weights.to_dense().to(self.device)
-            candidates["dense"] = functools.partial(step._run_dense, dense_input[None], None, self._state)
+            step.benchmarked_shape = (1, *dense_input.shape)  # the first, untimed call of each runs cuDNN's search
+            batch_residual = None if residual is None else residual[None]
+            for kernel in DENSE_KERNELS if step.relu else DENSE_KERNELS[:1]:  # cuDNN fuses residual and ReLU only
+                candidates[kernel] = functools.partial(step._run_dense, dense_input[None], batch_residual, self._state)
         times = {}
         for kernel, run_kernel in candidates.items():
             step.conv_kernel = kernel
-            times[kernel] = _device_ms(run_kernel, reps)
+            try:
+                times[kernel] = _device_ms(run_kernel, reps)
+            except Exception as error:
+                if kernel not in CHECKED_KERNELS:
+                    raise
+                self._reject(step.name, kernel, f"{type(error).__name__}: {error}")  # e.g. a fusion cuDNN refuses
         step.conv_kernel = "cuda"
         if layers:
             fastest = min(range(len(layers)), key=lambda rank: times[f"register {rank}"])
@@ -501,10 +573,15 @@ class SparseNetwork:
     def _time_linear_kernels(self, step: SparseLinearStep, dense_input: torch.Tensor, reps: int) -> dict[str, float]:
         """Milliseconds of `reps` calls of each fully-connected kernel on the layer's real input, as it runs."""
         step.csr = step.weights.to_csr()
-        times = {}
-        for kernel in ("spmspv", "rows"):
-            step.fc_kernel = kernel
-            times[kernel] = _device_ms(functools.partial(step.run, [dense_input[None]], self._state), reps)
+        step.fc_kernel = "spmspv"
+        times = {"spmspv": _device_ms(functools.partial(step.run, [dense_input[None]], self._state), reps)}
+        step.fc_kernel = "rows"
+        rows_times = {}
+        for config in linear_triton.ROWS_CONFIGS:
+            step.rows_config = config
+            rows_times[config] = _device_ms(functools.partial(step.run, [dense_input[None]], self._state), reps)
+        step.rows_config = min(rows_times, key=lambda c: rows_times[c])
+        times["rows"] = rows_times[step.rows_config]
         return times
 
     def _register_layers(
@@ -513,7 +590,8 @@ class SparseNetwork:
         """The register-tiled kernel's candidate layers for `step`, built and run once (compiled): the one
         prepared before, else the planner's `REGISTER_PLANS_TIMED` best plans; none where the planner does
         not support the geometry or the kernel was rejected (a failure to build or run is recorded here)."""
-        if register_tiling.unsupported_reason(step.weights.geometry) is not None or step.name in self.rejected_kernels:
+        rejected = "register" in self.rejected_kernels.get(step.name, {})
+        if register_tiling.unsupported_reason(step.weights.geometry) is not None or rejected:
             return []
         try:
             if step.register is not None:
@@ -523,10 +601,7 @@ class SparseNetwork:
             for layer in layers:
                 register_cuda.conv(dense_input, layer, step.bias, relu=step.relu)  # compiles it
         except Exception as error:  # e.g. an NVRTC that rejects the source: the other kernels still serve
-            self.rejected_kernels[step.name] = f"{type(error).__name__}: {error}"
-            warnings.warn(
-                f"{step.name}: register-tiled kernel not used: {self.rejected_kernels[step.name]}", stacklevel=4
-            )
+            self._reject(step.name, "register", f"{type(error).__name__}: {error}")
             return []
         return layers
 

@@ -15,6 +15,8 @@ H200 the row kernel took AlexNet's whole network (three classifier layers at 9-2
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -118,22 +120,37 @@ def _csr_gemv_kernel(
     tl.store(out_ptr + offs_r, y, mask=mask_r)
 
 
+@dataclass(frozen=True)
+class RowsConfig:
+    """A launch of the row kernel: `block_r` rows per program, `block_k` stored entries per row and step."""
+
+    block_r: int = 4
+    block_k: int = 128
+    num_warps: int = 4
+
+
+DEFAULT_ROWS_CONFIG = RowsConfig()
+ROWS_CONFIGS = (DEFAULT_ROWS_CONFIG, RowsConfig(1, 256, 2), RowsConfig(2, 256, 4), RowsConfig(8, 128, 8))
+"""What `SparseNetwork.tune` times per layer: few rows per program give more programs (parallel loads) for
+layers of few rows; more rows per program fewer, longer ones."""
+
+
 def linear_rows(
     x: torch.Tensor,
     weights: CsrLinearWeights,
     bias: torch.Tensor,
     *,
     relu: bool,
-    block_r: int = 4,
-    block_k: int = 128,
+    config: RowsConfig = DEFAULT_ROWS_CONFIG,
 ) -> torch.Tensor:
     """`relu?(bias + W @ x)` for a dense `[in_features]` fp32 vector `x`, row by row over the weight's CSR copy:
-    each program reduces `block_r` rows, gathering `x` at their stored columns, `block_k` entries at a time (no
-    atomics; every stored weight is read once, zero activations included). Returns a new `[out_features]` tensor."""
+    each program reduces `config.block_r` rows, gathering `x` at their stored columns, `config.block_k` entries
+    at a time (no atomics; every stored weight is read once, zero activations included). Returns a new
+    `[out_features]` tensor."""
     if tuple(x.shape) != (weights.in_features,) or x.dtype != torch.float32 or not x.is_contiguous():
         raise ValueError(f"x must be a contiguous float32 [{weights.in_features}] vector, got {tuple(x.shape)}")
     out = torch.empty(weights.out_features, device=x.device, dtype=torch.float32)
-    grid = (triton.cdiv(weights.out_features, block_r),)
+    grid = (triton.cdiv(weights.out_features, config.block_r),)
     _csr_gemv_kernel[grid](
         out,
         x,
@@ -143,7 +160,8 @@ def linear_rows(
         weights.row_ptr,
         weights.out_features,
         RELU=relu,
-        BLOCK_R=block_r,
-        BLOCK_K=block_k,
+        BLOCK_R=config.block_r,
+        BLOCK_K=config.block_k,
+        num_warps=config.num_warps,
     )
     return out
