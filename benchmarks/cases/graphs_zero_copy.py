@@ -26,12 +26,17 @@ reordering `index_select`s (at L=128 the whole cache fits in L2). (a)'s loop is 
 of its staging copies in the trace, from the start of the first to the end of the last, gaps between them
 included (`copy_ms`; the staging is the one run of at least as many consecutive copies as the cache has
 tensors). `copy_trace_host_wait_us` is the longest the GPU waited for the host in any traced loop, in gaps
-of 50 us or more: 0 means the sleep was long enough. Two other measures are reported beside it: the
+of 50 us or more: 0 means the sleep was long enough. Other measures are reported beside it: the
 same loop with the staging done by hand (`GraphedCallable`'s `_foreach_copy_` into the placeholders
 between two CUDA events, then the call on the placeholders), as the copies' span in the trace
-(`copy_ms_staged`, the denominator before) and between the events, traced (`copy_ms_bracket`) and not
-(`copy_ms_bracket_untraced`: whether tracing slows the copies); and
-`copy_ms_alone`, the same copy timed in isolation by `time_callable`.
+(`copy_ms_staged`) and between the events, traced (`copy_ms_bracket`) and not
+(`copy_ms_bracket_untraced`: whether tracing slows the copies); and `copy_ms_alone`, the same copy timed in
+isolation by `time_callable`.
+
+What removing the copies can save at best: (d) `manual` is (a)'s loop with the reordering written into the
+next call's placeholders by hand (`fast.inputs_for` and `index_select(..., out=)`, Grape's published
+method), so it has no staging and no host-side redirection; `device_time_saved_vs_manual` divides (b)'s and
+(c)'s device-time savings by (d)'s.
 `benchmarks/tools/zero_copy_profile.py` showed that (b)'s step keeps every kernel of (a)'s but the
 copies, with the same durations. Bytes copied come from each callable's `stats`.
 """
@@ -167,6 +172,20 @@ def host_step(fn: Callable[..., tuple[torch.Tensor, Past]], state: State) -> Sta
     ids, scores, beam_idx = beam_update(logits, state.scores)
     past = tuple(p.index_select(0, beam_idx) for p in present)
     return State(ids, state.positions + 1, scores, beam_idx, past)
+
+
+def manual_step(fast: GraphedCallable, state: State) -> State:
+    """(d) `manual`: (a)'s loop with the reordering written by hand into the next call's placeholders
+    (`fast.inputs_for`), as Grape's published experiments did with `index_select(..., out=placeholder)`; only
+    the four next tokens are copied, so the next call copies nothing else."""
+    logits, present = fast(state.ids, state.positions, *state.past)
+    ids, scores, beam_idx = beam_update(logits, state.scores)
+    (next_ids, next_positions, *next_past), _ = fast.inputs_for(ids, state.positions, *present)
+    next_ids.copy_(ids)
+    torch.add(state.positions, 1, out=next_positions)
+    for source, target in zip(present, next_past, strict=True):
+        torch.index_select(source, 0, beam_idx, out=target)
+    return State(next_ids, next_positions, scores, beam_idx, tuple(next_past))
 
 
 def device_step(fn: Callable[..., Any], state: State) -> State:
@@ -350,10 +369,12 @@ def run(ctx: Context) -> None:
     plain = graphed(forward_step(model), backend=backend, max_graphs=1024)
     auto = graphed(forward_step(model), backend=backend, max_graphs=1024)
     carried = carry_all(graphed(carried_step(model), backend=backend, max_graphs=1024))
+    manual = graphed(forward_step(model), backend=backend, max_graphs=1024)
     variants = [
         Variant("plain", plain, lambda s: host_step(plain, s), nullcontext),
         Variant("auto", auto, lambda s: host_step(auto, s), auto.zero_copy),
         Variant("carried", carried, lambda s: device_step(carried, s), nullcontext),
+        Variant("manual", manual, lambda s: manual_step(manual, s), nullcontext),
     ]
     results: dict[int, dict[str, float]] = {}
     timed_mispredictions: dict[str, dict[str, dict[str, int]]] = {}  # per length and variant, after the warm-up
@@ -366,7 +387,7 @@ def run(ctx: Context) -> None:
                     with variant.context():
                         states = run_loop(variant.step, start, STEPS)
                 finals[variant.name] = states[-1]
-            for name in ("auto", "carried"):
+            for name in ("auto", "carried", "manual"):
                 same = torch.equal(finals[name].ids, finals["plain"].ids)
                 ctx.note(f"L={length}: {name} tokens after {STEPS} steps {'equal' if same else 'DIFFER from'} plain's")
             times: dict[str, list[float]] = {v.name: [] for v in variants}
@@ -411,9 +432,12 @@ def run(ctx: Context) -> None:
             ctx.add_value(f"plain L={length}", "copy_ms_bracket", statistics.median(brackets))
             ctx.add_value(f"plain L={length}", "copy_ms_bracket_untraced", statistics.median(untraced))
             ctx.add_value(f"plain L={length}", "copy_ms_alone", _copy_ms_alone(start, device, reps=20))
+            manual_saving = row["plain_device_ms"] - row["manual_device_ms"]
             for name in ("auto", "carried"):
-                device_saved = (row["plain_device_ms"] - row[f"{name}_device_ms"]) / copy_ms
-                ctx.add_value(f"{name} L={length}", "device_time_saved_fraction", device_saved)
+                device_saved = row["plain_device_ms"] - row[f"{name}_device_ms"]
+                ctx.add_value(f"{name} L={length}", "device_time_saved_fraction", device_saved / copy_ms)
+                ctx.add_value(f"{name} L={length}", "device_time_saved_vs_manual", device_saved / manual_saving)
+            ctx.add_value(f"manual L={length}", "device_time_saved_fraction", manual_saving / copy_ms)
             results[length] = row
     for variant in variants:
         stats = variant.fast.stats
@@ -437,7 +461,9 @@ def run(ctx: Context) -> None:
     ctx.note(
         "copy time = device time of (a)'s staging copies inside (a)'s own loop, their span in the CUDA profiler's "
         "trace (copy_ms; copy_ms_staged and copy_ms_bracket: the loop staged by hand, traced and between CUDA events); "
-        "device_time_saved_fraction is the same ratio on device time alone (steps enqueued behind a GPU sleep)"
+        "device_time_saved_fraction is the same ratio on device time alone (steps enqueued behind a GPU sleep); "
+        "device_time_saved_vs_manual divides the device-time saving by that of (d) manual, the reordering written "
+        "into the placeholders by hand"
     )
     for name in ("auto", "carried"):
         ratio = row[f"{name}_bytes"] / row["plain_bytes"] if row["plain_bytes"] else float("nan")

@@ -90,3 +90,19 @@ def test_staging_spans_are_the_runs_with_a_copy_per_cache_tensor_one_per_step():
     assert case.staging_spans_ms(operations, tensors=3) == pytest.approx([0.0025] * case.STEPS)
     with pytest.raises(RuntimeError, match="staging copies"):
         case.staging_spans_ms(operations[8:], tensors=3)
+
+def test_the_manual_loop_writes_the_next_placeholders_and_equals_eager(tiny):
+    """(d) writes the reordered cache into the next call's placeholders by hand: the same beams as eager, and
+    after the first call only the tokens are copied."""
+    start = case.prefix(tiny.config, 5, torch.device("cpu"), torch.float32)
+    with torch.inference_mode():
+        eager = case.run_loop(lambda s: case.host_step(case.forward_step(tiny), s), start, 6)
+        manual = graphed(case.forward_step(tiny), backend=NullBackend(), config=Config())
+        copied = []
+        states = case.run_loop(lambda s: case.manual_step(manual, s), start, 6,
+                               on_step=lambda _: copied.append(manual.stats.input_bytes_copied))
+    assert case.states_equal(eager, states)
+    for a, b in zip(eager, states, strict=True):
+        torch.testing.assert_close(a.past, b.past)
+    cache_bytes = sum(p.numel() * p.element_size() for p in start.past)
+    assert copied[0] >= cache_bytes and copied[-1] == copied[0]
