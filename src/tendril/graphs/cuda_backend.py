@@ -259,9 +259,9 @@ class CudaExecutables:
     thread, `background_waits` on the worker). CUDA documents both operations as safe on an executable still
     running; the wait makes "no update while a replay still uses the executable" hold by construction instead
     of by the driver's word. It is usually free: the executable switched or evicted is the least recently
-    used. (It did not cure the illegal instruction that `update` caused on the H200: see
-    `tendril.graphs.executables`.) The `_async` operations run in order on one worker thread (see the module
-    docstring).
+    used. (It did not cure the illegal instruction that `update` caused on the H200; telling cluster
+    dimensions apart in the topology digest did: see `tendril.graphs.executables`.) The `_async` operations
+    run in order on one worker thread (see the module docstring).
     """
 
     def __init__(self, device: torch.device) -> None:

@@ -10,15 +10,17 @@ with one graph per sequence length spends most of its memory there. The captured
   CUDA backend serves it with torch's own replay; this cache is not involved.
 - `lru`: executables are instantiated on demand; past the budget the least recently used is destroyed.
   With a `predict_next` (the CUDA backend's default) it also prefetches: see below.
-- `update` (opt-in): one executable per topology family (graphs whose node types, kernel functions and
-  edges match, e.g. one model at different lengths); switching it to another graph of the family is a
-  `cudaGraphExecUpdate` instead of an instantiation. On the H200 the update call takes 0.2 ms of host
-  time for a GPT-2 forward, but a call that switches costs about 0.6 ms more than a dedicated
-  executable's (`benchmarks/tools/graph_switch_cost.py`). And on driver 580 switching Wav2Vec2-base
-  executables (kernel and memset nodes; functions matching) ended in an illegal instruction after a few
-  switches, while the same graphs under `lru` ran 128 calls equal to dedicated executables and 7327
-  GPT-2 updates were fine. Use it only for graphs shown to survive it.
-- `auto` (the default): `dedicated` without a budget, `lru` with one (never `update`, for the reason above).
+- `update` (opt-in): one executable per topology family (graphs whose node types, kernel functions with
+  their cluster dimensions, and edges match, e.g. one model at different lengths); switching it to another
+  graph of the family is a `cudaGraphExecUpdate` instead of an instantiation. On the H200 the update call
+  takes 0.2 ms of host time for a GPT-2 forward, but a call that switches costs about 0.6 ms more than a
+  dedicated executable's (`benchmarks/tools/graph_switch_cost.py`). Before families told cluster
+  dimensions apart, switching Wav2Vec2-base executables ended in an illegal instruction on driver 580: a
+  cuBLAS node ran one function with clusters (5, 1, 1) at one length and (2, 2, 1) at another, and CUDA
+  accepted the update (`benchmarks/tools/graph_node_attributes.py`). Since then 128 Wav2Vec2 calls under
+  `update` equalled dedicated executables.
+- `auto` (the default): `dedicated` without a budget, `lru` with one (no `update`: its latency and memory
+  were last measured before the cluster fix, and `lru` met the memory targets).
 
 Every update is checked: CUDA refuses graphs whose topology or node kinds differ in ways the digest
 does not see. A refused update destroys that executable, moves the graph into a family of its own and
