@@ -448,11 +448,11 @@ class SparseNetwork:
 
         The register-tiled kernel is timed with the planner's `REGISTER_PLANS_TIMED` best plans (the fastest
         stays). It and the cuDNN kernels (benchmark mode: cuDNN times its algorithms on the layer's input shape)
-        are candidates only once the layer output agrees with the layer's
-        float64 dense reference (`SparseConvStep.reference`, relative error <= `AGREEMENT_RTOL`); one that fails
-        to build or run, or disagrees, is left out, with the reason in `rejected_kernels` and a warning. (The
-        reference is not another kernel: the shared-memory kernel is wrong by design when a reduced activation
-        capacity overflows, and would make a correct register kernel look wrong.)
+        are candidates only once the layer output agrees with the layer's float64 dense reference
+        (`SparseConvStep.reference`, relative error <= `AGREEMENT_RTOL`); one that fails to build or run, or
+        disagrees, is left out, with the reason in `rejected_kernels` and a warning. (The reference is not
+        another kernel: the shared-memory kernel is wrong by design when a reduced activation capacity
+        overflows, and would make a correct register kernel look wrong.)
         """
         if self.device.type != "cuda" or self.backend != "cuda":
             return {}
