@@ -91,6 +91,7 @@ def test_staging_spans_are_the_runs_with_a_copy_per_cache_tensor_one_per_step():
     with pytest.raises(RuntimeError, match="staging copies"):
         case.staging_spans_ms(operations[8:], tensors=3)
 
+
 def test_the_manual_loop_writes_the_next_placeholders_and_equals_eager(tiny):
     """(d) writes the reordered cache into the next call's placeholders by hand: the same beams as eager, and
     after the first call only the tokens are copied."""

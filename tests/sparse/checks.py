@@ -4,6 +4,7 @@ reference, with unwritten buffer slots poisoned so that reading past a count is 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -16,6 +17,9 @@ from tendril.sparse.format import (
     SparseLinearWeights,
 )
 from tendril.sparse.ops.compress import reference as compress_reference
+
+if TYPE_CHECKING:
+    from tendril.sparse.ops.linear.triton import RowsConfig
 
 REL_TOL = 1e-4
 
@@ -137,7 +141,7 @@ def check_linear_rows(
     act_density: float,
     relu: bool,
     device: torch.device,
-    config: object = None,
+    config: RowsConfig | None = None,
 ) -> None:
     """`linear_triton.linear_rows` on a CSR copy (`SparseLinearWeights.to_csr`) against float64 dense math, with
     launch `config` (default: small blocks, for the interpreter); the output is written over NaN-poisoned memory,
