@@ -3,8 +3,9 @@
 AlexNet and VGG-16 pruned to the Deep Compression densities, ResNet-50 to 80% uniform weight
 sparsity (torchvision architectures, random weights, fp32, random 224×224 inputs: activation
 sparsity is what ReLU gives). Variants, side by side in one process: tendril on the GPU eager and
-replayed inside a CUDA graph (and, where `tune` ran some convolutions with cuDNN, the same network with
-sparse kernels only); dense cuDNN fp32 (TF32 off), TF32 and fp16, each inside a CUDA graph, with PyTorch's
+replayed inside a CUDA graph (and, where `tune` ran some convolutions densely, the same network with
+sparse kernels only; and always with every convolution on its fastest dense kernel, cuDNN or cuBLAS on the
+pruned weights: what the sparse convolution kernels buy over tendril's own best dense one); dense cuDNN fp32 (TF32 off), TF32 and fp16, each inside a CUDA graph, with PyTorch's
 default algorithm choice (cuDNN's heuristic: the targets' baseline), and fp32 also in cuDNN's benchmark mode (its
 own search of algorithms, which tendril's dense-fallback layers use);
 tendril's CPU implementation of the same algorithm on 1 thread and on all threads; dense PyTorch on
@@ -31,7 +32,7 @@ from torch import nn
 from benchmarks.registry import Context, Goal, register
 from tendril.graphs.capture import capture
 from tendril.sparse import convert, prune
-from tendril.sparse.network import DENSE_KERNELS, SparseConvStep, SparseLinearStep, fp32_convolutions
+from tendril.sparse.network import DENSE_KERNELS, SparseConvStep, SparseLinearStep, fp32_dense_math
 from tendril.sparse.ops.conv import register_cuda
 from tendril.sparse.ops.conv.register_tiling import RegisterTilePlan
 from tendril.utils.timing import Timing, time_callable
@@ -103,6 +104,16 @@ def _precompile(ctx: Context, names: list[str]) -> None:
     ctx.note(f"compiled {compiled} register-tiled kernels for {names} in {time.perf_counter() - started:.1f} s")
 
 
+def _use_fastest_dense_kernels(net: Any) -> None:
+    """Give every convolution the dense kernel (cuDNN or cuBLAS on the pruned weights) that `tune` measured fastest
+    for it; the fully-connected layers keep their sparse kernels."""
+    for step in net.steps:
+        if isinstance(step, SparseConvStep):
+            times = {k: ms for k, ms in net.kernel_times[step.name].items() if k in DENSE_KERNELS}
+            step.dense_weight = step.weights.to_dense().to(net.device)
+            step.conv_kernel = min(times, key=lambda k: times[k])
+
+
 def _bench_model(ctx: Context, name: str) -> None:
     started = time.perf_counter()
     reps = 20 if ctx.quick else 100
@@ -141,6 +152,10 @@ def _bench_model(ctx: Context, name: str) -> None:
         layers = net.layers()
         kernel_times = {layer: {k: round(ms, 4) for k, ms in t.items()} for layer, t in net.kernel_times.items()}
         compressed, dense = net.weight_bytes()
+        _use_fastest_dense_kernels(net)  # what sparsity buys the convolutions: the same network, dense convolutions
+        dense_replay, _ = _graphed(net, inputs[0])
+        results["tendril gpu dense-convolutions-only CUDA graph"] = _time_gpu(ctx, dense_replay, inputs, reps)
+        del dense_replay
         if any(kernel in DENSE_KERNELS for kernel in kernels.values()):  # the same network with sparse kernels only
             net.dense_fallback = False
             net.tune(inputs[0])
@@ -153,7 +168,7 @@ def _bench_model(ctx: Context, name: str) -> None:
             dense_replay, _ = _graphed(model, inputs[0])
             results[f"dense {label} CUDA graph"] = _time_gpu(ctx, dense_replay, inputs, reps)
         _set_tf32(False)
-        with fp32_convolutions(benchmark=True):  # cuDNN's own search of algorithms, as tendril's dense layers use it
+        with fp32_dense_math(benchmark=True):  # cuDNN's own search of algorithms, as tendril's dense layers use it
             model(inputs[0])
             searched_replay, _ = _graphed(model, inputs[0])
         results["dense cuDNN fp32 benchmark-mode CUDA graph"] = _time_gpu(ctx, searched_replay, inputs, reps)
@@ -197,8 +212,13 @@ def _bench_model(ctx: Context, name: str) -> None:
     ctx.add_value(f"{name} tendril gpu", "speedup_vs_cudnn_fp32_benchmark_mode_graph", searched / best)
     if "tendril gpu sparse-kernels-only CUDA graph" in results:
         sparse_only = results["tendril gpu sparse-kernels-only CUDA graph"].median_ms
-        ctx.add_value(f"{name} sparse kernels only", "speedup_vs_cudnn_fp32_graph",
-                      results["dense cuDNN fp32 CUDA graph"].median_ms / sparse_only)
+        ctx.add_value(
+            f"{name} sparse kernels only",
+            "speedup_vs_cudnn_fp32_graph",
+            results["dense cuDNN fp32 CUDA graph"].median_ms / sparse_only,
+        )
+    dense_convs = results["tendril gpu dense-convolutions-only CUDA graph"].median_ms
+    ctx.add_value(f"{name} tendril gpu", "speedup_vs_dense_convolutions_only", dense_convs / best)
     ctx.add_value(f"{name} weights", "compressed_MiB", compressed / 2**20)
     ctx.add_value(f"{name} weights", "dense_MiB", dense / 2**20)
     ctx.extra[name] = {
@@ -243,10 +263,12 @@ def run(ctx: Context) -> None:
         "tendril GPU = convolutions by the register-tiled sparse-weight CUDA kernel (dense input, bias/residual/ReLU "
         "fused), the shared-memory SCNN CUDA kernel or the Triton global-atomic kernel, whichever measured fastest "
         "per layer at conversion (extra.*.layers.gpu_conv_kernel; each candidate's time in extra.*.tune_kernel_ms), "
-        "or cuDNN fp32 on the dense pruned weights (`dense`: the convolution, then residual and ReLU; `dense-fused`: "
-        "one fused cuDNN call) where that measured faster than every sparse kernel; "
-        "compressed_MiB then counts the dense copy too, and the network is also timed with sparse kernels only "
-        "('sparse-kernels-only', '<model> sparse kernels only' row); compression and FC layers in Triton, each FC "
+        "or fp32 dense math on the dense pruned weights (`dense`: cuDNN's convolution, then residual and ReLU; "
+        "`dense-fused`: one fused cuDNN call; `gemm`: im2col where needed, one cuBLAS product and a fused epilogue) "
+        "where that measured faster than every sparse kernel; compressed_MiB then counts the dense copy too, and the "
+        "network is also timed with sparse kernels only ('sparse-kernels-only', '<model> sparse kernels only' row) "
+        "and with every convolution on its fastest dense kernel ('dense-convolutions-only': what the sparse "
+        "convolution kernels buy; its FC layers stay sparse); compression and FC layers in Triton, each FC "
         "by compressed activations x CSC weights with atomics (spmspv) or dense input x a CSR copy (rows), whichever "
         "tune measured faster (the row kernel in the fastest of its launch configurations). Plain forwards count "
         "no activations beyond what the kernels count on the way (`count_activations` off). "

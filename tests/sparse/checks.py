@@ -111,6 +111,33 @@ def check_conv(case: ConvCase, compress, conv, device: torch.device) -> None:
         assert relative_error(y.cpu(), ref) <= REL_TOL, case
 
 
+GEMM_CASES = [c for c in CONV_CASES if c.groups == 1] + [
+    ConvCase(8, 5, (7, 6), 1, 1, 0, 1, 0.3, 0.6),
+    ConvCase(6, 4, (9, 9), 1, 2, 0, 1, 0.5, 0.5),
+    ConvCase(5, 7, (6, 6), 1, 1, 1, 1, 0.5, 0.5),
+]
+"""Convolutions for the GEMM kernel (no groups), with the 1×1 cases that take its no-copy and subsampled paths."""
+
+
+def check_conv_gemm(case: ConvCase, device: torch.device, batch: int = 2, residual: bool = True, relu: bool = True):
+    """`conv_gemm.conv` with bias, a residual and ReLU against float64 `F.conv2d`, on a batch."""
+    from tendril.sparse.ops.conv import gemm as conv_gemm
+
+    gen = torch.Generator().manual_seed(case.seed + 7)
+    g = case.geometry
+    weight = sparse_tensor((g.out_channels, g.in_channels, *g.kernel), case.weight_density, gen)
+    x = sparse_tensor((batch, g.in_channels, *g.in_hw), case.act_density, gen, positive=True)
+    bias = torch.randn(g.out_channels, generator=gen)
+    resid = torch.randn(batch, g.out_channels, *g.out_hw, generator=gen) if residual else None
+    ref = F.conv2d(x.double(), weight.double(), bias.double(), g.stride, g.padding)
+    ref = ref + resid.double() if residual else ref
+    ref = ref.relu() if relu else ref
+    on = (lambda t: t.to(device)) if device.type != "cpu" else (lambda t: t)
+    y = conv_gemm.conv(on(x), on(weight), on(bias), g, residual=None if resid is None else on(resid), relu=relu)
+    assert y.shape == ref.shape
+    assert relative_error(y.cpu(), ref) <= REL_TOL, case
+
+
 def check_linear(
     features: int,
     outputs: int,

@@ -15,9 +15,11 @@ from tendril.sparse.ops.conv import triton as conv_triton
 from tendril.sparse.ops.linear import triton as linear_triton
 from tests.sparse.checks import (
     CONV_CASES,
+    GEMM_CASES,
     REL_TOL,
     assert_same_compression,
     check_conv,
+    check_conv_gemm,
     check_linear,
     check_linear_rows,
     relative_error,
@@ -35,6 +37,8 @@ def main() -> None:
     assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
     for case in CONV_CASES:
         check_conv(case, _compress, lambda a, w, i: conv_triton.conv(a, w, i, block_a=64, block_w=32), CPU)
+    for case in GEMM_CASES[-4:]:  # the epilogue kernel (the product is torch's), 1×1 paths included
+        check_conv_gemm(case, CPU, residual=case.stride == 1, relu=case.kernel != 1)
     for wd, ad in ((0.3, 0.5), (1.0, 1.0), (0.0, 0.5), (0.5, 0.0)):
         check_linear(97, 33, wd, ad, _compress, linear_triton.linear, CPU)
         check_linear_rows(97, 33, wd, ad, relu=wd != 1.0, device=CPU)

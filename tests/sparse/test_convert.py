@@ -91,16 +91,17 @@ def test_pixel_run_plans_are_timed_unless_left_out(monkeypatch, pixel_runs):
     assert any(plan.pixel_run for plan in plans) == pixel_runs
 
 
-def test_dense_fallback_convolutions_never_use_tf32():
-    from tendril.sparse.network import fp32_convolutions
+def test_dense_fallback_convolutions_and_products_never_use_tf32():
+    from tendril.sparse.network import fp32_dense_math
 
-    previous = torch.backends.cudnn.allow_tf32
-    torch.backends.cudnn.allow_tf32 = True
+    cudnn, matmul = torch.backends.cudnn, torch.backends.cuda.matmul
+    previous = cudnn.allow_tf32, matmul.allow_tf32
+    cudnn.allow_tf32 = matmul.allow_tf32 = True
     try:
-        with fp32_convolutions():
-            assert not torch.backends.cudnn.allow_tf32 and not torch.backends.cudnn.benchmark
-        with fp32_convolutions(benchmark=True):
-            assert not torch.backends.cudnn.allow_tf32 and torch.backends.cudnn.benchmark
-        assert torch.backends.cudnn.allow_tf32 and not torch.backends.cudnn.benchmark
+        with fp32_dense_math():
+            assert not cudnn.allow_tf32 and not cudnn.benchmark and not matmul.allow_tf32
+        with fp32_dense_math(benchmark=True):
+            assert not cudnn.allow_tf32 and cudnn.benchmark and not matmul.allow_tf32
+        assert cudnn.allow_tf32 and not cudnn.benchmark and matmul.allow_tf32
     finally:
-        torch.backends.cudnn.allow_tf32 = previous
+        cudnn.allow_tf32, matmul.allow_tf32 = previous

@@ -8,7 +8,7 @@ import torch
 
 from tendril.sparse import ActivationOverflowError, convert, prune
 from tendril.sparse.format import ActivationLayout
-from tendril.sparse.network import DENSE_KERNELS, SparseConvStep, SparseLinearStep
+from tendril.sparse.network import DENSE_KERNELS, SparseConvStep, SparseLinearStep, dense_kernels_for
 from tendril.sparse.ops.compress import reference as compress_reference
 from tendril.sparse.ops.compress import triton as compress_triton
 from tendril.sparse.ops.conv import cuda as conv_cuda
@@ -17,11 +17,13 @@ from tendril.sparse.ops.conv import triton as conv_triton
 from tendril.sparse.ops.linear import triton as linear_triton
 from tests.sparse.checks import (
     CONV_CASES,
+    GEMM_CASES,
     REL_TOL,
     ConvCase,
     assert_network_matches_dense,
     assert_same_compression,
     check_conv,
+    check_conv_gemm,
     check_linear,
     check_linear_rows,
     conv_operands,
@@ -112,6 +114,34 @@ def test_cuda_conv_fuses_relu():
     assert relative_error(y.cpu(), ref.relu()) <= REL_TOL
 
 
+@pytest.mark.parametrize(
+    "case",
+    GEMM_CASES
+    + [c for c in _random_conv_cases(30, seed=2) if c.groups == 1]
+    + [ConvCase(1024, 256, (14, 14), 1, 1, 0, 1, 0.2, 0.5), ConvCase(1024, 512, (14, 14), 1, 2, 0, 1, 0.2, 0.5)],
+    ids=str,
+)
+def test_gemm_conv_matches_dense_conv(case):
+    check_conv_gemm(case, CUDA, batch=1 + case.seed % 2, residual=case.seed % 3 != 0, relu=case.seed % 2 == 0)
+
+
+def test_a_gemm_layer_stays_fp32_when_the_user_enables_tf32():
+    """A network's GEMM layer runs its product in fp32 even under `allow_tf32` (which measurably loses accuracy
+    on this layer: the check can fail)."""
+    model = torch.nn.Sequential(torch.nn.Conv2d(256, 256, 3, padding=1), torch.nn.ReLU()).cuda().eval()
+    x = torch.rand(1, 256, 14, 14, device=CUDA)
+    net = convert(model, x)
+    step = net.steps[0]
+    step.dense_weight, step.conv_kernel = step.weights.to_dense(), "gemm"
+    ref = step.reference([x])
+    torch.backends.cuda.matmul.allow_tf32 = True
+    with torch.no_grad():
+        tf32 = torch.matmul(step.dense_weight.view(256, -1), torch.nn.functional.unfold(x, 3, padding=1))
+        assert relative_error((tf32.view_as(ref) + step.bias.view(-1, 1, 1)).relu(), ref) > REL_TOL
+        assert relative_error(net(x), ref) <= REL_TOL
+        assert torch.backends.cuda.matmul.allow_tf32
+
+
 @pytest.mark.parametrize("block_a,block_w", [(32, 8), (128, 16), (256, 32)])
 def test_conv_kernel_block_sizes_on_a_vgg_sized_layer(block_a, block_w):
     case = ConvCase(64, 64, (56, 56), 3, 1, 1, 1, 0.3, 0.5)
@@ -177,13 +207,14 @@ def test_a_dense_fallback_is_timed_per_layer_and_runs_fp32_exactly_as_the_sparse
     net = convert(model, placeholder)
     convs = [s for s in net.steps if isinstance(s, SparseConvStep)]
     assert convs and all("dense" in net.kernel_times[s.name] for s in convs)
-    assert all("dense-fused" in net.kernel_times[s.name] for s in convs if s.relu)
+    assert all(set(dense_kernels_for(s)) <= set(net.kernel_times[s.name]) for s in convs)
+    assert any("gemm" in net.kernel_times[s.name] for s in convs)
     compressed, _ = net.weight_bytes()
     added = sum(4 * s.weights.dense_numel for s in convs if s.dense_weight is None)
     for kernel in DENSE_KERNELS:
         for step in convs:
             step.dense_weight = step.weights.to_dense()
-            step.conv_kernel = kernel if step.relu else "dense"  # cuDNN fuses only a ReLU (and the residual)
+            step.conv_kernel = kernel if kernel in dense_kernels_for(step) else "dense"
         assert net.weight_bytes()[0] == compressed + added
         assert_network_matches_dense(net, model, placeholder, replays=3)
 

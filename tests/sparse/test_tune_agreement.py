@@ -145,6 +145,7 @@ def _cudnn_convolution_add_relu(x, weight, z, alpha, bias, stride, padding, dila
 def test_the_fused_dense_kernel_passes_the_layer_geometry_and_residual_and_is_checked(monkeypatch, fails):
     """`"dense-fused"` calls cuDNN's conv + bias (+ residual) + ReLU in one op: with the op standing in as plain
     PyTorch, every ReLU layer of a residual network agrees with its reference; an op that raises is rejected."""
+
     def fused(*args):
         if fails:
             raise RuntimeError("CUDNN_STATUS_NOT_SUPPORTED")

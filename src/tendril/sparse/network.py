@@ -11,7 +11,8 @@ Backends: `"cuda"` (the default on a GPU: each convolution by the shared-memory 
 with bias, residual and ReLU fused, by the Triton kernel, by the register-tiled sparse-weight
 kernel (`ops/conv/register_cuda.py`, which reads the dense input, so that layer skips compression),
 or by cuDNN fp32 on the dense pruned weights (alone, or fused with bias, residual and ReLU in one
-call), whichever `tune` measured fastest for that layer; compression and FC layers by Triton kernels),
+call) or cuBLAS (the convolution as one matrix product, `ops/conv/gemm.py`), whichever `tune` measured
+fastest for that layer; compression and FC layers by Triton kernels),
 `"triton"` (every op a Triton kernel, convolutions accumulating by global atomics; also runs on
 CPU tensors under `TRITON_INTERPRET=1`) and `"cpu"` (compiled numba loops, `ops/conv/cpu.py`: per layer SCNN's
 Cartesian product or the output-stationary sparse-weight dataflow, whichever its cost model
@@ -24,8 +25,8 @@ the host: every buffer has a static size, nonzero counts stay on the device, ove
 activation capacity raises a device flag that `check_overflow()` turns into an error after the run.
 So a whole network replays inside one CUDA graph.
 
-A batch is run one sample at a time (the engine is built for batch-1 latency), except by cuDNN, which
-takes it whole; a batch of one is a view of the sample's output, not a copy.
+A batch is run one sample at a time (the engine is built for batch-1 latency), except by cuDNN and cuBLAS,
+which take it whole; a batch of one is a view of the sample's output, not a copy.
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ from tendril.sparse.ops.compress import cpu as compress_cpu
 from tendril.sparse.ops.compress import triton as compress_triton
 from tendril.sparse.ops.conv import cpu as conv_cpu
 from tendril.sparse.ops.conv import cuda as conv_cuda
+from tendril.sparse.ops.conv import gemm as conv_gemm
 from tendril.sparse.ops.conv import register_cuda, register_tiling
 from tendril.sparse.ops.conv import triton as conv_triton
 from tendril.sparse.ops.conv.tiling import TiledWeights
@@ -185,14 +187,17 @@ class SparseConvStep:
         """cuDNN on the dense pruned weights, in full fp32 (never TF32), the whole batch at once, with the algorithm
         cuDNN measured fastest at `tune` (`benchmarked_shape`). `"dense"`: the convolution with bias, then the
         residual and ReLU as PyTorch ops; `"dense-fused"` (layers with a fused ReLU): one cuDNN call for all of it
-        (`cudnn_convolution_relu` / `_add_relu`)."""
+        (`cudnn_convolution_relu` / `_add_relu`); `"gemm"`: one cuBLAS product and a fused epilogue
+        (`tendril.sparse.ops.conv.gemm`)."""
         if self.dense_weight is None:
             raise ValueError(f"{self.name}: the dense kernel was chosen but not prepared; SparseNetwork.tune builds it")
         g = self.weights.geometry
         if state.count_inputs:
             state.last_counts[self.name] = torch.count_nonzero(x[-1]).view(1)
         dilation = (1, 1)
-        with fp32_convolutions(benchmark=tuple(x.shape) == self.benchmarked_shape):
+        with fp32_dense_math(benchmark=tuple(x.shape) == self.benchmarked_shape):
+            if self.conv_kernel == "gemm":
+                return conv_gemm.conv(x, self.dense_weight, self.bias, g, residual=residual, relu=self.relu)
             if self.conv_kernel == "dense-fused" and residual is not None:
                 return torch.cudnn_convolution_add_relu(
                     x, self.dense_weight, residual, 1.0, self.bias, g.stride, g.padding, dilation, g.groups
@@ -227,9 +232,17 @@ class SparseConvStep:
         return y
 
 
-DENSE_KERNELS = ("dense", "dense-fused")
+DENSE_KERNELS = ("dense", "dense-fused", "gemm")
 CHECKED_KERNELS = ("register", *DENSE_KERNELS)
 """Candidates `tune` admits only once the layer's output agrees with its float64 dense reference."""
+
+
+def dense_kernels_for(step: SparseConvStep) -> tuple[str, ...]:
+    """The dense kernels that can serve `step`: cuDNN fuses only a ReLU (with the residual); the GEMM takes no
+    groups."""
+    fused = ("dense-fused",) if step.relu else ()
+    gemm = ("gemm",) if conv_gemm.supports(step.weights.geometry) else ()
+    return ("dense", *fused, *gemm)
 
 
 def _batched(samples: list[torch.Tensor]) -> torch.Tensor:
@@ -238,15 +251,17 @@ def _batched(samples: list[torch.Tensor]) -> torch.Tensor:
 
 
 @contextlib.contextmanager
-def fp32_convolutions(benchmark: bool = False) -> Iterator[None]:
-    """cuDNN convolutions in full fp32 inside the block (PyTorch lets them use TF32 by default); `benchmark`: with
-    the algorithm cuDNN measured fastest for each shape (`torch.backends.cudnn.benchmark`), not its heuristic's."""
-    previous = torch.backends.cudnn.allow_tf32, torch.backends.cudnn.benchmark
-    torch.backends.cudnn.allow_tf32, torch.backends.cudnn.benchmark = False, benchmark
+def fp32_dense_math(benchmark: bool = False) -> Iterator[None]:
+    """cuDNN convolutions and cuBLAS matrix products in full fp32 inside the block (PyTorch lets convolutions, and
+    a user's setting matrix products, use TF32); `benchmark`: with the algorithm cuDNN measured fastest for each
+    shape (`torch.backends.cudnn.benchmark`), not its heuristic's."""
+    cudnn, matmul = torch.backends.cudnn, torch.backends.cuda.matmul
+    previous = cudnn.allow_tf32, cudnn.benchmark, matmul.allow_tf32
+    cudnn.allow_tf32, cudnn.benchmark, matmul.allow_tf32 = False, benchmark, False
     try:
         yield
     finally:
-        torch.backends.cudnn.allow_tf32, torch.backends.cudnn.benchmark = previous
+        cudnn.allow_tf32, cudnn.benchmark, matmul.allow_tf32 = previous
 
 
 @dataclass
@@ -283,8 +298,9 @@ class SparseLinearStep:
             if state.backend == "cuda" and self.fc_kernel == "rows":
                 if self.csr is None:
                     raise ValueError(f"{self.name}: the rows kernel was chosen but not prepared (SparseNetwork.tune)")
-                y = linear_triton.linear_rows(x[b].contiguous(), self.csr, self.bias, relu=self.relu,
-                                              config=self.rows_config)
+                y = linear_triton.linear_rows(
+                    x[b].contiguous(), self.csr, self.bias, relu=self.relu, config=self.rows_config
+                )
                 outputs.append(y)
                 if state.count_inputs:
                     state.last_counts[self.name] = torch.count_nonzero(x[b]).view(1)
@@ -552,7 +568,7 @@ class SparseNetwork:
             step.dense_weight = step.weights.to_dense().to(self.device)
             step.benchmarked_shape = (1, *dense_input.shape)  # the first, untimed call of each runs cuDNN's search
             batch_residual = None if residual is None else residual[None]
-            for kernel in DENSE_KERNELS if step.relu else DENSE_KERNELS[:1]:  # cuDNN fuses residual and ReLU only
+            for kernel in dense_kernels_for(step):
                 candidates[kernel] = functools.partial(step._run_dense, dense_input[None], batch_residual, self._state)
         times = {}
         for kernel, run_kernel in candidates.items():
