@@ -5,11 +5,13 @@ sparsity (torchvision architectures, random weights, fp32, random 224×224 input
 sparsity is what ReLU gives). Variants, side by side in one process: tendril on the GPU eager and
 replayed inside a CUDA graph (and, where `tune` ran some convolutions densely, the same network with
 sparse kernels only; and always with every convolution on its fastest dense kernel, cuDNN or cuBLAS on the
-pruned weights: what the sparse convolution kernels buy over tendril's own best dense one); dense cuDNN fp32 (TF32 off), TF32 and fp16, each inside a CUDA graph, with PyTorch's
+pruned weights: what the sparse convolution kernels buy over tendril's own best dense one); dense cuDNN fp32
+(TF32 off), TF32 and fp16, each inside a CUDA graph, with PyTorch's
 default algorithm choice (cuDNN's heuristic: the targets' baseline), and fp32 also in cuDNN's benchmark mode (its
 own search of algorithms, which tendril's dense-fallback layers use);
 tendril's CPU implementation of the same algorithm on 1 thread and on all threads; dense PyTorch on
-the CPU (1 thread and all threads). Also weight memory (compressed vs dense), the time `convert` took
+the CPU (1 thread and all threads). Also weight memory against dense (held after `tune`, and what
+`release_unused_kernels` leaves: the chosen kernels' copies only), the time `convert` took
 (tuning included), and a per-layer breakdown (densities, chosen GPU kernel, GPU and all-thread CPU time
 per layer, every kernel `tune` timed per layer, register-tiled kernels it refused and why) in `extra`.
 The slow CPU variants get few repetitions (1 warm-up, 3 timed): one VGG-16 forward of the CPU sparse
@@ -152,6 +154,7 @@ def _bench_model(ctx: Context, name: str) -> None:
         layers = net.layers()
         kernel_times = {layer: {k: round(ms, 4) for k, ms in t.items()} for layer, t in net.kernel_times.items()}
         compressed, dense = net.weight_bytes()
+        in_use, _ = net.weight_bytes(in_use_only=True)
         _use_fastest_dense_kernels(net)  # what sparsity buys the convolutions: the same network, dense convolutions
         dense_replay, _ = _graphed(net, inputs[0])
         results["tendril gpu dense-convolutions-only CUDA graph"] = _time_gpu(ctx, dense_replay, inputs, reps)
@@ -220,12 +223,13 @@ def _bench_model(ctx: Context, name: str) -> None:
     dense_convs = results["tendril gpu dense-convolutions-only CUDA graph"].median_ms
     ctx.add_value(f"{name} tendril gpu", "speedup_vs_dense_convolutions_only", dense_convs / best)
     ctx.add_value(f"{name} weights", "compressed_MiB", compressed / 2**20)
+    ctx.add_value(f"{name} weights", "in_use_MiB", in_use / 2**20)
     ctx.add_value(f"{name} weights", "dense_MiB", dense / 2**20)
     ctx.extra[name] = {
         "pruning": {p.name: round(p.density, 4) for p in pruned},
         "rejected_kernels": dict(net.rejected_kernels),
         "tune_kernel_ms": kernel_times,
-        "weight_bytes": {"compressed": compressed, "dense": dense},
+        "weight_bytes": {"compressed": compressed, "in_use": in_use, "dense": dense},
         "layers": [
             {
                 "layer": r.name,
@@ -265,8 +269,9 @@ def run(ctx: Context) -> None:
         "per layer at conversion (extra.*.layers.gpu_conv_kernel; each candidate's time in extra.*.tune_kernel_ms), "
         "or fp32 dense math on the dense pruned weights (`dense`: cuDNN's convolution, then residual and ReLU; "
         "`dense-fused`: one fused cuDNN call; `gemm`: im2col where needed, one cuBLAS product and a fused epilogue) "
-        "where that measured faster than every sparse kernel; compressed_MiB then counts the dense copy too, and the "
-        "network is also timed with sparse kernels only ('sparse-kernels-only', '<model> sparse kernels only' row) "
+        "where that measured faster than every sparse kernel; compressed_MiB then counts every copy tune leaves "
+        "(dense, the shared-memory kernel's tile order, register packing), in_use_MiB the chosen kernels' only, and "
+        "the network is also timed with sparse kernels only ('sparse-kernels-only', '<model> sparse kernels only' row) "
         "and with every convolution on its fastest dense kernel ('dense-convolutions-only': what the sparse "
         "convolution kernels buy; its FC layers stay sparse); compression and FC layers in Triton, each FC "
         "by compressed activations x CSC weights with atomics (spmspv) or dense input x a CSR copy (rows), whichever "

@@ -105,3 +105,30 @@ def test_dense_fallback_convolutions_and_products_never_use_tf32():
         assert cudnn.allow_tf32 and not cudnn.benchmark and matmul.allow_tf32
     finally:
         cudnn.allow_tf32, matmul.allow_tf32 = previous
+
+
+def test_held_bytes_count_every_kernel_copy_and_release_keeps_what_the_chosen_kernel_reads():
+    model = vgg_like(width=4).eval()
+    prune(model, 0.3)
+    x = torch.randn(1, 3, 16, 16)
+    net = convert(model, x)
+    conv = next(s for s in net.steps if isinstance(s, SparseConvStep))
+    linear = next(s for s in net.steps if isinstance(s, SparseLinearStep))
+    compressed = conv.weights.nbytes + conv.bias.nbytes
+    assert conv.held_bytes() == compressed
+    conv.dense_weight = conv.weights.to_dense()
+    linear.csr = linear.weights.to_csr()
+    assert conv.held_bytes() == compressed + conv.dense_weight.nbytes
+    assert linear.held_bytes() > linear.weights.nbytes + linear.bias.nbytes
+    conv.conv_kernel, linear.fc_kernel = "dense", "spmspv"
+    in_use = net.weight_bytes(in_use_only=True)
+    assert in_use[0] < net.weight_bytes()[0]
+    net.release_unused_kernels()
+    assert net.weight_bytes() == in_use
+    assert conv.dense_weight is not None and linear.csr is None
+    assert conv.held_bytes() == compressed + conv.dense_weight.nbytes
+    assert linear.held_bytes() == linear.weights.nbytes + linear.bias.nbytes
+    with torch.no_grad():
+        assert relative_error(net(x), model(x)) <= REL_TOL
+    with pytest.raises(ValueError, match="convert again"):
+        net.tune(x)

@@ -219,6 +219,26 @@ def test_a_dense_fallback_is_timed_per_layer_and_runs_fp32_exactly_as_the_sparse
         assert_network_matches_dense(net, model, placeholder, replays=3)
 
 
+def test_releasing_unused_kernels_frees_their_copies_and_keeps_the_network_exact():
+    """After `tune`, every GPU layer holds the shared-memory kernel's tile-ordered weights (and dense or register
+    copies): `release_unused_kernels` keeps only what each chosen kernel reads, counted in `weight_bytes`."""
+    model, placeholder = pruned_network(2)
+    net = convert(model, placeholder)
+    held = net.weight_bytes()[0]
+    steps = [s for s in net.steps if isinstance(s, SparseConvStep)]
+    assert all(s.tiled is not None for s in steps)
+    steps[0].conv_kernel = "triton"  # reads the compressed weights only
+    not_cuda = [s for s in steps if s.conv_kernel != "cuda"]
+    net.release_unused_kernels()
+    assert net.weight_bytes()[0] < held
+    assert all(s.tiled is None for s in not_cuda)
+    assert all((s.register is not None) == (s.conv_kernel == "register") for s in steps)
+    assert_network_matches_dense(net, model, placeholder, replays=2)
+    not_cuda[0].conv_kernel = "cuda"
+    with pytest.raises(ValueError, match="tile-ordered weights are not held"):
+        net(placeholder)
+
+
 def test_plain_forwards_leave_the_extra_counts_to_tune_and_profile():
     """Layers whose kernels do not count their input's nonzeros (cuDNN, the FC row kernel) count them only in
     `tune`, `profile` and forwards with `count_activations`: a plain forward leaves their densities as they were."""

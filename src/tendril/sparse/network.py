@@ -32,6 +32,7 @@ which take it whole; a batch of one is a view of the sample's output, not a copy
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import time
 import warnings
@@ -122,10 +123,36 @@ class SparseConvStep:
     cpu_plan: conv_cpu.CpuConvPlan | None = None
     """The weights re-ordered for the CPU kernels (built on the first CPU forward)."""
 
+    def held_bytes(self, in_use_only: bool = False) -> int:
+        """Weight bytes this layer holds: compressed weights and bias, and each GPU kernel's copy of the weights
+        held now (not the kernels' workspaces, nor the CPU plan); `in_use_only`: only the copy the chosen kernel
+        reads (what `release_unused` leaves)."""
+        copies = {
+            "tiled": self.tiled,
+            "register": None if self.register is None else self.register.weights,
+            "dense_weight": self.dense_weight,
+        }
+        unused = self._unused_copies() if in_use_only else ()
+        return _held_bytes(self.weights, self.bias, *(copy for name, copy in copies.items() if name not in unused))
+
+    def release_unused(self) -> None:
+        """Drop the kernel copies the chosen kernel does not read."""
+        for name in self._unused_copies():
+            setattr(self, name, None)
+        if self.dense_weight is None:
+            self.benchmarked_shape = None
+
+    def _unused_copies(self) -> tuple[str, ...]:
+        reads = {"cuda": "tiled", "register": "register", **dict.fromkeys(DENSE_KERNELS, "dense_weight")}
+        return tuple(name for name in ("tiled", "register", "dense_weight") if reads.get(self.conv_kernel) != name)
+
     def convolve(self, acts: CompressedActivations, init: torch.Tensor, state: RunState) -> torch.Tensor:
         if state.backend == "cuda" and self.conv_kernel == "cuda":
             if self.tiled is None:
-                raise ValueError(f"{self.name}: the cuda backend needs a network converted on a GPU")
+                raise ValueError(
+                    f"{self.name}: the cuda kernel's tile-ordered weights are not held (a CPU conversion, or "
+                    "released by SparseNetwork.release_unused_kernels)"
+                )
             return conv_cuda.conv(acts, self.weights, self.tiled, init, relu=self.relu)
         if state.backend == "cpu":
             if self.cpu_plan is None:
@@ -245,6 +272,23 @@ def dense_kernels_for(step: SparseConvStep) -> tuple[str, ...]:
     return ("dense", *fused, *gemm)
 
 
+def _held_bytes(*objects: object) -> int:
+    """Bytes of the distinct tensors `objects` hold, through nested dataclasses (a tensor two of them share counts
+    once)."""
+    tensors: dict[tuple[torch.device, int], int] = {}
+
+    def visit(obj: object) -> None:
+        if isinstance(obj, torch.Tensor):
+            tensors[(obj.device, obj.data_ptr())] = obj.nbytes
+        elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+            for f in dataclasses.fields(obj):
+                visit(getattr(obj, f.name))
+
+    for obj in objects:
+        visit(obj)
+    return sum(tensors.values())
+
+
 def _batched(samples: list[torch.Tensor]) -> torch.Tensor:
     """One output per sample stacked into a batch (a view, not a copy, for the batch of one the engine is built for)."""
     return samples[0].unsqueeze(0) if len(samples) == 1 else torch.stack(samples)
@@ -280,6 +324,16 @@ class SparseLinearStep:
     """The CSR copy, kept only for the `"rows"` kernel."""
     rows_config: linear_triton.RowsConfig = linear_triton.DEFAULT_ROWS_CONFIG
     """The row kernel's launch configuration (`SparseNetwork.tune` times `linear_triton.ROWS_CONFIGS`)."""
+
+    def held_bytes(self, in_use_only: bool = False) -> int:
+        """Bytes this layer holds: compressed weights and bias, and the row kernel's CSR copy if held (and, with
+        `in_use_only`, the row kernel is chosen)."""
+        csr = None if in_use_only and self.fc_kernel != "rows" else self.csr
+        return _held_bytes(self.weights, self.bias, csr)
+
+    def release_unused(self) -> None:
+        if self.fc_kernel != "rows":
+            self.csr = None
 
     def run(self, values: Sequence[torch.Tensor], state: RunState) -> torch.Tensor:
         x = values[0]
@@ -335,6 +389,9 @@ class LayerReport:
     forward for layers whose kernels count on the way, else the last `tune`, `profile` or forward with
     `SparseNetwork.count_activations`."""
     weight_bytes: int
+    """The weight bytes the layer holds (`held_bytes`): compressed weights, bias, and every GPU kernel's copy of
+    the weights still held (tile order, register packing, dense, CSR; `SparseNetwork.release_unused_kernels` drops
+    the ones its chosen kernel does not read)."""
     dense_weight_bytes: int
 
 
@@ -389,6 +446,7 @@ class SparseNetwork:
         """Whether `tune` also times cuDNN (fp32) on each convolution's dense pruned weights and keeps it where it is
         faster than every sparse kernel (`convert(..., dense_fallback=False)`: sparse kernels only). The layers
         that fell back, with every candidate's time, are in `kernel_times` and the layer report."""
+        self._released = False
         self.kernel_times: dict[str, dict[str, float]] = {}
         """`{layer: {kernel: ms}}` as `tune` measured them on the example input (`reps` calls each)."""
         self.count_activations = False
@@ -470,6 +528,8 @@ class SparseNetwork:
         another kernel: the shared-memory kernel is wrong by design when a reduced activation capacity
         overflows, and would make a correct register kernel look wrong.)
         """
+        if self._released:
+            raise ValueError("release_unused_kernels() freed the other kernels' weights: convert again to tune")
         if self.device.type != "cuda" or self.backend != "cuda":
             return {}
         self._precompile_register_kernels()
@@ -647,24 +707,35 @@ class SparseNetwork:
             else:
                 dense_w = step.weights.in_features * step.weights.out_features
             bias_bytes = 4 * step.bias.numel()
-            held = step.weights.nbytes + bias_bytes
-            if isinstance(step, SparseConvStep) and step.dense_weight is not None:
-                held += step.dense_weight.numel() * step.dense_weight.element_size()  # a dense fallback's copy
-            if isinstance(step, SparseLinearStep) and step.csr is not None:
-                held += step.csr.nbytes  # the row kernel's copy
             reports.append(
                 LayerReport(
                     step.name,
                     "conv" if isinstance(step, SparseConvStep) else "linear",
                     step.weights.density,
                     act,
-                    held,
+                    step.held_bytes(),
                     4 * dense_w + bias_bytes,
                 )
             )
         return reports
 
-    def weight_bytes(self) -> tuple[int, int]:
-        """Total (compressed, dense fp32) weight bytes."""
+    def release_unused_kernels(self) -> SparseNetwork:
+        """Free every layer's kernel copies of its weights that its chosen kernel does not read (`tune` keeps the
+        tile-ordered copy of the shared-memory kernel and the chosen register packing of every layer, so that it
+        can tune again): the compressed weights stay, so the Triton and CPU paths and the references still work,
+        but `tune` and forcing another GPU kernel on a layer then raise (convert again for that)."""
+        for step in self.steps:
+            if isinstance(step, (SparseConvStep, SparseLinearStep)):
+                step.release_unused()
+        self._released = True
+        return self
+
+    def weight_bytes(self, in_use_only: bool = False) -> tuple[int, int]:
+        """Total weight bytes held (`LayerReport.weight_bytes`; `in_use_only`: what `release_unused_kernels` would
+        leave) and the dense fp32 weights' bytes."""
         layers = self.layers()
-        return sum(r.weight_bytes for r in layers), sum(r.dense_weight_bytes for r in layers)
+        if in_use_only:
+            held = sum(s.held_bytes(in_use_only=True) for s in self.steps if not isinstance(s, DenseStep))
+        else:
+            held = sum(r.weight_bytes for r in layers)
+        return held, sum(r.dense_weight_bytes for r in layers)
