@@ -10,13 +10,15 @@ lengths spread over 1-16 s. Each is graphed three ways, one after the other in o
   the captured lengths (reported in the notes and in `extra`);
 - (b) one graph per length in one shared pool with a dedicated executable each: `tendril.graphed`
   without a budget (shared pool, outputs released to it, the dedicated strategy);
-- (c) `tendril.graphed(..., graph_memory_budget=BUDGET)`: the same graphs, executables instantiated on
-  demand and evicted least recently used under the budget (the automatic strategy; until 00ea47f it also
-  switched executables within topology families by `cudaGraphExecUpdate`). Since prefetching, when the
-  last calls stepped the length by a constant amount the executable of the next length is instantiated
-  (and uploaded) ahead on a background thread; its counts are reported as `latency_runs_prefetch_*`
-  (all latency passes) and `latency_runs_{growing,random}_prefetch_*` (hits: calls that found their
-  executable prefetched; waits: of those, calls that waited for it; wasted: prefetches evicted unused).
+- (c) `tendril.graphed(..., graph_memory_budget=BUDGET)`: the same graphs, executables made on demand under
+  the budget by the automatic strategy (`update`: instantiated while the budget has room, then a miss switches
+  the least recently used executable of the graph's topology family by `cudaGraphExecUpdate`, or evicts and
+  instantiates where the family has none). When the last calls stepped the length by a constant amount the
+  next length's executable is made ahead (instantiated or updated, and uploaded) on a background thread; its
+  counts are reported as `latency_runs_prefetch_*` (all latency passes) and
+  `latency_runs_{growing,random}_prefetch_*` (hits: calls that found their executable prefetched; waits: of
+  those, calls that waited for it; wasted: prefetches evicted unused). `GRAPHS_MEMORY_STRATEGY=lru` runs (c)
+  under another `graph_memory_strategy` (default `auto`).
 
 Memory is the device memory in use (cudaMemGetInfo after emptying the allocator's cache) after
 capturing all lengths, relative to before. Every length first runs once eagerly with the attention
@@ -34,6 +36,7 @@ passes of total (c) time / total (b) time.
 from __future__ import annotations
 
 import gc
+import os
 import random
 import statistics
 import time
@@ -179,12 +182,16 @@ def _in_use(device: torch.device) -> int:
 
 
 def _tendril(
-    model: torch.nn.Module, examples: dict[int, torch.Tensor], device: torch.device, budget: str | None
+    model: torch.nn.Module,
+    examples: dict[int, torch.Tensor],
+    device: torch.device,
+    budget: str | None,
+    strategy: str = "auto",
 ) -> tuple[GraphedCallable, int, int, float]:
     """(b) or (c): capture every length (largest first). Returns the callable, device bytes after all graphs,
     bytes outside pool and placeholders from after the first graph to after all, capture ms per graph."""
     base = _device_used(device)
-    fast = graphed(model, max_graphs=len(examples), graph_memory_budget=budget)
+    fast = graphed(model, max_graphs=len(examples), graph_memory_budget=budget, graph_memory_strategy=strategy)
     order = sorted(examples, reverse=True)
     start = time.perf_counter()
     fast.capture([(examples[order[0]],)], progress=False)
@@ -239,12 +246,13 @@ def _measure_model(
     examples: dict[int, torch.Tensor],
     passes: int,
     budget: str,
+    strategy: str,
 ) -> dict[str, float]:
     device = ctx.device
     lengths = sorted(examples)
     with torch.inference_mode():
         _load_kernels(model, examples)
-        budgeted, c_bytes, c_extra, c_capture_ms = _tendril(model, examples, device, budget)
+        budgeted, c_bytes, c_extra, c_capture_ms = _tendril(model, examples, device, budget, strategy)
         dedicated, b_bytes, b_extra, b_capture_ms = _tendril(model, examples, device, None)
         before = _switching(budgeted)
         growing, growing_ours, growing_theirs = _latency(
@@ -344,18 +352,19 @@ def run(ctx: Context) -> None:
     model = _gpt2(device)
     ids = {n: torch.randint(0, VOCAB, (1, n), device=device) for n in gpt2_lengths}
     budget = QUICK_BUDGET if ctx.quick else BUDGET
-    gpt2 = _measure_model(ctx, "GPT-2", model, ids, passes, budget)
+    strategy = os.environ.get("GRAPHS_MEMORY_STRATEGY", "auto")
+    gpt2 = _measure_model(ctx, "GPT-2", model, ids, passes, budget, strategy)
     del model, ids
     _device_used(device)
 
     seconds = spread(1 * SAMPLE_RATE, 16 * SAMPLE_RATE, 12 if ctx.quick else 64)
     encoder = _wav2vec2(device)
     audio = {n: torch.randn(1, n, device=device, dtype=torch.float16) for n in seconds}
-    wav = _measure_model(ctx, "Wav2Vec2-base", encoder, audio, passes, budget)
+    wav = _measure_model(ctx, "Wav2Vec2-base", encoder, audio, passes, budget, strategy)
     ctx.add_value("Wav2Vec2-base", "memory_ratio_vs_separate_pools", wav["a"] / wav["c"])
     ctx.add_value("Wav2Vec2-base", "latency_overhead_random_len", wav["random"])
 
-    ctx.note(f"(c) is tendril.graphed(model, graph_memory_budget={budget!r}) with the automatic strategy")
+    ctx.note(f"(c) is tendril.graphed(model, graph_memory_budget={budget!r}, graph_memory_strategy={strategy!r})")
     ctx.note("latency: wall time per call with a synchronisation after each call; (b) is tendril without a budget")
     ctx.target("memory_ratio_vs_separate_pools", gpt2["a"] / gpt2["c"], Goal(">=", 36.43))
     ctx.target("driver_mib_per_extra_graph", gpt2["c_extra_per_graph"] / MIB, Goal("<=", 0.1))

@@ -77,8 +77,11 @@ class FakeCuda:
         self.uploads: list[tuple[int, int]] = []
         self.threads: set[str] = set()
         """Names of the threads that instantiated executables."""
+        self.update_threads: set[str] = set()
+        """Names of the threads that updated executables."""
         self.relaxed_threads: set[str] = set()
         self.fail_instantiate = False
+        self.fail_upload = False
         self.running = False
         """Whether recorded events report their launch as still running."""
         self.synchronized = 0
@@ -103,6 +106,7 @@ class FakeCuda:
         return executable
 
     def update(self, executable: int, raw: int) -> UpdateOutcome:
+        self.update_threads.add(threading.current_thread().name)
         old, new = self.graphs[self.executables[executable]], self.graphs[raw]
         if old.topology != new.topology or new.refuse_updates:
             return UpdateOutcome(False, "cudaGraphExecUpdateErrorParametersChanged")
@@ -111,6 +115,8 @@ class FakeCuda:
 
     def upload(self, executable: int, stream: int) -> None:
         assert executable in self.executables
+        if self.fail_upload:
+            raise RuntimeError("cudaGraphUpload failed: cudaErrorIllegalAddress (700)")
         self.uploads.append((executable, stream))
 
     def relax_capture_mode(self) -> None:
@@ -229,7 +235,7 @@ def test_random_call_orders_match_the_function(cuda: FakeCuda, strategy: str):
         got.fill_(float("nan"))
     memory = [record.memory for record in fast.stats.graphs.values()]
     assert fast.stats.captures == 10 and not fast.stats.fallbacks
-    assert all(m.strategy == ("lru" if strategy == "auto" else strategy) for m in memory)
+    assert all(m.strategy == ("update" if strategy == "auto" else strategy) for m in memory)
     assert sum(m.instantiations + m.updates for m in memory) > 10, "no switching happened"
     cache = next(iter(fast._backend.executable_caches().values()))
     cache.wait_idle()  # background destructions may still be queued
@@ -263,8 +269,8 @@ def test_a_call_on_another_stream_waits_for_the_previous_launch(cuda: FakeCuda):
 
 def test_updates_and_evictions_wait_for_the_executables_last_launch(cuda: FakeCuda):
     """An executable whose last launch has not completed is waited for before it is switched or destroyed;
-    one whose launch completed is not."""
-    fast = _graphed(_scale, "1MiB", "update")
+    one whose launch completed is not. (A budget smaller than one executable: every switch is an update.)"""
+    fast = _graphed(_scale, "1KiB", "update")
     x = torch.randn(4)
     fast(x, 2.0)
     fast(x, 3.0)  # the launch of 2.0 completed: the update does not wait
@@ -358,3 +364,60 @@ def test_background_destructions_wait_for_the_last_launch(cuda: FakeCuda):
     driver = cache.driver
     assert driver.background_waits > 0 and driver.waits == 0  # waited on the worker, not on the calling thread
     assert cuda.synchronized == driver.background_waits
+
+
+def test_a_background_update_waits_for_the_last_launch_then_uploads(cuda: FakeCuda):
+    """`CudaExecutables.update_async` on the worker: waits for the executable's last launch, updates it and
+    uploads it in the stream given; a refused update uploads nothing; a failed upload destroys the executable."""
+    driver = cuda_backend.CudaExecutables(torch.device("cuda", 0))
+    x = torch.randn(3)
+    doubling, tripling, refusing = (FakeGraph(cuda, _scale, (t, f), {}) for t, f in ((x, 2.0), (x, 3.0), (x[:0], 4.0)))
+    refusing.refuse_updates = True
+    handle, _ = driver.instantiate(doubling)
+    driver.launch(handle, cuda.streams[0])
+    cuda.running = True  # the launch of `doubling` is still running when the update is submitted
+    cuda.streams[5] = FakeStream(5)
+    assert driver.update_async(handle, tripling, cuda.streams[5]).result().ok
+    assert cuda.executables[handle] == tripling.raw and cuda.uploads == [(handle, 5)]
+    assert driver.background_waits == 1 == cuda.synchronized and driver.waits == 0
+    (worker,) = cuda.update_threads
+    assert worker.startswith("tendril-executables") and worker in cuda.relaxed_threads
+    cuda.running = False
+    refused = driver.update_async(handle, refusing, cuda.streams[5]).result()
+    assert not refused.ok and cuda.executables[handle] == tripling.raw and len(cuda.uploads) == 1
+    cuda.fail_upload = True
+    with pytest.raises(RuntimeError, match="cudaGraphUpload failed"):
+        driver.update_async(handle, doubling, cuda.streams[5]).result()
+    assert handle not in cuda.executables, "the executable of a failed background update must be destroyed"
+    driver.close()
+
+
+def test_update_prefetches_by_updating_on_the_worker_thread(cuda: FakeCuda):
+    """Growing and shrinking lengths under `update` at a full budget: the prefetches update executables of the
+    family on the worker (after their last launch, uploaded on the predicting call's stream); results equal the
+    function's and no executable is made after the first calls."""
+    fast = _graphed(_first, "2KiB", "update")  # one family (rank 1) of executables of 10 nodes
+    lengths = range(8, 38)  # not 7: it refuses updates
+    fast.capture([(torch.randn(n),) for n in lengths], progress=False)
+    cache = next(iter(fast._backend.executable_caches().values()))
+    cache.budget = 3 * cache.charge(10)  # room for the executable just called and two more
+    cuda.running = True  # every launch is still running when the next prefetch is submitted
+    made, updated = _memory_total(fast, "instantiations"), _memory_total(fast, "updates")
+    for _ in range(2):
+        for n in [*lengths, *reversed(lengths)]:
+            x = torch.randn(n)
+            got = fast(x)
+            torch.testing.assert_close(got, _first(x))
+            got.fill_(float("nan"))
+    cache.wait_idle()
+    assert _memory_total(fast, "instantiations") - made <= 2, "instantiated where it should have updated"
+    assert _memory_total(fast, "updates") - updated >= 100 and _memory_total(fast, "update_failures") == 0
+    assert cache.prefetch_hits >= 100
+    assert any(name.startswith("tendril-executables") for name in cuda.update_threads)
+    assert {stream for _, stream in cuda.uploads} == {0} and len(cuda.uploads) >= 100
+    assert cache.driver.background_waits >= 100
+    assert len(cuda.executables) == cache.executables == 3 and cache.live_bytes <= cache.budget
+
+
+def _memory_total(fast: Any, what: str) -> int:
+    return sum(getattr(record.memory, what) for record in fast.stats.graphs.values())

@@ -3,16 +3,17 @@ predicting the next call and prefetching its executable.
 
 A fake driver stands in for CUDA: an "executable" is a handle that runs one fake graph; instantiating
 takes `bytes_per_node` per node; an update is refused where the test says so. Background work either
-completes at once or (`background="lazy"`) only when its future's result is asked for, which is how a
-still-running prefetch looks to the cache. After every `acquire` the handle returned must run exactly the
-requested graph (what makes results identical to dedicated executables), must be alive, and the charges
-(pending prefetches included) must stay within the budget.
+completes at once or (`background="lazy"`, instantiations and updates) only when its future's result is
+asked for, which is how a still-running prefetch looks to the cache. After every `acquire` the handle
+returned must run exactly the requested graph (what makes results identical to dedicated executables),
+must be alive, and the charges (pending prefetches included) must stay within the budget.
 """
 
 from __future__ import annotations
 
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -76,9 +77,10 @@ class FakeDriver:
         self.refuse = refuse or set()
         """Names of graphs an update to is refused (as CUDA refuses e.g. a 2D memset change)."""
         self.background = background
-        """"done": background instantiations complete at once; "lazy": when their result is asked for."""
+        """"done": background work completes at once; "lazy": instantiations and updates when their result is
+        asked for."""
         self.fail_background: str | None = None
-        """"instantiate" or "destroy": that background operation fails with a CUDA error."""
+        """"instantiate", "update" or "destroy": that background operation fails with a CUDA error."""
         self.running: dict[int, FakeGraph] = {}
         self.destroyed: set[int] = set()
         self.log: list[tuple[str, str]] = []
@@ -116,10 +118,26 @@ class FakeDriver:
             return handle, None  # unmeasured, as the CUDA driver's background instantiations
 
         self.log.append(("prefetch", graph.name))
-        future: Future[tuple[int, int | None]] = LazyFuture(work) if self.background == "lazy" else Future()
+        return self._background(work)
+
+    def _background(self, work: Callable[[], Any]) -> Future[Any]:
+        future: Future[Any] = LazyFuture(work) if self.background == "lazy" else Future()
         if self.background != "lazy":
             _complete(future, work)
         return future
+
+    def update_async(self, executable: int, graph: FakeGraph, stream: Any) -> Future[UpdateOutcome]:
+        def work() -> UpdateOutcome:
+            if self.fail_background == "update":
+                self.destroy(executable)  # as the CUDA driver does when its background update raises
+                raise CudaError("cudaGraphUpload failed: cudaErrorIllegalAddress (700)")
+            outcome = self.update(executable, graph)
+            if outcome.ok:
+                self.upload_streams.append(stream)
+            return outcome
+
+        self.log.append(("prefetch-update", graph.name))
+        return self._background(work)
 
     def destroy_async(self, executable: int) -> Future[None]:
         def work() -> None:
@@ -169,7 +187,7 @@ def _graphs(*specs: tuple[str, int, str]) -> dict[str, FakeGraph]:
 
 def test_strategy_resolution():
     assert resolve_strategy("auto", None) is MemoryStrategy.DEDICATED
-    assert resolve_strategy("auto", 1 << 20) is MemoryStrategy.LRU
+    assert resolve_strategy("auto", 1 << 20) is MemoryStrategy.UPDATE
     assert resolve_strategy("lru", None) is MemoryStrategy.LRU
     assert resolve_strategy(MemoryStrategy.UPDATE, 5) is MemoryStrategy.UPDATE
     with pytest.raises(ValueError, match="'auto', 'dedicated', 'lru', 'update'"):
@@ -223,17 +241,19 @@ def test_update_keeps_one_executable_per_family():
     assert memories["L1"].family == "gpt" and memories["L1"].strategy == "update"
 
 
-def test_auto_under_a_budget_never_updates():
-    """`auto` with a budget is `lru`: executables of one family are instantiated and evicted, never switched by
-    `cudaGraphExecUpdate` (which crashed Wav2Vec2-base executables on the H200)."""
+def test_auto_under_a_full_budget_updates_within_the_family():
+    """`auto` with a budget is `update`: while the budget has room it instantiates, once full a miss switches the
+    least recently used executable of the graph's family (here a1's, for a3), and a graph of another family
+    evicts and instantiates."""
     graphs = _graphs(("a1", 100, "A"), ("a2", 100, "A"), ("a3", 100, "A"), ("b1", 100, "B"))
     budget = 2 * 100 * PRIOR_BYTES_PER_NODE
     strategy = resolve_strategy("auto", budget)
     cache, driver, memories = _cache(strategy, budget, list(graphs.values()))
-    for name in ("a1", "a2", "a3", "b1", "a1"):
+    for name in ("a1", "a2", "a3", "b1"):
         _acquire(cache, driver, graphs, name)
-    assert strategy is MemoryStrategy.LRU and [op for op, _ in driver.log].count("update") == 0
-    assert cache.holder_keys() == ["b1", "a1"] and memories["a1"].instantiations == 2
+    assert strategy is MemoryStrategy.UPDATE and [op for op, _ in driver.log].count("update") == 1
+    assert memories["a3"].updates == 1 and memories["a3"].instantiations == 0
+    assert cache.holder_keys() == ["a3", "b1"] and memories["b1"].instantiations == 1
     assert cache.over_budget == 0
 
 
@@ -369,14 +389,20 @@ def test_next_in_step_keeps_lane_keys_apart_from_plain_keys():
 
 
 def _keyed_cache(
-    lengths: range, budget_executables: int | None, driver: FakeDriver | None = None, nodes: int = 100
+    lengths: range,
+    budget_executables: int | None,
+    driver: FakeDriver | None = None,
+    nodes: int = 100,
+    strategy: MemoryStrategy = MemoryStrategy.LRU,
+    families: int = 1,
 ) -> tuple[ExecutableCache, FakeDriver, dict[GraphKey, FakeGraph], dict[GraphKey, GraphMemory]]:
+    """Graphs of lengths `lengths` keyed as GPT-2 calls, in `families` topology families (length modulo)."""
     driver = driver or FakeDriver()
     budget = None if budget_executables is None else budget_executables * nodes * PRIOR_BYTES_PER_NODE
-    cache = ExecutableCache(driver, MemoryStrategy.LRU, budget, predict_next=next_in_step)
+    cache = ExecutableCache(driver, strategy, budget, predict_next=next_in_step)
     graphs, memories = {}, {}
     for n in lengths:
-        graphs[_ids(n)] = FakeGraph(f"L{n}", nodes, "gpt")
+        graphs[_ids(n)] = FakeGraph(f"L{n}", nodes, "gpt" if families == 1 else f"gpt{n % families}")
         memories[_ids(n)] = GraphMemory()
         cache.add(_ids(n), graphs[_ids(n)], graphs[_ids(n)].topology, memories[_ids(n)])
     return cache, driver, graphs, memories
@@ -387,6 +413,7 @@ def _call(cache: ExecutableCache, driver: FakeDriver, graphs: dict[GraphKey, Fak
     handle = _acquire(cache, driver, graphs, key)
     cache.prefetch_next(stream="the call's stream")
     assert handle in driver.running, "prefetching destroyed the executable just called"
+    assert driver.running[handle] == graphs[key], "prefetching updated the executable just called"
     if cache.budget is not None and cache.over_budget == 0:
         assert cache.live_bytes <= cache.budget, "a pending prefetch took the charges past the budget"
     return handle
@@ -434,17 +461,18 @@ def test_no_prefetch_when_the_budget_holds_only_the_executable_just_called():
     assert cache.prefetches == 0 and _total(memories, "instantiations") == 10 and cache.over_budget == 0
 
 
-def test_without_a_predictor_or_under_update_nothing_is_prefetched():
+@pytest.mark.parametrize("strategy", [MemoryStrategy.LRU, MemoryStrategy.UPDATE])
+def test_without_a_predictor_nothing_is_prefetched(strategy):
     graphs = {_ids(n): FakeGraph(f"L{n}", 100, "gpt") for n in range(1, 8)}
-    for strategy, predict in ((MemoryStrategy.LRU, None), (MemoryStrategy.UPDATE, next_in_step)):
+    for budget in (None, 2 * 100 * PRIOR_BYTES_PER_NODE):
         driver = FakeDriver()
-        cache = ExecutableCache(driver, strategy, None, predict_next=predict)
+        cache = ExecutableCache(driver, strategy, budget, predict_next=None)
         for key, graph in graphs.items():
             cache.add(key, graph, graph.topology, GraphMemory())
         for key in graphs:
             _acquire(cache, driver, graphs, key)
             assert cache.prefetch_next() is None
-        assert not cache.prefetching and "prefetch" not in {op for op, _ in driver.log}
+        assert not cache.prefetching and not {"prefetch", "prefetch-update"} & {op for op, _ in driver.log}
 
 
 def test_a_call_waits_for_a_pending_prefetch():
@@ -568,5 +596,161 @@ def test_prefetching_runs_the_requested_graph_within_budget(budget_executables, 
         _call(cache, driver, graphs, _ids(n))
         assert cache.over_budget == 0
         assert cache.executables == len(driver.running) + (len(cache.pending_keys()) if lazy else 0)
+    assert cache.prefetches == cache.prefetch_hits + cache.prefetch_wasted + len(cache.pending_keys())
+    assert _total(memories, "executable_bytes") == cache.live_bytes
+
+
+# -- `update`: switching an executable of the family once the budget is full, on the call path and ahead ------
+
+
+def test_update_instantiates_while_the_budget_has_room():
+    graphs = _graphs(("a1", 100, "A"), ("a2", 100, "A"), ("a3", 100, "A"))
+    cache, driver, memories = _cache(MemoryStrategy.UPDATE, 3 * 100 * PRIOR_BYTES_PER_NODE, list(graphs.values()))
+    for name in ("a1", "a2", "a3"):
+        _acquire(cache, driver, graphs, name)
+    assert [op for op, _ in driver.log] == ["instantiate"] * 3
+    assert cache.holder_keys() == ["a1", "a2", "a3"] and _total(memories, "updates") == 0
+
+
+def test_update_at_a_full_budget_switches_the_familys_least_recently_used_executable():
+    """Where `lru` would evict the least recently used executable (b1's) and instantiate, `update` switches the
+    least recently used executable of a3's family (a2's) and evicts nothing."""
+    graphs = _graphs(("a1", 100, "A"), ("a2", 100, "A"), ("a3", 100, "A"), ("b1", 100, "B"))
+    cache, driver, memories = _cache(MemoryStrategy.UPDATE, 3 * 100 * PRIOR_BYTES_PER_NODE, list(graphs.values()))
+    handles = {name: _acquire(cache, driver, graphs, name) for name in ("a1", "b1", "a2", "a1")}
+    assert cache.holder_keys() == ["b1", "a2", "a1"]
+    assert _acquire(cache, driver, graphs, "a3") == handles["a2"]
+    assert cache.holder_keys() == ["b1", "a1", "a3"]
+    assert driver.log[-1] == ("update", "a3") and [op for op, _ in driver.log].count("instantiate") == 3
+    assert memories["a3"].updates == 1 and memories["a3"].instantiations == 0 and _total(memories, "evictions") == 0
+    assert memories["a2"].executable_bytes == 0 and memories["a3"].executable_bytes == 100 * PRIOR_BYTES_PER_NODE
+
+
+def test_update_at_a_full_budget_without_an_executable_of_the_family_evicts_as_lru_does():
+    graphs = _graphs(("a1", 100, "A"), ("b1", 100, "B"), ("c1", 100, "C"))
+    cache, driver, memories = _cache(MemoryStrategy.UPDATE, 2 * 100 * PRIOR_BYTES_PER_NODE, list(graphs.values()))
+    for name in ("a1", "b1", "c1"):
+        _acquire(cache, driver, graphs, name)
+    assert cache.holder_keys() == ["b1", "c1"] and memories["a1"].evictions == 1
+    assert [op for op, _ in driver.log] == ["instantiate", "instantiate", "destroy", "instantiate"]
+
+
+def test_update_prefetches_at_a_full_budget_by_updating_an_executable_of_the_family():
+    """Growing lengths under a budget of three: the first three calls instantiate (room); from then on every
+    prefetch switches the family's least recently used executable in the background (uploaded in the call's
+    stream), and every call takes it: three instantiations in twenty calls, no eviction."""
+    cache, driver, graphs, memories = _keyed_cache(range(1, 21), 3, strategy=MemoryStrategy.UPDATE)
+    handles = [_call(cache, driver, graphs, _ids(n)) for n in range(1, 21)]
+    assert [name for op, name in driver.log if op == "prefetch-update"] == [f"L{n}" for n in range(4, 21)]
+    assert _total(memories, "instantiations") == 3 and "prefetch" not in {op for op, _ in driver.log}
+    assert _total(memories, "updates") == 17 == cache.prefetches == cache.prefetch_hits
+    assert memories[_ids(9)].updates == 1 == memories[_ids(9)].prefetches and memories[_ids(9)].prefetch_hits == 1
+    assert cache.prefetch_waits == 0 and cache.prefetch_wasted == 0 and _total(memories, "evictions") == 0
+    assert handles[3] == handles[0] and handles[4] == handles[1], "not the least recently used executable"
+    assert driver.upload_streams == ["the call's stream"] * 17
+    assert cache.executables == 3 and cache.over_budget == 0
+
+
+def test_a_pending_background_update_is_waited_for():
+    cache, driver, graphs, _ = _keyed_cache(
+        range(1, 9), 3, FakeDriver(background="lazy"), strategy=MemoryStrategy.UPDATE
+    )
+    for n in range(1, 9):
+        _call(cache, driver, graphs, _ids(n))  # checks the call ran its graph: the update had completed
+    assert cache.prefetch_hits == 5 == cache.prefetch_waits
+    assert [op for op, _ in driver.log].count("update") == 5
+
+
+def test_update_never_switches_the_executable_just_called():
+    """After call 3, the only executable of the family is the one just called (L3's; the other one is another
+    family's): the prefetch of L4 evicts the other one and instantiates, leaving L3's executable alone."""
+    cache, driver, graphs, memories = _keyed_cache(range(1, 6), 2, strategy=MemoryStrategy.UPDATE)
+    other = _key((2, 2))
+    graphs[other] = FakeGraph("other", 100, "another family")
+    memories[other] = GraphMemory()
+    cache.add(other, graphs[other], graphs[other].topology, memories[other])
+    _call(cache, driver, graphs, other)
+    for n in (1, 2, 3):  # L1 instantiated (room), L2 and L3 switch it (the budget is full)
+        _call(cache, driver, graphs, _ids(n))
+    assert _total(memories, "updates") == 2 and memories[other].evictions == 1
+    assert cache.pending_keys() == [_ids(4)] and ("prefetch", "L4") in driver.log
+    assert "prefetch-update" not in {op for op, _ in driver.log}
+
+
+def test_a_refused_background_update_reinstantiates_in_a_family_of_its_own():
+    driver = FakeDriver(refuse={"L4"}, background="lazy")
+    cache, driver, graphs, memories = _keyed_cache(range(1, 9), 3, driver, strategy=MemoryStrategy.UPDATE)
+    for n in (1, 2, 3):
+        _call(cache, driver, graphs, _ids(n))
+    assert cache.pending_keys() == [_ids(4)]
+    _call(cache, driver, graphs, _ids(4))  # takes the update: refused, so L1's executable is destroyed, L4 made
+    four = memories[_ids(4)]
+    assert four.update_failures == 1 and four.updates == 0 and four.instantiations == 1 and four.evictions == 1
+    assert four.prefetch_hits == 1 and cache.family(_ids(4)) != cache.family(_ids(1))
+    assert [op for op, name in driver.log if name == "L4"] == ["prefetch-update", "update", "instantiate"]
+    assert cache.executables == len(driver.running) + len(cache.pending_keys()) - 1  # the pending one exists
+    _call(cache, driver, graphs, _ids(5))  # 5 stays in the family: its prefetched update was accepted
+    assert memories[_ids(5)].updates == 1 and cache.over_budget == 0
+
+
+def test_a_failed_background_update_surfaces_at_the_call():
+    cache, driver, graphs, _ = _keyed_cache(
+        range(1, 9), 3, FakeDriver(background="lazy"), strategy=MemoryStrategy.UPDATE
+    )
+    for n in (1, 2, 3):
+        _call(cache, driver, graphs, _ids(n))
+    driver.fail_background = "update"
+    with pytest.raises(CudaError, match="cudaGraphUpload failed") as raised:
+        cache.acquire(_ids(4))
+    assert "background thread updating" in "".join(getattr(raised.value, "__notes__", []))
+    assert cache.executables == len(driver.running) == 2 and _ids(4) not in cache.holder_keys()
+    driver.fail_background = None
+    _acquire(cache, driver, graphs, _ids(4))  # the next call instantiates it on the calling thread (room again)
+    assert cache.executables == len(driver.running) == 3
+
+
+def test_update_without_a_budget_keeps_two_executables_per_family():
+    """One executable for the calls, one for the prefetch: after the first call only updates (foreground for
+    calls 2 and 3, then background), and one more instantiation for the first prefetch."""
+    cache, driver, graphs, memories = _keyed_cache(range(1, 21), None, strategy=MemoryStrategy.UPDATE)
+    for n in range(1, 21):
+        _call(cache, driver, graphs, _ids(n))
+    assert [name for op, name in driver.log if op == "instantiate"] == ["L1", "L4"]
+    assert cache.executables == 2 and _total(memories, "updates") == 18
+    assert cache.prefetches == 17 == cache.prefetch_hits
+
+
+def _made(cache: ExecutableCache) -> int:
+    """Executables the lazy driver has made: all but the pending instantiations (a pending update's exists)."""
+    return sum(1 for e in cache._live if e.handle is not None)
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    budget_executables=st.one_of(st.none(), st.integers(min_value=1, max_value=5)),
+    families=st.integers(min_value=1, max_value=3),
+    segments=st.lists(
+        st.tuples(st.integers(1, 16), st.sampled_from([-2, -1, 1, 2, 3]), st.integers(1, 8)), min_size=1, max_size=12
+    ),
+    refused=st.sets(st.integers(min_value=1, max_value=16), max_size=3),
+    lazy=st.booleans(),
+)
+def test_update_with_prefetching_runs_the_requested_graph_within_budget(
+    budget_executables, families, segments, refused, lazy
+):
+    """`update` with prefetching under stepping runs mixed with jumps, refused updates included: every call gets
+    its own graph, never from the executable just called; the charges stay within the budget; without a budget a
+    family holds at most two executables; every prefetch is hit, wasted or still held."""
+    driver = FakeDriver(refuse={f"L{n}" for n in refused}, background="lazy" if lazy else "done")
+    cache, driver, graphs, memories = _keyed_cache(
+        range(1, 17), budget_executables, driver, strategy=MemoryStrategy.UPDATE, families=families
+    )
+    for n in _runs(segments, 16):
+        _call(cache, driver, graphs, _ids(n))
+        assert cache.over_budget == 0
+        assert len(driver.running) == (_made(cache) if lazy else cache.executables)
+        if budget_executables is None:
+            per_family = Counter(cache.family(key) for key in cache.holder_keys())
+            assert max(per_family.values()) <= 2, per_family
     assert cache.prefetches == cache.prefetch_hits + cache.prefetch_wasted + len(cache.pending_keys())
     assert _total(memories, "executable_bytes") == cache.live_bytes

@@ -436,11 +436,12 @@ def graphed(
     `graph_memory_budget` ("256MiB", or bytes) bounds the device memory the driver holds for the graphs'
     executables; under it, captured graphs stay on the host and executables are instantiated on demand and
     evicted least recently used first, with results identical to one executable per graph.
-    `graph_memory_strategy` overrides the choice: "auto" (dedicated executables without a budget, "lru"
-    with one), "dedicated", "lru" or "update" (one executable per topology family, switched by
-    `cudaGraphExecUpdate`: opt-in, it crashed some models on the H200; see `tendril.graphs.executables`).
-    Under "lru" the executable of the call predicted next (lengths stepping by a constant amount, as in a
-    generation loop) is instantiated ahead on a background thread; `graph_memory_prefetch=False` turns that off.
+    `graph_memory_strategy` overrides the choice: "auto" (dedicated executables without a budget, "update"
+    with one), "dedicated", "lru" or "update" (as "lru" until the budget is full, then a miss switches an
+    executable of the graph's topology family by `cudaGraphExecUpdate`; see `tendril.graphs.executables`).
+    Under "lru" and "update" the executable of the call predicted next (lengths stepping by a constant amount, as
+    in a generation loop) is made ahead on a background thread (instantiated, or under "update" at a full budget
+    switched); `graph_memory_prefetch=False` turns that off.
     """
     return GraphedCallable(
         fn,

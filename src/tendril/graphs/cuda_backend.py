@@ -10,11 +10,12 @@ capture and replayed with `CUDAGraph.replay`. Under a budget (`tendril.graphs.ex
 graph stays on the host (`keep_graph`) and an `ExecutableCache` per device gives it an executable on
 demand, instantiating, updating (`cudaGraphExecUpdate`) or evicting through `tendril.cuda.graph_exec`;
 replays launch that executable on torch's current stream. Under `lru` (the automatic strategy with a
-budget) the cache also prefetches: after each launch it predicts the next call's key (`key.next_in_step`:
-lengths growing or shrinking by a constant step) and `CudaExecutables` instantiates that graph's
-executable on one background thread, then uploads it (`cudaGraphUpload`) in the stream of the call that
-predicted it, so the next call neither instantiates (1.34 ms on the H200 for a GPT-2 forward) nor pays
-the first launch's upload (0.27 ms); evictions destroy in the background too (0.25 ms). Graphs that
+budget) and `update` the cache also prefetches: after each launch it predicts the next call's key
+(`key.next_in_step`: lengths growing or shrinking by a constant step) and `CudaExecutables` instantiates
+that graph's executable on one background thread (under `update` without room, updates one of its
+family's instead), then uploads it (`cudaGraphUpload`) in the stream of the call that predicted it, so
+the next call neither instantiates (1.34 ms on the H200 for a GPT-2 forward) nor pays the first launch's
+upload (0.27 ms); evictions destroy in the background too (0.25 ms). Graphs that
 draw random numbers keep torch's dedicated executable, because torch's replay advances the generator's
 seed and offset before each launch (a plain launch would repeat the same numbers); they are counted
 against the budget.
@@ -27,15 +28,18 @@ destroying an executable is a host call that CUDA applies to later launches only
 (see `tendril.cuda.graph_exec`).
 
 The background thread. One worker per device (`ThreadPoolExecutor(max_workers=1)`, started at the first
-background task, stopped by `close`) runs instantiations and destructions in submission order, with the
-device set and in CUDA's relaxed capture mode (so it cannot break a capture running elsewhere in the
-process). A destruction waits (on the worker) for the executable's last launch: its event is taken from
+background task, stopped by `close`) runs instantiations, updates and destructions in submission order,
+with the device set and in CUDA's relaxed capture mode (so it cannot break a capture running elsewhere in
+the process). A destruction waits (on the worker) for the executable's last launch: its event is taken from
 the launching thread's table when the destruction is submitted, so a later executable that reuses the
-handle value gets an event of its own. The cache never hands out an executable queued for destruction
-and waits for a prefetched one before its first launch, so an executable is never launched after its
-destruction nor destroyed under a running launch. Captures wait for the worker to finish (clean memory
-measurements, no instantiation competing with the capture). Results stay those of dedicated executables:
-a prefetched executable is the instantiation of exactly its graph.
+handle value gets an event of its own. A background update waits for that event too, then updates and
+uploads the executable (on the stream of the call that predicted it: ordered after that call's launch).
+The cache never hands out an executable queued for destruction and waits for a prefetched (or
+background-updated) one before its next launch, so an executable is never launched after its destruction
+or during its update, nor destroyed or updated under a running launch. Captures wait for the worker to
+finish (clean memory measurements, no instantiation competing with the capture). Results stay those of
+dedicated executables: a prefetched executable is the instantiation of exactly its graph, or an update to
+it that CUDA accepted (a refused one is destroyed and the graph instantiated on the calling thread).
 """
 
 from __future__ import annotations
@@ -68,8 +72,8 @@ class CudaBackend:
     `graph_memory_budget` (bytes or a string such as "256MiB") bounds the driver memory of the executables
     (None: `tendril.settings.graph_memory_budget`, from TENDRIL_GRAPH_MEMORY_BUDGET);
     `graph_memory_strategy` is "auto", "dedicated", "lru" or "update" (`tendril.graphs.executables`);
-    `graph_memory_prefetch=False` turns off prefetching the next call's executable under `lru` (to measure
-    without it, or to keep every driver call on the calling thread)."""
+    `graph_memory_prefetch=False` turns off prefetching the next call's executable under `lru` and `update` (to
+    measure without it, or to keep every driver call on the calling thread)."""
 
     def __init__(
         self,
@@ -270,7 +274,8 @@ class CudaExecutables:
         self.waits = 0
         """Updates and destructions that waited on the calling thread for the executable's last launch."""
         self.background_waits = 0
-        """Background destructions that waited on the worker for the executable's last launch (worker-written)."""
+        """Background updates and destructions that waited on the worker for the executable's last launch
+        (worker-written)."""
         self._launched: dict[int, torch.cuda.Event] = {}
         self._worker: ThreadPoolExecutor | None = None
         self._outstanding: list[Future[Any]] = []
@@ -315,6 +320,18 @@ class CudaExecutables:
         raw = graph.raw_cuda_graph()
         return self._submit(self._instantiate_and_upload, raw, None if stream is None else stream.cuda_stream)
 
+    def update_async(
+        self, executable: int, graph: torch.cuda.CUDAGraph, stream: torch.cuda.Stream | None
+    ) -> Future[UpdateOutcome]:
+        """Update `executable` on the worker after its last launch, then upload it in `stream`. The last launch's
+        event is read now and left in the table (the executable lives on): the cache launches it again only once
+        this future has completed, so no launch records that event meanwhile."""
+        event = self._launched.get(executable)
+        raw = graph.raw_cuda_graph()
+        return self._submit(
+            self._update_and_upload, executable, raw, event, None if stream is None else stream.cuda_stream
+        )
+
     def destroy_async(self, executable: int) -> Future[None]:
         event = self._launched.pop(executable, None)  # taken now: a later executable may reuse the handle value
         return self._submit(self._destroy_after, executable, event)
@@ -352,13 +369,33 @@ class CudaExecutables:
                     raise
         return handle, None  # unmeasured: the calling thread may allocate meanwhile
 
+    def _update_and_upload(
+        self, executable: int, raw: int, last_launch: torch.cuda.Event | None, stream: int | None
+    ) -> UpdateOutcome:
+        """Update after the last launch, then upload, so that the next launch does not upload the updated executable
+        itself. On an error the executable is destroyed (the cache forgets it: nothing is left to leak)."""
+        with torch.cuda.device(self.device):
+            try:
+                _relax_this_thread()
+                self._wait_for(last_launch)
+                outcome = graph_exec.update(executable, raw)
+                if outcome.ok and stream is not None:
+                    graph_exec.upload(executable, stream)
+            except BaseException:
+                graph_exec.destroy(executable)
+                raise
+        return outcome
+
     def _destroy_after(self, executable: int, last_launch: torch.cuda.Event | None) -> None:
         with torch.cuda.device(self.device):
             _relax_this_thread()
-            if last_launch is not None and not last_launch.query():
-                self.background_waits += 1
-                last_launch.synchronize()
+            self._wait_for(last_launch)
             graph_exec.destroy(executable)
+
+    def _wait_for(self, last_launch: torch.cuda.Event | None) -> None:
+        if last_launch is not None and not last_launch.query():
+            self.background_waits += 1
+            last_launch.synchronize()
 
 
 _worker_state = threading.local()

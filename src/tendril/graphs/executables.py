@@ -10,22 +10,30 @@ with one graph per sequence length spends most of its memory there. The captured
   CUDA backend serves it with torch's own replay; this cache is not involved.
 - `lru`: executables are instantiated on demand; past the budget the least recently used is destroyed.
   With a `predict_next` (the CUDA backend's default) it also prefetches: see below.
-- `update` (opt-in): one executable per topology family (graphs whose node types, kernel functions with
-  their cluster dimensions, and edges match, e.g. one model at different lengths); switching it to another
-  graph of the family is a `cudaGraphExecUpdate` instead of an instantiation. On the H200 the update call
-  takes 0.2 ms of host time for a GPT-2 forward, but a call that switches costs about 0.6 ms more than a
-  dedicated executable's (`benchmarks/tools/graph_switch_cost.py`). Before families told cluster
-  dimensions apart, switching Wav2Vec2-base executables ended in an illegal instruction on driver 580: a
-  cuBLAS node ran one function with clusters (5, 1, 1) at one length and (2, 2, 1) at another, and CUDA
-  accepted the update (`benchmarks/tools/graph_node_attributes.py`). Since then 128 Wav2Vec2 calls under
-  `update` equalled dedicated executables.
-- `auto` (the default): `dedicated` without a budget, `lru` with one (no `update`: its latency and memory
-  were last measured before the cluster fix, and `lru` met the memory targets).
+- `update`: `lru` while the budget has room; once it is full, a miss switches the least recently
+  used executable of the graph's topology family (graphs whose node types, kernel functions with their
+  cluster dimensions, and edges match, e.g. one model at different lengths) to the graph by
+  `cudaGraphExecUpdate` instead of evicting and instantiating; where the family has no executable that
+  can be updated (none, or only prefetches not yet taken), it evicts and instantiates as `lru` does.
+  Without a budget a family keeps one executable (and one more prefetched for the next call). With a
+  `predict_next` it prefetches too, by updating where it cannot instantiate: see below. On the H200 the
+  update call takes 0.2 ms of host time for a GPT-2 forward, but a call that switches costs about 0.6 ms
+  more than a dedicated executable's (`benchmarks/tools/graph_switch_cost.py`, measured when `update`
+  switched at every miss, without prefetching). Before families told cluster dimensions apart, switching
+  Wav2Vec2-base executables ended in an illegal instruction on driver 580: a cuBLAS node ran one function
+  with clusters (5, 1, 1) at one length and (2, 2, 1) at another, and CUDA accepted the update
+  (`benchmarks/tools/graph_node_attributes.py`). Since then 128 Wav2Vec2 calls under `update` equalled
+  dedicated executables.
+- `auto` (the default): `dedicated` without a budget, `update` with one. On the H200 (`graphs-memory`, GPT-2
+  lengths 1..1024, 64 MiB budget) a call took 1.20x a dedicated executable's with lengths growing by one and
+  1.89x in random order, against 1.57x and 2.49x under `lru`, at the same memory (0.063 MiB of driver memory per
+  extra graph); Wav2Vec2-base 1.27x in random order.
 
-Every update is checked: CUDA refuses graphs whose topology or node kinds differ in ways the digest
-does not see. A refused update destroys that executable, moves the graph into a family of its own and
-instantiates it; the failure is counted in the graph's `GraphMemory`. Results are those of dedicated
-executables: an executable updated to graph G runs exactly G's nodes and parameters.
+Every update is checked: CUDA refuses graphs whose topology or node kinds differ in ways the digest does
+not see. A refused update destroys that executable, moves the graph into a family of its own and
+instantiates it (a refused background update: when the call takes it); the failure is counted in the
+graph's `GraphMemory`. Results are those of dedicated executables: an executable updated to graph G runs
+exactly G's nodes and parameters.
 
 Budget accounting. The driver's memory per executable is measured around each instantiation
 (cudaMemGetInfo), but the driver takes it in chunks (one instantiation in several takes 2-4 MiB, the
@@ -35,7 +43,7 @@ node worth `PRIOR_NODES` nodes of evidence. The budget holds for these charges; 
 not be evicted (`reserve`) count against it too. One executable larger than the budget is still
 instantiated (a graph must run) and counted in `over_budget`.
 
-Prefetching (`lru`). On the H200, for GPT-2 fp16 forward graphs of about 293 nodes
+Prefetching (`lru`, `update`). On the H200, for GPT-2 fp16 forward graphs of about 293 nodes
 (`benchmarks/tools/instantiate_cost.py`), `cudaGraphInstantiateWithFlags` takes 1.34 ms of host time
 (median, first time per graph), the first launch after it 0.27 ms more (the upload) and
 `cudaGraphExecDestroy` 0.25 ms, against 0.90 ms for a call of a dedicated executable (launch and
@@ -52,23 +60,43 @@ measured what this can reach: a background thread instantiating and destroying w
 pairs per second while a dedicated executable's loop slowed from 0.901 to 0.948 ms per call, and
 prefetching the next length on one thread left 0.4% of calls waiting, at 1.0 ms per call (there the
 foreground still paid the upload, which `upload` now moves to the worker). An `acquire` of a key whose
-executable is still being made waits for it (counted in `GraphMemory.prefetch_waits`; the wait is part
-of `switch_ms`, the background time is not); errors of the background thread are raised there, or at the
-next `acquire` for a background destroy. A pending executable counts against the budget like a live
-one. Background instantiations are not measured (other threads' allocations would pollute
-cudaMemGetInfo) and are charged at the learnt rate. Random call orders rarely step twice alike, so
-they rarely prefetch; a prefetched executable evicted before any call used it is counted as wasted.
-Limits: the first three calls after a jump (and steps that change) are not predicted; the background
-thread runs in order, so a prefetch queued behind the destruction of an executable whose launch is
-still running (host far ahead of the GPU, budget of few executables) waits for that launch; device
-memory may exceed the charges briefly while destructions are queued (the budget is for the charges).
-Measured (`graphs-memory`, GPT-2 lengths 1..1024, 64 MiB budget, about 83 executables): 4014 of 4096
-growing calls found their executable prefetched, but 2239 of them waited for it, and a call took 1.57x a
+executable is still being made (or updated) waits for it (counted in `GraphMemory.prefetch_waits`; the
+wait is part of `switch_ms`, the background time is not); errors of the background thread are raised
+there, or at the next `acquire` for a background destroy. A pending executable counts against the budget
+like a live one. Background instantiations are not measured (other threads' allocations would pollute
+cudaMemGetInfo) and are charged at the learnt rate. Random call orders rarely step twice alike, so they
+rarely prefetch; a prefetched executable evicted before any call used it is counted as wasted. Limits:
+the first three calls after a jump (and steps that change) are not predicted; the background thread runs
+in order, so a prefetch queued behind the destruction (or update) of an executable whose launch is still
+running (host far ahead of the GPU, budget of few executables) waits for that launch; device memory may
+exceed the charges briefly while destructions are queued (the budget is for the charges). Measured under
+`lru` (`graphs-memory`, GPT-2 lengths 1..1024, 64 MiB budget, about 83 executables): 4014 of 4096 growing
+calls found their executable prefetched, but 2239 of them waited for it, and a call took 1.57x a
 dedicated executable's (target 1.05; 2.4x without prefetching). The background work per call is the
-problem: `instantiate_cost.py` at lengths 1..1024 timed it on the worker at 0.71 ms to instantiate,
-0.38 ms to upload and 0.22 ms to destroy, about as long as the call itself (1.50 ms on average, 0.9 ms
-at short lengths); a second worker thread made it worse (the driver serialises the calls), and even
-the bare loop of that tool reached only 1.13x. Random orders (2.5x) are not helped at all.
+problem: `instantiate_cost.py` at lengths 1..1024 timed it on the worker at 0.71 ms to instantiate, 0.38
+ms to upload and 0.22 ms to destroy, about as long as the call itself (1.50 ms on average, 0.9 ms at
+short lengths); a second worker thread made it worse (the driver serialises the calls), and even the bare
+loop of that tool reached only 1.13x. Random orders (2.5x) are not helped at all.
+
+Prefetching under `update`. Without room (a full budget; without a budget, a family already holding an
+executable other than the one just called) the prefetch updates the least recently used executable of the
+predicted graph's family other than the one just called instead: on the background thread, after that
+executable's last launch, then uploads it in the predicting call's stream. The executable is the
+predicted key's from then on (pending like a prefetched instantiation; counted in `prefetches` and, once
+CUDA accepted it, in `updates`); a refused update is found when it is taken. Where the family has no such
+executable, the prefetch is `lru`'s. At a full budget this turns the background instantiation, upload and
+destruction into an update and an upload, and a random order's miss into an update instead of an eviction
+and an instantiation (where the family has an executable to update). Measured (`graphs-memory`, as above):
+4033 of 4096 growing calls found their executable prefetched and 442 waited for it; a call took 1.20x a
+dedicated executable's growing, 1.89x in random order. With every executable resident (nothing switched) the
+cache's own cost per call is 1.016x (`benchmarks/tools/update_prefetch_cost.py`), so what is left is the
+switching itself. GPT-2's 1024 lengths make 184 topology families (cuBLAS picks kernels by size), so a random
+miss often finds no executable of its family to update.
+
+Limit of the accounting: executables recycle driver memory that destroyed ones freed (another callable's
+too), and such instantiations measure no growth; the learnt rate then falls and more executables fit the
+budget than its bytes would hold fresh (seen in `update_prefetch_cost.py`, whose callables follow each other
+in one process: 256 GPT-2 executables fit a 16 MiB budget).
 
 Ordering. CUDA applies updates to later launches only and frees a destroyed executable after its running
 launch completes (`tendril.cuda.graph_exec`); the CUDA driver of this policy still waits for an
@@ -107,7 +135,7 @@ class MemoryStrategy(str, enum.Enum):
 
 
 def resolve_strategy(strategy: MemoryStrategy | str, budget: int | None) -> MemoryStrategy:
-    """The strategy to run: `auto` means `dedicated` without a budget and `lru` with one."""
+    """The strategy to run: `auto` means `dedicated` without a budget and `update` with one."""
     try:
         chosen = MemoryStrategy(strategy)
     except ValueError:
@@ -119,7 +147,7 @@ def resolve_strategy(strategy: MemoryStrategy | str, budget: int | None) -> Memo
             "use 'auto', 'lru' or 'update' with a budget, or drop the budget"
         )
     if chosen is MemoryStrategy.AUTO:
-        return MemoryStrategy.DEDICATED if budget is None else MemoryStrategy.LRU
+        return MemoryStrategy.DEDICATED if budget is None else MemoryStrategy.UPDATE
     return chosen
 
 
@@ -146,6 +174,11 @@ class ExecutableDriver(Protocol):
         """Instantiate `graph` in the background (and upload it in `stream`, the stream of the call that asked
         for it, if not None); the future gives what `instantiate` returns."""
 
+    def update_async(self, executable: int, graph: Any, stream: Any) -> Future[UpdateOutcome]:
+        """Switch `executable` to `graph` in the background, once its last launch has completed, and upload it in
+        `stream` (if not None) when the update succeeded; the future gives what `update` returns. If the
+        operation raises, `executable` is destroyed first."""
+
     def destroy_async(self, executable: int) -> Future[None]:
         """Destroy `executable` in the background, once its last launch has completed."""
 
@@ -156,14 +189,21 @@ class ExecutableDriver(Protocol):
 @dataclass
 class _Executable:
     handle: int | None
-    """None while `pending`."""
+    """None while its instantiation is `pending`."""
     family: str
     nodes: int
     holder: Hashable
-    """The key whose graph the executable runs now."""
+    """The key whose graph the executable runs now (or will, once `pending` has completed)."""
     last_used: int
-    pending: Future[tuple[int, int | None]] | None = None
-    """A prefetch no call has taken yet (the instantiation may still run)."""
+    pending: Future[Any] | None = None
+    """A prefetch no call has taken yet (it may still run): the instantiation of the holder's graph (its future
+    gives the handle and the measured bytes) or, when `handle` is set, the update of this executable to that
+    graph (its future gives the `UpdateOutcome`)."""
+
+    @property
+    def updating(self) -> bool:
+        """Whether `pending` is a background update (of an executable that exists) rather than an instantiation."""
+        return self.pending is not None and self.handle is not None
 
 
 @dataclass
@@ -177,8 +217,8 @@ class _Source:
 class ExecutableCache:
     """Gives each graph an executable on demand, within a device-memory budget (see the module docstring).
 
-    `predict_next` turns prefetching on (strategy `lru` only); the cache itself stays generic over hashable
-    keys."""
+    `predict_next` turns prefetching on (strategies `lru` and `update`); the cache itself stays generic over
+    hashable keys."""
 
     def __init__(
         self,
@@ -189,11 +229,11 @@ class ExecutableCache:
         predict_next: PredictNext | None = None,
     ) -> None:
         if strategy is MemoryStrategy.AUTO or (strategy is MemoryStrategy.DEDICATED and budget is None):
-            raise ValueError("resolve the strategy first: 'auto' is 'dedicated' (served by torch) or 'lru'")
+            raise ValueError("resolve the strategy first: 'auto' is 'dedicated' (served by torch) or 'update'")
         self.driver = driver
         self.strategy = strategy
         self.budget = budget
-        self.predict_next = predict_next if strategy is MemoryStrategy.LRU else None
+        self.predict_next = predict_next if strategy in (MemoryStrategy.LRU, MemoryStrategy.UPDATE) else None
         """How the next call's key is predicted; None: no prefetching (and every driver call on the caller's thread)."""
         self.reserved_bytes = 0
         """Driver bytes of executables outside the cache (never evicted) that count against the budget."""
@@ -247,7 +287,7 @@ class ExecutableCache:
 
     @property
     def prefetches(self) -> int:
-        """Instantiations started in the background ahead of a predicted call."""
+        """Instantiations and updates started in the background ahead of a predicted call."""
         return sum(source.memory.prefetches for source in self._sources.values())
 
     @property
@@ -295,7 +335,8 @@ class ExecutableCache:
     def acquire(self, key: Hashable, *, call: bool = True) -> int:
         """The handle of an executable that runs `key`'s graph at its next launch (instantiated, switched, taken
         from a prefetch, or already there). `call=False` for an acquisition that is not a call (at capture): it
-        does not count towards prediction. Raises the error of a failed background instantiation or destruction."""
+        does not count towards prediction. Raises the error of a failed background instantiation, update or
+        destruction."""
         self._clock += 1
         self._raise_background_errors()
         if call:
@@ -313,8 +354,7 @@ class ExecutableCache:
                 source.memory.prefetch_hits += 1
                 if not held.pending.done():
                     source.memory.prefetch_waits += 1
-                self._take(held)
-                executable = held
+                executable = held if self._take(held) else self._replace_refused(key, source, held)
             else:
                 executable = self._switch_or_instantiate(key, source)
         finally:
@@ -324,10 +364,11 @@ class ExecutableCache:
         return executable.handle
 
     def prefetch_next(self, stream: Any = None) -> Hashable | None:
-        """After a call's launch: predict the next call's key and, if its registered graph has no executable, make
-        room for one (never evicting the executable just called) and start instantiating it in the background,
-        uploading it in `stream`. Returns the key prefetched, if any. The host time spent here counts in that
-        graph's `switch_ms`."""
+        """After a call's launch: predict the next call's key and, if its registered graph has no executable, start
+        giving it one in the background (never taking the executable just called): an instantiation where there
+        is room (made by evicting, under `lru`), or under `update` without room an update of one of its family's
+        executables; the executable is uploaded in `stream`. Returns the key prefetched, if any. The host time
+        spent here counts in that graph's `switch_ms`."""
         if self.predict_next is None or len(self._calls) < 3:
             return None
         predicted = self.predict_next(*self._calls)
@@ -335,22 +376,12 @@ class ExecutableCache:
         if predicted is None or predicted == current or predicted not in self._sources or predicted in self._holding:
             return None
         source = self._sources[predicted]
-        needed = self.charge(source.nodes)
-        protected = self._holding.get(current)
-        if self.budget is not None:
-            floor = self.reserved_bytes + (self.charge(protected.nodes) if protected is not None else 0)
-            if floor + needed > self.budget:
-                return None  # only by evicting the executable just called
         start = time.perf_counter()
         try:
-            self._make_room(needed, protected)
-            future = self.driver.instantiate_async(source.graph, stream)
-            self._admit(_Executable(None, source.family, source.nodes, predicted, self._clock, future))
-            source.memory.instantiations += 1
-            source.memory.prefetches += 1
+            started = self._prefetch(predicted, source, self._holding.get(current), stream)
         finally:
             source.memory.switch_ms += (time.perf_counter() - start) * 1e3
-        return predicted
+        return predicted if started else None
 
     def wait_idle(self) -> None:
         """Wait until the background work started so far has finished (errors stay for `acquire` to raise)."""
@@ -368,12 +399,12 @@ class ExecutableCache:
     def close(self) -> None:
         """Destroy every executable (their running launches complete first) and stop the background thread.
 
-        A prefetch whose instantiation failed left nothing to destroy; its error is dropped here."""
+        A prefetch whose background operation failed left nothing to destroy; its error is dropped here."""
         for executable in list(self._live):
             if executable.pending is not None:
                 try:
                     self._take(executable)
-                except Exception:  # nothing was made; no call is left to report the error to
+                except Exception:  # nothing is left of it; no call is left to report the error to
                     continue
             assert executable.handle is not None
             self.driver.destroy(executable.handle)
@@ -388,28 +419,97 @@ class ExecutableCache:
     # -- policy --------------------------------------------------------------------------------------
 
     def _switch_or_instantiate(self, key: Hashable, source: _Source) -> _Executable:
-        if self.strategy is MemoryStrategy.LRU:
-            return self._instantiate(key, source)
-        family = self._families.get(source.family)
-        if not family:
-            return self._instantiate(key, source)
-        target = min(family, key=lambda e: e.last_used)
-        assert target.handle is not None  # `update` never prefetches
+        """A call's miss: instantiate (`lru`, or `update` with room), else update the family's least recently used
+        executable; with no such executable, `lru`'s way (evict, instantiate)."""
+        if self.strategy is MemoryStrategy.UPDATE and not self._has_room(source):
+            target = self._update_target(source.family)
+            if target is not None:
+                return self._switch(key, source, target)
+            self._clear_family(source.family)
+        return self._instantiate(key, source)
+
+    def _switch(self, key: Hashable, source: _Source, target: _Executable) -> _Executable:
+        assert target.handle is not None and target.pending is None
         outcome = self.driver.update(target.handle, source.graph)
         if outcome.ok:
-            self._sources[target.holder].memory.executable_bytes = 0
-            del self._holding[target.holder]
-            target.holder = key
-            self._holding[key] = target
+            self._move_holder(target, key)
             source.memory.updates += 1
-            source.memory.executable_bytes = self.charge(target.nodes)
             return target
+        self._split(source)
+        self._evict(target)
+        return self._instantiate(key, source)
+
+    def _prefetch(self, key: Hashable, source: _Source, protected: _Executable | None, stream: Any) -> bool:
+        """Start giving `key`'s graph an executable in the background, leaving `protected` (the executable just
+        called) alone; False when that is impossible within the budget."""
+        if self.strategy is MemoryStrategy.UPDATE and not self._has_room(source, protected):
+            target = self._update_target(source.family, protected)
+            if target is not None:
+                self._switch_in_background(key, source, target, stream)
+                return True
+            self._clear_family(source.family, protected)
+        needed = self.charge(source.nodes)
+        if self.budget is not None:
+            floor = self.reserved_bytes + (self.charge(protected.nodes) if protected is not None else 0)
+            if floor + needed > self.budget:
+                return False  # only by evicting the executable just called
+        self._make_room(needed, protected)
+        future = self.driver.instantiate_async(source.graph, stream)
+        self._admit(_Executable(None, source.family, source.nodes, key, self._clock, future))
+        source.memory.instantiations += 1
+        source.memory.prefetches += 1
+        return True
+
+    def _switch_in_background(self, key: Hashable, source: _Source, target: _Executable, stream: Any) -> None:
+        """Queue the update of `target` to `key`'s graph; `target` is `key`'s (pending) from now on, so no call
+        launches it before the update has completed. Its outcome is learnt when it is taken (`_take`)."""
+        assert target.handle is not None and target.pending is None
+        target.pending = self.driver.update_async(target.handle, source.graph, stream)
+        self._move_holder(target, key)
+        target.last_used = self._clock
+        source.memory.prefetches += 1
+
+    def _has_room(self, source: _Source, protected: _Executable | None = None) -> bool:
+        """Under `update`: whether `source`'s graph gets an executable of its own rather than an update. With a
+        budget, while one more fits; without, while its family has no executable other than `protected` (so a
+        family holds one executable, and one more prefetched for the next call)."""
+        if self.budget is not None:
+            return self.live_bytes + self.charge(source.nodes) <= self.budget
+        return all(e is protected for e in self._families.get(source.family, ()))
+
+    def _update_target(self, family: str, protected: _Executable | None = None) -> _Executable | None:
+        """The family's least recently used executable that may be updated now: made (not pending), and not
+        `protected`."""
+        candidates = [e for e in self._families.get(family, ()) if e.pending is None and e is not protected]
+        return min(candidates, key=lambda e: e.last_used, default=None)
+
+    def _clear_family(self, family: str, protected: _Executable | None = None) -> None:
+        """Without a budget, evict `family`'s executables other than `protected` (all pending: nothing could be
+        updated) so that an instantiation keeps it within two executables. With a budget, `_make_room` decides."""
+        if self.budget is not None:
+            return
+        for executable in [e for e in self._families.get(family, ()) if e is not protected]:
+            self._evict(executable)
+
+    def _replace_refused(self, key: Hashable, source: _Source, refused: _Executable) -> _Executable:
+        """A call took a background update that CUDA refused (`_take` split the family): destroy that executable
+        and instantiate the graph on the calling thread."""
+        self._evict(refused)
+        return self._instantiate(key, source)
+
+    def _split(self, source: _Source) -> None:
+        """CUDA refused an update to `source`'s graph: count it and move the graph into a family of its own."""
         source.memory.update_failures += 1
         self._splits += 1
         source.family = f"{source.family}/{self._splits}"
         source.memory.family = source.family
-        self._evict(target)
-        return self._instantiate(key, source)
+
+    def _move_holder(self, executable: _Executable, key: Hashable) -> None:
+        self._sources[executable.holder].memory.executable_bytes = 0
+        del self._holding[executable.holder]
+        executable.holder = key
+        self._holding[key] = executable
+        self._sources[key].memory.executable_bytes = self.charge(executable.nodes)
 
     def _instantiate(self, key: Hashable, source: _Source) -> _Executable:
         self._make_room(self.charge(source.nodes))
@@ -434,18 +534,30 @@ class ExecutableCache:
             self._measured_bytes += measured
             self._measured_nodes += source.nodes
 
-    def _take(self, executable: _Executable) -> None:
-        """Wait for a prefetched executable; on failure forget it (nothing was made) and raise the error."""
+    def _take(self, executable: _Executable) -> bool:
+        """Wait for a prefetch; True when the executable now runs its holder's graph. A refused background update
+        gives False (counted, the graph split off: `_split`), leaving the executable for the caller to destroy. A
+        failed background operation left nothing behind: the executable is forgotten and the error raised."""
         assert executable.pending is not None
+        updating = executable.updating
         try:
-            handle, measured = executable.pending.result()
+            result = executable.pending.result()
         except Exception as error:
             self._forget(executable)
-            error.add_note(f"(raised on tendril's background thread instantiating graph {executable.holder})")
+            doing = "updating an executable to" if updating else "instantiating"
+            error.add_note(f"(raised on tendril's background thread {doing} graph {executable.holder})")
             raise
-        executable.handle = handle
         executable.pending = None
-        self._learn(self._sources[executable.holder], measured)
+        source = self._sources[executable.holder]
+        if not updating:
+            executable.handle, measured = result
+            self._learn(source, measured)
+            return True
+        if not result.ok:
+            self._split(source)
+            return False
+        source.memory.updates += 1
+        return True
 
     def _make_room(self, needed: int, protected: _Executable | None = None) -> None:
         """Evict executables until `needed` more bytes fit the budget (or only `protected` is left), the least
@@ -462,7 +574,7 @@ class ExecutableCache:
         memory = self._sources[executable.holder].memory
         if executable.pending is not None:
             memory.prefetch_wasted += 1
-            self._take(executable)  # the destruction needs the handle (and a failure is raised, not lost)
+            self._take(executable)  # the handle, or the update's end (a failure is raised, not lost)
         assert executable.handle is not None
         if self.prefetching:
             self._destroying.append(self.driver.destroy_async(executable.handle))

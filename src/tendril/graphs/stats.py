@@ -57,9 +57,10 @@ class GraphMemory:
     executable_bytes: int = 0
     """Driver memory charged to the executable holding this graph now (0 while it has none)."""
     instantiations: int = 0
-    """Instantiations of this graph's executables, on the call path and in the background (`prefetches`)."""
+    """Instantiations of this graph's executables, on the call path and in the background (then also `prefetches`)."""
     prefetches: int = 0
-    """Instantiations started in the background ahead of a call predicted to need this graph."""
+    """Instantiations, and updates (strategy `update`), started in the background ahead of a call predicted to need
+    this graph."""
     prefetch_hits: int = 0
     """Calls that found this graph's executable prefetched (ready, or still being made: then also a wait)."""
     prefetch_waits: int = 0
@@ -67,7 +68,8 @@ class GraphMemory:
     prefetch_wasted: int = 0
     """Prefetched executables of this graph evicted before any call used them."""
     updates: int = 0
-    """Switches of another graph's executable to this graph by `cudaGraphExecUpdate`."""
+    """Switches of another graph's executable to this graph by `cudaGraphExecUpdate` that CUDA accepted, on the call
+    path and in the background (then also `prefetches`; counted once a call, eviction or close took its outcome)."""
     update_failures: int = 0
     evictions: int = 0
     switch_ms: float = 0.0
