@@ -2,6 +2,8 @@
 redirected, what falls back and why, and that every answer equals eager however the program misbehaves."""
 
 import contextlib
+import dataclasses
+import pickle
 
 import pytest
 import torch
@@ -9,10 +11,10 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from tendril.config import Config
-from tendril.graphs.alias import REDIRECT_LANES, LaneKey, Lanes, empty_at, out_form, partner, signature
+from tendril.graphs.alias import REDIRECT_LANES, LaneKey, Lanes, empty_at, lane_of, out_form, partner, signature
 from tendril.graphs.backend import NullBackend
 from tendril.graphs.callable import GraphedCallable, graphed
-from tendril.graphs.key import GraphKey, TensorSpec
+from tendril.graphs.key import GraphKey, TensorSpec, flatten_call, key_of, step_between
 from tendril.graphs.memory import PlaceholderArena
 from tendril.graphs.stats import GraphStats, Misprediction
 
@@ -93,6 +95,40 @@ def test_lane_keys_differ_from_plain_keys_and_partners_alternate():
     lane = LaneKey(key.structure, key.tensors, key.constants, 1)
     assert lane != key and hash(lane) != hash(key) and str(lane).endswith("@lane1")
     assert [partner(0), partner(1), partner(2)] == [1, 2, 1] and set(REDIRECT_LANES) == {1, 2}
+
+
+def test_a_lane_key_is_made_once_per_key_lane_and_generation_and_hashes_as_its_fields():
+    """`Lanes.lane_key` returns the same `LaneKey` at every call (its hash is computed once), a new one for
+    another lane or generation, and never one made for another key object (checked by identity, as a key
+    cache entry would be after its key died and another took its id)."""
+    spec = lambda n: TensorSpec((n,), torch.float32, torch.device("cpu"))  # noqa: E731
+    lanes = Lanes(PlaceholderArena())
+    a, b = GraphKey(("flat", 1, ()), (spec(3),), ()), GraphKey(("flat", 1, ()), (spec(4),), ())
+    first = lanes.lane_key(a, 1)
+    assert lanes.lane_key(a, 1) is first and first == LaneKey(a.structure, a.tensors, a.constants, 1, 0)
+    assert hash(first) == hash(LaneKey(a.structure, a.tensors, a.constants, 1, 0)) == hash(first)
+    assert lanes.lane_key(a, 2).lane == 2 and lanes.lane_key(a, 2) != first
+    lanes._lane_keys[(id(b), 1, 0)] = (a, first)  # as if b had taken a dead key's id
+    assert lanes.lane_key(b, 1).tensors == b.tensors
+    lanes.generations[1] += 1
+    assert lanes.lane_key(a, 1) == LaneKey(a.structure, a.tensors, a.constants, 1, 1)
+    assert [f.name for f in dataclasses.fields(LaneKey)] == ["structure", "tensors", "constants", "lane", "generation"]
+    copied = pickle.loads(pickle.dumps(first))
+    assert "_hash" not in copied.__dict__ and copied == first and hash(copied) == hash(first)
+    assert step_between(lanes.lane_key(a, 1), lanes.lane_key(b, 1)) == ((1,),)  # shapes only: the cache is no field
+
+
+def test_a_call_goes_to_the_lane_most_of_its_arguments_sit_in_and_the_first_met_on_a_tie():
+    spec = TensorSpec((3,), torch.float32, torch.device("cpu"))
+
+    def lane_of_call(*where):
+        lanes = Lanes(PlaceholderArena())
+        leaves = [lanes.placeholder(lane, position, spec) for position, lane in enumerate(where)]
+        flat = flatten_call(tuple(leaves), {})
+        return lane_of(lanes.key_for(key_of(flat), flat, flat.tensor_indices(), GraphStats()))
+
+    assert lane_of_call(1, 2) == 1 and lane_of_call(2, 1) == 2
+    assert lane_of_call(1, 2, 2) == 2 and lane_of_call(2, 1, 1) == 1 and lane_of_call(1, 1, 2) == 1
 
 
 def test_reallocating_a_redirect_target_moves_its_lane_to_graphs_of_the_new_buffers():

@@ -226,3 +226,170 @@ def test_views_that_are_not_the_whole_output_in_order_are_copied_and_stay_eager(
             torch.testing.assert_close(fast(passed), passed * 2, equal_nan=True)  # int bits read as float: NaNs
     assert fast.stats.redirects == 0
     assert fast.stats.input_bytes_copied >= 6 * passed.numel() * passed.element_size()
+
+
+# -- the redirect path's caches and shortcuts (`ZeroCopyPredictor.dispatch` / `_redirect`) -----------------
+
+CPU = torch.device("cpu")
+
+
+def warmed_reorder_loop(fast, steps=4):
+    """`steps` steps of `x -> x.index_select(0, beam)` into `fast` (so its link is confirmed and redirecting)."""
+    x = torch.randn(4, 3)
+    beam = torch.tensor([3, 1, 2, 0])
+    for _ in range(steps):
+        y = x.index_select(0, beam)
+        torch.testing.assert_close(fast(y), y * 2)
+        x = y + 1
+    return x, beam
+
+
+def test_a_link_serves_its_own_function_only():
+    """Links are found by (id of the function, occurrence) and then checked to be that function's: a link found
+    under another function's slot (as after a reused id) is never used, even one whose signature matches."""
+    fast = make(lambda x: x * 2)
+    with fast.zero_copy():
+        x, _ = warmed_reorder_loop(fast)
+    impostor = alias.Link(
+        torch.Tensor.sub, torch.sub, 0, alias.signature((x, 1), {}), x.dtype, x.device, x.numel(), alias.CONFIRMATIONS
+    )
+    fast._predictor.links[(id(torch.Tensor.add), 0)] = impostor  # sub's link where add's first run looks
+    expected = x + 1
+    redirects = fast.stats.redirects
+    with fast.zero_copy():
+        y = x.add(1)
+    torch.testing.assert_close(y, expected)  # through the impostor it would be x - 1, written into a placeholder
+    assert fast.stats.redirects == redirects
+
+
+def test_a_slot_buffer_reallocated_elsewhere_is_never_written_through_a_stale_cached_record():
+    """A link caches its slot records per lane; when a slot's buffer is reallocated by another path (a capture,
+    a carried output: `Lanes.buffer`), the record is retired and the next redirect writes the new buffer, the
+    one the call's graph reads. Through the stale record the call would find its argument in the old buffer and
+    copy it (`MOVED`)."""
+    fast = make(lambda x: x * 2)
+    lanes = fast._lanes
+    with fast.zero_copy():
+        x, beam = warmed_reorder_loop(fast)
+        cached = dict(enumerate(next(iter(fast._predictor.links.values())).aliases))  # lane -> slot record
+        assert all(cached[lane] is not None for lane in (1, 2))
+        for lane in (1, 2):
+            lanes.buffer(lane, 0, torch.float32, CPU, 1000)  # reallocated: every graph of the lane is outgrown
+        assert all(cached[lane].retired for lane in (1, 2))
+        copied = fast.stats.input_bytes_copied
+        redirects = fast.stats.redirects
+        for _ in range(4):
+            y = x.index_select(0, beam)
+            torch.testing.assert_close(fast(y), y * 2)
+            x = y + 1
+    assert fast.stats.redirects == redirects + 4
+    assert fast.stats.input_bytes_copied == copied
+    assert not fast.stats.mispredictions
+
+
+def test_a_link_never_reuses_a_slot_record_smaller_than_its_output_needs():
+    """The cached record is reused only while it holds twice the link's output (what `Lanes.redirect_alias`
+    asks); a link that learned of a larger output grows the slot before its redirect, never after a failure."""
+    fast = make(lambda x: x * 2)
+    predictor = fast._predictor
+    with fast.zero_copy():
+        x, beam = warmed_reorder_loop(fast)
+        link = next(iter(predictor.links.values()))
+        link.numel = 500  # as `_outgrown` records a larger output
+        for _ in range(2):
+            y = x.index_select(0, beam)
+            torch.testing.assert_close(fast(y), y * 2)
+            x = y + 1
+        assert all(alias is None or alias.capacity >= 1000 for alias in link.aliases)
+        assert all(fast._lanes.arena(lane).buffers[(0, torch.float32, CPU)].numel() >= 1000 for lane in (1, 2))
+    assert Misprediction.TOO_LARGE not in fast.stats.mispredictions
+
+
+def test_slot_records_count_their_templates_under_both_inference_modes():
+    """A slot is referenced when its storage has more users than its record's own (the storage object and one
+    template per inference mode): a record used in and out of inference mode has two templates and is free."""
+    fast = make(lambda x: x * 2)
+    beam = torch.tensor([2, 0, 1])
+    x = torch.randn(3, 4)
+    with fast.zero_copy():
+        for inference in (False, True, False, True):  # graphs captured first outside inference mode (null backend)
+            with torch.inference_mode(inference), torch.no_grad():
+                for _ in range(4):
+                    y = x.index_select(0, beam)
+                    torch.testing.assert_close(fast(y), y * 2)
+                    x = y + 1
+    assert Misprediction.REFERENCED not in fast.stats.mispredictions
+    assert fast.stats.redirects >= 12
+    aliases = list(fast._lanes.aliases.values())
+    assert aliases and all(len(alias.templates) == 2 for alias in aliases)
+    del x, y
+    assert not any(alias.referenced() for alias in aliases)
+
+
+def _index_select(x):
+    return x.index_select(0, torch.tensor([3, 1, 2, 0]))
+
+
+def _cat(x):  # a list argument: `survey` has no pointers, `reads_range` walks the list
+    return torch.cat([x[2:], x[:2]])
+
+
+@pytest.mark.parametrize(
+    ("produce", "rows"), [(_index_select, [3, 1, 2, 0]), (_cat, [2, 3, 0, 1])], ids=["arg", "list"]
+)
+def test_a_producer_reading_its_target_slot_through_another_storage_is_not_redirected(produce, rows):
+    """The program reads the memory the next redirect would write through a tensor of another storage (the
+    lane buffer itself), so the slot's use count does not show it: the pointer check refuses the redirect."""
+    fast = make(lambda x: x * 2)
+    x = torch.randn(4, 3)
+    with fast.zero_copy():
+        for step in range(8):
+            if step >= 4:
+                lane = alias.partner(fast._lanes.last_lane)
+                buffer = fast._lanes.arena(lane).buffers[(0, torch.float32, CPU)]
+                inside = buffer[: x.numel()].view(4, 3)
+                inside.copy_(x)
+                x = inside
+            want = x[rows] * 2
+            torch.testing.assert_close(fast(produce(x)), want)
+            x = want * 0.25
+    assert fast.stats.mispredictions[Misprediction.READS_PLACEHOLDER] == 4
+    assert fast.stats.redirects >= 1
+
+
+def test_a_producer_with_a_sparse_argument_stays_eager_equal():
+    """A tensor without storage has no data pointer to check: the redirect is refused (it may read the slot),
+    the program does not fail on it."""
+    fast = make(lambda x: x * 2)
+    sparse = torch.eye(4).to_sparse()
+    x = torch.randn(4, 3)
+    with fast.zero_copy():
+        for _ in range(6):
+            torch.testing.assert_close(fast(torch.mm(sparse, x)), x * 2)
+            x = x + 1
+    assert fast.stats.mispredictions[Misprediction.READS_PLACEHOLDER] >= 1
+    assert fast.stats.redirects == 0
+
+
+def test_survey_describes_arguments_as_signature_did_and_gives_pointers_of_plain_tensors_only():
+    a, index = torch.randn(3, 2), torch.tensor([2, 0])
+    parameter = torch.nn.Parameter(torch.randn(3, 2))
+
+    def described(args, kwargs):  # the definition `survey` inlines
+        return (*map(alias._describe, args), *kwargs, *map(alias._describe, kwargs.values()))
+
+    cases = [
+        ((a, 0, index), {}),
+        ((a, 1.0, True, None, "x"), {}),
+        ((parameter, 0, index), {}),
+        (([a, index], 1), {}),
+        ((a,), {"dim": 1, "other": index}),
+        ((torch.eye(2).to_sparse(), a), {}),
+        ((torch.tensor(2.0), a), {}),
+    ]
+    for args, kwargs in cases:
+        assert alias.signature(args, kwargs) == described(args, kwargs), args
+    assert alias.survey((a, 0, index), {})[1] == [a.data_ptr(), index.data_ptr()]
+    for args, kwargs in cases[2:6]:  # a subclass, a list, keywords, a sparse tensor: walked by `reads_range`
+        assert alias.survey(args, kwargs)[1] is None, args
+    assert alias.signature((parameter,), {}) == alias.signature((parameter.detach(),), {})

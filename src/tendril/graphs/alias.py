@@ -39,7 +39,8 @@ A redirect is refused (and counted in `stats.mispredictions`) when:
 
 - the target slot still holds a redirected tensor (or a view of one) the program references (the use count of
   the storage every redirect into the slot is made on, `Lanes.busy`);
-- the op reads the buffer it would write, or an argument requires grad;
+- the op reads the buffer it would write (or an argument has no storage to check, a sparse tensor), or an
+  argument requires grad;
 - the signature differs from the learned one (the output dtype could differ);
 - the output does not fit the buffer (the zero-length target's storage cannot grow, so the op raises
   before writing and runs normally instead; the buffer is then reallocated at twice the output's size,
@@ -54,12 +55,29 @@ wrong value. Tensors written by redirects live in the callable's placeholder mem
 valid while the program references them (no later redirect reuses their slot, and each holds its
 buffer allocated, even once the buffer is outgrown or the callable is gone: `alias_storage`).
 
-Costs. Every torch call inside the block passes through the mode: about 3 µs of host time for the
-mode machinery on our 2-core CI host, plus ~2 µs of ours for a call that is no linked producer (a
-counter, a lookup, a weak reference to its output); signatures are computed only for linked
-producers, and a redirect adds its checks, the zero-length target (a `detach()` of a per-slot
-template) and the `out=` call: 15-18 µs per redirected `index_select` on that host, against 4 µs
-for the bare op. A function
+The per-op path (`ZeroCopyPredictor.dispatch`) does per run only what can change between runs. A producer
+is found by two dict lookups on (id of the function, occurrence), no frame or code position is inspected,
+and the link found is checked to be that function's (`link.op is op`). An op that is no linked producer
+then only runs and leaves a record of its output (a weak reference, in a tuple made without the
+`NamedTuple` constructor's Python frame). A linked producer describes its arguments once (`survey`: the
+signature, and in the same pass the data pointers of plain tensor arguments); a confirmed one then checks
+the position is neither pinned nor carried, the signature, autograd, that its slot is unreferenced (one
+storage use-count read against the count the slot record holds itself) and that no argument starts in the
+slot's bytes (those pointers; lists, keywords, subclasses and tensors without storage are walked by
+`reads_range`, which refuses a tensor it cannot check). The slot record itself is cached on the link per
+lane (`Link.aliases`) and reused while it is not retired (`Lanes` retires a record when its buffer is
+reallocated) and holds twice the output, which is exactly when `Lanes.redirect_alias` would return it. At a
+call, the lane is voted without a `Counter` and the `LaneKey` is the same object while key, lane and
+generation are (`Lanes.lane_key`), with its hash computed once (hashing GPT-2's 26 tensor specs costs ~3 µs).
+
+Costs, measured on the CPU by `benchmarks/tools/zero_copy_host_cost.py` (the `graphs-zero-copy` decode step's
+host side with small tensors, so that host overhead is what is timed; `PYTHONPATH=src:. python3 -m
+benchmarks.tools.zero_copy_host_cost`) on a 2-core host, torch 2.13: a bare `index_select` takes 1.6 µs;
+torch's function-mode machinery adds ~0.95 µs to every op; an op that is no linked producer costs ~2.1 µs
+more than bare in all; a redirected `index_select` ~3.9 µs more (5.7 µs before the fast path above). Per
+step (24 cache `index_select`s and 2 other redirects, 38 ops) the producer ops take 194 µs under the mode
+against 63 µs without it (246 µs before), and the whole step 322 µs against 178 µs plain and 192 µs with the
+reordering written into the placeholders by hand (388 µs before). A function
 mode sees the program's calls only, not the aten ops underneath them, and while a call of the
 callable runs the mode is lifted off torch's mode stack (`enter_call`), so the call's own tensor
 handling costs nothing extra. (A `TorchDispatchMode`, the first design, saw every aten op and cost
@@ -76,7 +94,6 @@ from __future__ import annotations
 import functools
 import types
 import weakref
-from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -102,6 +119,19 @@ class LaneKey(GraphKey):
     lane: int = COPY_LANE
     generation: int = 0
 
+    def __hash__(self) -> int:
+        """The fields' hash, computed once: a lane call looks its graph up by this key (`Lanes.key_for` returns the
+        same object while the call's key and lane do not change), and hashing every tensor spec costs ~3 us per
+        lookup with GPT-2's cache. Kept outside the dataclass fields (and out of pickles: it is per process)."""
+        cached = self.__dict__.get("_hash")
+        if cached is None:
+            cached = hash((self.structure, self.tensors, self.constants, self.lane, self.generation))
+            object.__setattr__(self, "_hash", cached)
+        return cached
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {name: value for name, value in self.__dict__.items() if name != "_hash"}
+
     def __str__(self) -> str:
         suffix = f"/buffers{self.generation}" if self.generation else ""
         return f"{super().__str__()}@lane{self.lane}{suffix}"
@@ -114,6 +144,10 @@ def lane_of(key: GraphKey) -> int:
 def partner(lane: int) -> int:
     """The lane producers (and carried outputs) write into after a call that read `lane`."""
     return REDIRECT_LANES[1] if lane == REDIRECT_LANES[0] else REDIRECT_LANES[0]
+
+
+_PARTNER = {lane: partner(lane) for lane in (COPY_LANE, *REDIRECT_LANES)}
+"""`partner` by lane, for the per-op path."""
 
 
 @dataclass(frozen=True)
@@ -135,7 +169,7 @@ def op_name(op: Any) -> str:
     return getattr(op, "__qualname__", None) or repr(op)
 
 
-@dataclass
+@dataclass(slots=True)
 class Link:
     """A learned prediction: this producer's output is the argument at leaf `position`."""
 
@@ -151,6 +185,9 @@ class Link:
     numel: int
     confirmations: int = 1
     """Calls that met this producer's output at `position`; redirects start at `CONFIRMATIONS`."""
+    aliases: list[SlotAlias | None] = field(default_factory=lambda: [None] * (1 + max(REDIRECT_LANES)))
+    """Per lane, the slot record the last redirect into it wrote (`Lanes.redirect_alias`): reused while it is
+    not `retired` and holds `2 * numel` elements, which is exactly when `redirect_alias` would return it."""
 
 
 CONFIRMATIONS = 2
@@ -181,6 +218,11 @@ class _Redirected(NamedTuple):
     position: int
 
 
+_new_record = tuple.__new__
+"""`_new_record(_Produced, (...))` makes a record without the Python-level `NamedTuple.__new__` (half the cost,
+on the path every op takes); the fields are all given, in order."""
+
+
 @functools.cache
 def out_form(op: torch._ops.OpOverload) -> torch._ops.OpOverload | None:
     """The `out=` overload of a functional op with one tensor output, or None."""
@@ -207,8 +249,9 @@ def out_call(func: Callable[..., Any]) -> Callable[..., Any] | None:
     of the same name (`torch.nn.functional.relu`, `torch.split`) are not used; a binding that then
     rejects the arguments raises `TypeError` before anything runs, and the producer is unlinked.
     """
-    if func in _OUT_CALLS:
-        return _OUT_CALLS[func]
+    call = _OUT_CALLS.get(func, _UNKNOWN)
+    if call is not _UNKNOWN:
+        return call
     name = getattr(func, "__name__", None)
     call = None
     if isinstance(name, str) and not name.startswith("_"):
@@ -230,6 +273,7 @@ def _has_out_overload(packet: torch._ops.OpOverloadPacket) -> bool:
 
 
 _OUT_CALLS: dict[Any, Callable[..., Any] | None] = {}
+_UNKNOWN: Any = object()
 
 
 def signature(args: Sequence[Any], kwargs: dict[str, Any]) -> tuple[Any, ...]:
@@ -238,7 +282,35 @@ def signature(args: Sequence[Any], kwargs: dict[str, Any]) -> tuple[Any, ...]:
     Aten op arguments are tensors, scalars, or lists of them, so one level of nesting is enough (and
     much cheaper than pytree on the per-op path).
     """
-    return (*map(_describe, args), *kwargs, *map(_describe, kwargs.values()))
+    return survey(args, kwargs)[0]
+
+
+def survey(args: Sequence[Any], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], list[int] | None]:
+    """`signature(args, kwargs)`, and the data pointers of the tensor arguments when all of them are plain
+    tensors at the top level with storage (else None: a list, a keyword, a subclass or a sparse tensor, for
+    `reads_range` to walk), in one pass: the per-op path of a linked producer needs both. Plain tensors and
+    scalars, the common arguments, are described inline (as `_describe` would describe them, without its call)."""
+    described: list[Any] = []
+    pointers: list[int] | None = []
+    for value in args:
+        kind = type(value)
+        if kind is _Tensor:
+            described.append((value.dtype, value.device, value.dim() == 0))
+            if pointers is not None:
+                try:
+                    pointers.append(value.data_ptr())
+                except RuntimeError:  # no storage (sparse): `reads_range` refuses it
+                    pointers = None
+        elif kind in _SCALARS:
+            described.append((kind, value))
+        else:
+            described.append(_describe(value))
+            pointers = None
+    if kwargs:
+        described += kwargs
+        described += map(_describe, kwargs.values())
+        pointers = None
+    return tuple(described), pointers
 
 
 def tensor_arguments(args: Sequence[Any], kwargs: dict[str, Any]) -> list[torch.Tensor]:
@@ -249,6 +321,39 @@ def tensor_arguments(args: Sequence[Any], kwargs: dict[str, Any]) -> list[torch.
         elif isinstance(value, (list, tuple)):
             found.extend(item for item in value if isinstance(item, torch.Tensor))
     return found
+
+
+def _reads(pointers: list[int] | None, args: Sequence[Any], kwargs: dict[str, Any], start: int, end: int) -> bool:
+    """`reads_range`, from `survey`'s pointers when it has them."""
+    if pointers is None:
+        return reads_range(args, kwargs, start, end)
+    for pointer in pointers:  # noqa: SIM110 (a loop: `any()` of a generator costs more than the check)
+        if start <= pointer < end:
+            return True
+    return False
+
+
+def reads_range(args: Sequence[Any], kwargs: dict[str, Any], start: int, end: int) -> bool:
+    """Whether a tensor argument (or one in a list argument) may read [start, end): it starts there, or it has
+    no data pointer to check (a sparse tensor, whose values could live anywhere). `tensor_arguments`' tensors,
+    checked as they are met, without building the list."""
+    for value in (*args, *kwargs.values()) if kwargs else args:
+        if isinstance(value, _Tensor):
+            if _may_read(value, start, end):
+                return True
+        elif isinstance(value, (list, tuple)):
+            for item in value:
+                if isinstance(item, _Tensor) and _may_read(item, start, end):
+                    return True
+    return False
+
+
+def _may_read(tensor: torch.Tensor, start: int, end: int) -> bool:
+    try:
+        pointer = tensor.data_ptr()
+    except RuntimeError:
+        return True
+    return start <= pointer < end
 
 
 def _describe(value: Any) -> Any:
@@ -267,6 +372,7 @@ def _describe(value: Any) -> Any:
 
 
 _SCALARS = frozenset({int, float, bool, complex, str, type(None)})
+_Tensor = torch.Tensor
 
 
 def memory_range(tensor: torch.Tensor) -> tuple[int, int]:
@@ -304,26 +410,38 @@ def storage_users(storage: torch.UntypedStorage) -> int:
     return int(torch._C._storage_Use_Count(storage._cdata))
 
 
-@dataclass
+@dataclass(slots=True)
 class SlotAlias:
     """A redirect-lane slot's current buffer as redirects write it: the storage aliasing it that every tensor
     redirected into the slot is made on, its byte range, and per inference mode a zero-length template on that
     storage whose `detach()`es are the redirect targets (a fifth of the cost of making one). The slot is
-    referenced while anything but this record (the storage object and its templates) uses the storage."""
+    referenced while anything but this record (the storage object and its templates) uses the storage.
+
+    What a redirect reads of it is kept as plain fields (`capacity`, `cdata`, `own`), so the per-op path
+    reads attributes instead of calling tensor methods; `retired` is set when `Lanes` forgets the record
+    (its buffer was reallocated), which is how a `Link`'s cached record knows it is outgrown."""
 
     buffer: torch.Tensor
     storage: torch.UntypedStorage
     start: int
     end: int
     templates: dict[bool, torch.Tensor] = field(default_factory=dict)
+    capacity: int = 0
+    """Elements of `buffer`."""
+    cdata: int = 0
+    """`storage._cdata`, for `torch._C._storage_Use_Count` (valid while `storage` is held, which is for life)."""
+    own: int = 1
+    """References this record holds on the storage: the storage object and each template."""
+    retired: bool = False
 
     @classmethod
     def over(cls, buffer: torch.Tensor) -> SlotAlias:
         storage = alias_storage(buffer)
-        return cls(buffer, storage, buffer.data_ptr(), buffer.data_ptr() + storage.nbytes())
+        start = buffer.data_ptr()
+        return cls(buffer, storage, start, start + storage.nbytes(), {}, buffer.numel(), storage._cdata)
 
     def referenced(self) -> bool:
-        return storage_users(self.storage) > 1 + len(self.templates)
+        return _use_count(self.cdata) > self.own
 
     def target(self) -> torch.Tensor:
         """A zero-length tensor at the buffer's start for an `out=` op to write into (`empty_at`), made under the
@@ -332,7 +450,11 @@ class SlotAlias:
         template = self.templates.get(inference)
         if template is None:
             template = self.templates[inference] = empty_at(self.buffer, self.storage)
+            self.own = 1 + len(self.templates)
         return template.detach()
+
+
+_use_count = torch._C._storage_Use_Count
 
 
 @dataclass
@@ -361,6 +483,8 @@ class Lanes:
     Carried positions do not count: a carried output is written into the buffer bound when the writing graph
     was captured, which is the one the next graph in the chain was captured reading (`carry.py`)."""
     _slot_address: dict[tuple[int, int, torch.dtype, torch.device], int] = field(default_factory=dict)
+    _lane_keys: dict[tuple[int, int, int], tuple[GraphKey, LaneKey]] = field(default_factory=dict)
+    """(id of a call's key, lane, generation) -> (that key, its `LaneKey`): holding the key keeps its id unique."""
 
     def arena(self, lane: int) -> PlaceholderArena:
         if lane == COPY_LANE:
@@ -396,7 +520,9 @@ class Lanes:
             return
         if previous is not None:
             self.owners.pop(previous, None)
-            self.aliases.pop(slot, None)
+            retired = self.aliases.pop(slot, None)
+            if retired is not None:
+                retired.retired = True
             if position not in self.carried:
                 self.generations[lane] += 1
         self._slot_address[slot] = address
@@ -423,22 +549,31 @@ class Lanes:
     def key_for(self, key: GraphKey, flat: Flattened, indices: Sequence[int], stats: GraphStats) -> GraphKey:
         """The key of the graph that reads this call's arguments where they are (see the module docstring).
 
-        `indices` are the tensor leaves of `flat`."""
-        votes: Counter[int] = Counter()
-        lane_of_leaf: dict[int, int] = {}
+        `indices` are the tensor leaves of `flat`. The lane is the one most arguments sit in (the first met on a
+        tie)."""
         owners = self.owners
         leaves = flat.leaves
+        votes = [0] * (1 + max(REDIRECT_LANES))
+        lanes = []  # per index in `indices`, the lane its argument sits in (COPY_LANE: none)
         for index in indices:
             leaf = leaves[index]
             owner = owners.get(leaf.data_ptr())
             if owner is not None and owner[1] == index and owner[2] == leaf.dtype and owner[3] == leaf.device:
                 votes[owner[0]] += 1
-                lane_of_leaf[index] = owner[0]
-        lane = votes.most_common(1)[0][0] if votes else COPY_LANE
+                lanes.append(owner[0])
+            else:
+                lanes.append(COPY_LANE)
+        first, second = REDIRECT_LANES
+        if votes[first] == votes[second]:
+            lane = next((lane for lane in lanes if lane != COPY_LANE), COPY_LANE)
+        else:
+            lane = first if votes[first] > votes[second] else second
         if lane != COPY_LANE:
-            for index in indices:
+            for index, sits in zip(indices, lanes, strict=True):
+                if sits == lane:
+                    continue
                 leaf = leaves[index]
-                if lane_of_leaf.get(index) != lane and self.busy(lane, index, leaf.dtype, leaf.device):
+                if self.busy(lane, index, leaf.dtype, leaf.device):
                     stats.record_misprediction(
                         Misprediction.REFERENCED,
                         f"argument leaf {index} would be copied into lane {lane}, whose slot holds a referenced tensor",
@@ -448,7 +583,19 @@ class Lanes:
         self.last_lane = lane
         if lane == COPY_LANE:
             return key
-        return LaneKey(key.structure, key.tensors, key.constants, lane, self.generations[lane])
+        return self.lane_key(key, lane)
+
+    def lane_key(self, key: GraphKey, lane: int) -> LaneKey:
+        """`key` at `lane` and the lane's current generation, the same object at every call (its hash is cached)."""
+        generation = self.generations[lane]
+        cached = self._lane_keys.get((id(key), lane, generation))
+        if cached is not None and cached[0] is key:
+            return cached[1]
+        if len(self._lane_keys) >= _LANE_KEY_CACHE_SIZE:
+            self._lane_keys.clear()
+        made = LaneKey(key.structure, key.tensors, key.constants, lane, generation)
+        self._lane_keys[(id(key), lane, generation)] = (key, made)
+        return made
 
     def current(self, key: GraphKey) -> GraphKey:
         """`key` with its lane's generation as it is now (making a graph's placeholders may have grown a buffer)."""
@@ -464,6 +611,10 @@ class Lanes:
             span = (start, start + placeholder.numel() * placeholder.element_size())
             if any(overlaps(span, output) for output in ranges):
                 self.pinned.add(position)
+
+
+_LANE_KEY_CACHE_SIZE = 1024
+"""`Lanes.lane_key` forgets its keys when it holds this many (as the callable's key cache does)."""
 
 
 @dataclass(frozen=True)
@@ -531,8 +682,9 @@ class ZeroCopyPredictor:
 
     The per-op path (`dispatch`) is what every op inside a `zero_copy()` block pays for, so it does the
     least it can: an op that is no linked producer costs a counter update, a dict lookup and a record of
-    its output (a weak reference); only linked producers compute their signature, and only confirmed ones
-    try a redirect.
+    its output (a weak reference); only linked producers describe their arguments (`survey`), and only
+    confirmed ones try a redirect, which checks what can change between runs and caches the rest on the
+    link (see the module docstring).
     """
 
     def __init__(self, lanes: Lanes, stats: GraphStats) -> None:
@@ -559,23 +711,24 @@ class ZeroCopyPredictor:
         if self.suspended:
             return op(*args, **kwargs)
         op_id = id(op)
-        occurrence = self.occurrences.get(op_id, 0)
-        self.occurrences[op_id] = occurrence + 1
+        occurrences = self.occurrences
+        occurrence = occurrences.get(op_id, 0)
+        occurrences[op_id] = occurrence + 1
         slot = (op_id, occurrence)
         link = self.links.get(slot)
         if link is None or link.op is not op:
             result = op(*args, **kwargs)
-            if isinstance(result, torch.Tensor):
+            if isinstance(result, _Tensor):
                 self._record(result, slot, op, None, args)
             return result
         self.ran.add(slot)
-        learned = signature(args, kwargs)
-        result = None
+        learned, pointers = survey(args, kwargs)
         if link.confirmations >= CONFIRMATIONS and link.signature is not None:
-            result = self._redirect(slot, link, learned, args, kwargs)
-        if result is None:
-            result = op(*args, **kwargs)
-        if isinstance(result, torch.Tensor) and id(result) not in self.redirected:  # a redirect's call is `observe`d
+            result = self._redirect(slot, link, learned, pointers, args, kwargs)
+            if result is not _REFUSED:
+                return result  # a redirected tensor, met by `observe` in `redirected`; or recorded eagerly
+        result = op(*args, **kwargs)
+        if isinstance(result, _Tensor):
             self._record(result, slot, op, learned, args)
         return result
 
@@ -585,9 +738,9 @@ class ZeroCopyPredictor:
         produced = self.produced
         first = args[0] if args else None
         viewed = None
-        if type(first) is torch.Tensor and first is not result and out_call(op) is None:  # a view, maybe
+        if type(first) is _Tensor and first is not result and out_call(op) is None:  # a view, maybe
             viewed = self._viewed(first, result)
-        produced[id(result)] = _Produced(weakref.ref(result), slot, op, learned, viewed)
+        produced[id(result)] = _new_record(_Produced, (weakref.ref(result), slot, op, learned, viewed))
         if len(produced) >= self._prune_at:
             for key in [key for key, record in produced.items() if record.ref() is None]:
                 del produced[key]
@@ -610,40 +763,59 @@ class ZeroCopyPredictor:
         return record
 
     def _redirect(
-        self, slot: _Slot, link: Link, learned: tuple[Any, ...], args: Sequence[Any], kwargs: dict[str, Any]
-    ) -> torch.Tensor | None:
+        self,
+        slot: _Slot,
+        link: Link,
+        learned: tuple[Any, ...],
+        pointers: list[int] | None,
+        args: Sequence[Any],
+        kwargs: dict[str, Any],
+    ) -> Any:
+        """Run a confirmed producer into its placeholder slot, or return `_REFUSED` (the caller runs it eagerly).
+
+        Checks what can change from one run to the next: the position's standing (pinned, carried), the
+        signature, autograd, the slot's buffer (cached in `link.aliases` while current and large enough),
+        whether the program still references the slot, whether the op reads it; the op itself checks the
+        output fits."""
         position = link.position
         lanes = self.lanes
         if position in lanes.pinned or position in lanes.carried:
-            return None
+            return _REFUSED
         if learned != link.signature:
             self._miss(Misprediction.SIGNATURE, f"{_name(link, slot)} ran with other argument dtypes or constants")
-            return None
-        tensors = tensor_arguments(args, kwargs)
-        if torch.is_grad_enabled() and any(tensor.requires_grad for tensor in tensors):
-            return None  # out= ops do not record autograd history
-        lane = partner(lanes.last_lane)
-        alias = lanes.redirect_alias(lane, position, link.dtype, link.device, 2 * max(link.numel, 1))
-        if alias.referenced():
+            return _REFUSED
+        if torch.is_grad_enabled() and any(tensor.requires_grad for tensor in tensor_arguments(args, kwargs)):
+            return _REFUSED  # out= ops do not record autograd history
+        lane = _PARTNER[lanes.last_lane]
+        alias = link.aliases[lane]
+        if alias is None or alias.retired or alias.capacity < 2 * max(link.numel, 1):
+            alias = lanes.redirect_alias(lane, position, link.dtype, link.device, 2 * max(link.numel, 1))
+            link.aliases[lane] = alias
+        if _use_count(alias.cdata) > alias.own:  # `alias.referenced()`
             detail = f"{_name(link, slot)}: lane {lane} slot {position} is still referenced"
             self._miss(Misprediction.REFERENCED, detail)
-            return None
-        start, end = alias.start, alias.end
-        for tensor in tensors:  # every tensor on the buffer's memory has its storage start there, so starts inside
-            if start <= tensor.data_ptr() < end:
-                self._miss(Misprediction.READS_PLACEHOLDER, f"{_name(link, slot)} reads the buffer it would write")
-                return None
+            return _REFUSED
+        if _reads(pointers, args, kwargs, alias.start, alias.end):
+            self._miss(
+                Misprediction.READS_PLACEHOLDER, f"{_name(link, slot)} reads (or may read) the buffer it would write"
+            )
+            return _REFUSED
+        template = alias.templates.get(torch.is_inference_mode_enabled())  # `alias.target()`, inline
+        target = alias.target() if template is None else template.detach()
         try:
-            result = link.out_op(*args, **kwargs, out=alias.target())
+            result = link.out_op(*args, **kwargs, out=target)
         except (RuntimeError, TypeError) as error:  # raised before writing: the output does not fit, or out= refused
             first_line = str(error).splitlines()[0] if str(error) else type(error).__name__
             if "not resizable" not in first_line:
                 self.links.pop(slot, None)
                 self._miss(Misprediction.NO_OUT_FORM, f"{_name(link, slot)}: its out= form raised {first_line}")
-                return None
+                return _REFUSED
             self._miss(Misprediction.TOO_LARGE, f"{_name(link, slot)}: {first_line}")
-            return self._outgrown(lane, link, link.op(*args, **kwargs))
-        self.redirected[id(result)] = _Redirected(weakref.ref(result), slot, link.op, position)
+            result = self._outgrown(lane, link, link.op(*args, **kwargs))
+            if isinstance(result, _Tensor):
+                self._record(result, slot, link.op, learned, args)
+            return result
+        self.redirected[id(result)] = _new_record(_Redirected, (weakref.ref(result), slot, link.op, position))
         self.stats.redirects += 1
         return result
 
@@ -764,6 +936,9 @@ class ZeroCopyPredictor:
         self.suspended -= 1
         self.end_interval()
 
+
+_REFUSED: Any = object()
+"""What `ZeroCopyPredictor._redirect` returns when it did not run the op."""
 
 _PRUNE_MIN = 256
 """`ZeroCopyPredictor.produced` is pruned of dead tensors when it reaches this size or twice its size after
