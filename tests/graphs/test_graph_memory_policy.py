@@ -257,6 +257,22 @@ def test_auto_under_a_full_budget_updates_within_the_family():
     assert cache.over_budget == 0
 
 
+@pytest.mark.parametrize("strategy", [MemoryStrategy.LRU, MemoryStrategy.UPDATE])
+def test_a_measurement_that_raises_the_charges_evicts_to_keep_the_budget(strategy):
+    """An instantiation measured at twice the prior rate raises every executable's charge: the cache evicts the
+    least recently used (never the new one) until the charges fit again, so the budget holds."""
+    graphs = _graphs(("a", 100, "A"), ("b", 100, "B"), ("c", 100, "C"))
+    budget = 3 * 100 * PRIOR_BYTES_PER_NODE
+    driver = FakeDriver()
+    cache, driver, memories = _cache(strategy, budget, list(graphs.values()), driver)
+    _acquire(cache, driver, graphs, "a")
+    _acquire(cache, driver, graphs, "b")
+    driver.bytes_per_node = 40 * PRIOR_BYTES_PER_NODE
+    _acquire(cache, driver, graphs, "c")
+    assert cache.over_budget == 0 and cache.live_bytes <= budget
+    assert cache.holder_keys()[-1] == "c" and memories["a"].evictions == 1
+
+
 def test_a_refused_update_reinstantiates_in_a_family_of_its_own():
     graphs = _graphs(("x", 60, "F"), ("y", 60, "F"), ("z", 60, "F"))
     cache, driver, memories = _cache(MemoryStrategy.UPDATE, None, list(graphs.values()), FakeDriver(refuse={"y"}))

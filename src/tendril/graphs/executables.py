@@ -89,14 +89,17 @@ destruction into an update and an upload, and a random order's miss into an upda
 and an instantiation (where the family has an executable to update). Measured (`graphs-memory`, as above):
 4033 of 4096 growing calls found their executable prefetched and 442 waited for it; a call took 1.20x a
 dedicated executable's growing, 1.89x in random order. With every executable resident (nothing switched) the
-cache's own cost per call is 1.016x (`benchmarks/tools/update_prefetch_cost.py`), so what is left is the
-switching itself. GPT-2's 1024 lengths make 184 topology families (cuBLAS picks kernels by size), so a random
+cache's own cost per call is 1.02-1.04x (`benchmarks/tools/update_prefetch_cost.py`), so what is left is the
+switching itself: at a 16 MiB budget (about 22 executables, lengths 1..192, every growing call switching) a call
+took 1.62x with the upload in the call's stream, 1.56x with it in a stream of the worker's own, 1.83x without it
+and 1.96x without prefetching; an update plus its upload costs about 0.6 of a call. GPT-2's 1024 lengths make 184 topology families (cuBLAS picks kernels by size), so a random
 miss often finds no executable of its family to update.
 
 Limit of the accounting: executables recycle driver memory that destroyed ones freed (another callable's
 too), and such instantiations measure no growth; the learnt rate then falls and more executables fit the
-budget than its bytes would hold fresh (seen in `update_prefetch_cost.py`, whose callables follow each other
-in one process: 256 GPT-2 executables fit a 16 MiB budget).
+budget than its bytes would hold fresh (seen in a first version of `update_prefetch_cost.py`, whose callables
+followed each other in one process: 256 GPT-2 executables fit a 16 MiB budget). An instantiation that measures
+more than the learnt rate raises every charge; the least recently used are then evicted until they fit.
 
 Ordering. CUDA applies updates to later launches only and frees a destroyed executable after its running
 launch completes (`tendril.cuda.graph_exec`); the CUDA driver of this policy still waits for an
@@ -518,6 +521,7 @@ class ExecutableCache:
         source.memory.instantiations += 1
         executable = _Executable(handle, source.family, source.nodes, key, self._clock)
         self._admit(executable)
+        self._make_room(0, executable)  # what it measured may have raised every charge past the budget
         if self.budget is not None and self.live_bytes > self.budget:
             self.over_budget += 1
         return executable
