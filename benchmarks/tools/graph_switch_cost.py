@@ -1,7 +1,8 @@
 """What switching executables costs per call on the GPU (a diagnostic behind the `graphs-memory` case).
 
 GPT-2 fp16 (random weights) graphed at lengths 1..N three ways: dedicated executables, one executable per
-topology family switched by `cudaGraphExecUpdate` (`graph_memory_strategy="update"`), and executables made
+topology family switched by `cudaGraphExecUpdate` (`graph_memory_strategy="update"` without a budget or
+prefetching: before 5fc3764 it ran with a 1 GiB budget, under which `update` now never switches), and executables made
 on demand with a budget that holds them all (`"lru"`, so nothing is switched after the first pass).
 Per-call wall time with a synchronisation after each call, lengths growing by one per call. Then a
 Wav2Vec2-base encoder under a 16 MiB budget with each strategy, in a subprocess each (an illegal
@@ -32,7 +33,7 @@ from tendril.graphs.callable import graphed
 
 STRATEGIES = {
     "dedicated": {},
-    "update": {"graph_memory_budget": "1GiB", "graph_memory_strategy": "update"},
+    "update": {"graph_memory_strategy": "update", "graph_memory_prefetch": False},  # no budget: one per family
     "lru": {"graph_memory_budget": "1GiB", "graph_memory_strategy": "lru"},
 }
 

@@ -37,6 +37,7 @@ from typing import Any
 
 import torch
 
+from benchmarks.cases.graphs_zero_copy import beam_update
 from tendril.config import Config
 from tendril.graphs.backend import NullBackend
 from tendril.graphs.callable import GraphedCallable, graphed
@@ -45,16 +46,6 @@ BEAMS = 4
 LAYERS = 12
 CACHE_SHAPE = (BEAMS, 2, 4, 8)
 VOCAB = 64
-
-
-def beam_update(logits: torch.Tensor, scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`graphs_zero_copy.beam_update` (repeated here so the tool needs no `transformers`)."""
-    vocab = logits.shape[-1]
-    logp = torch.log_softmax(logits.float(), dim=-1) + scores[:, None]
-    top_scores, top = logp.view(-1).topk(logits.shape[0])
-    beam_idx = torch.div(top, vocab, rounding_mode="floor")
-    tokens = top - beam_idx * vocab
-    return tokens[:, None], top_scores, beam_idx
 
 
 def make_step(weights: torch.Tensor) -> Callable[..., Any]:
