@@ -92,8 +92,9 @@ dedicated executable's growing, 1.89x in random order. With every executable res
 cache's own cost per call is 1.02-1.04x (`benchmarks/tools/update_prefetch_cost.py`), so what is left is the
 switching itself: at a 16 MiB budget (about 22 executables, lengths 1..192, every growing call switching) a call
 took 1.62x with the upload in the call's stream, 1.56x with it in a stream of the worker's own, 1.83x without it
-and 1.96x without prefetching; an update plus its upload costs about 0.6 of a call. GPT-2's 1024 lengths make 184 topology families (cuBLAS picks kernels by size), so a random
-miss often finds no executable of its family to update.
+and 1.96x without prefetching; an update plus its upload costs about 0.6 of a call. GPT-2's 1024 lengths make
+184 topology families (cuBLAS picks kernels by size), so a random miss often finds no executable of its family
+to update.
 
 Limit of the accounting: executables recycle driver memory that destroyed ones freed (another callable's
 too), and such instantiations measure no growth; the learnt rate then falls and more executables fit the
