@@ -9,8 +9,8 @@ Executables. Without a graph-memory budget (strategy `dedicated`) each graph is 
 capture and replayed with `CUDAGraph.replay`. Under a budget (`tendril.graphs.executables`) the captured
 graph stays on the host (`keep_graph`) and an `ExecutableCache` per device gives it an executable on
 demand, instantiating, updating (`cudaGraphExecUpdate`) or evicting through `tendril.cuda.graph_exec`;
-replays launch that executable on torch's current stream. Under `lru` (the automatic strategy with a
-budget) and `update` the cache also prefetches: after each launch it predicts the next call's key
+replays launch that executable on torch's current stream. Under `lru` and `update` (the automatic strategy
+with a budget) the cache also prefetches: after each launch it predicts the next call's key
 (`key.next_in_step`: lengths growing or shrinking by a constant step) and `CudaExecutables` instantiates
 that graph's executable on one background thread (under `update` without room, updates one of its
 family's instead), then uploads it (`cudaGraphUpload`) in the stream of the call that predicted it, so
