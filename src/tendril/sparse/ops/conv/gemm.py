@@ -4,8 +4,8 @@ every sparse kernel and cuDNN.
 At batch 1 a convolution is `W[K, C*R*S] @ cols[C*R*S, OH*OW]`. On the H200, cuDNN's fp32 kernels are slow on
 the small, deep layers of ResNet-50, and cuBLAS is not (`sparse-cnn`'s tune times, with bias and ReLU): a 1×1,
 2048 → 512 convolution at 7×7 took 49.9 µs in cuDNN's fused call and 14.0 µs here, a 3×3, 512 → 512 one at 7×7
-108 µs and 29 µs. `SparseNetwork.tune` chose it for 31 of ResNet-50's 53 convolutions, 8 of VGG-16's 13 and 4 of
-AlexNet's 5. The columns are:
+108 µs and 29 µs. `SparseNetwork.tune` chose it for 38 of ResNet-50's 53 convolutions, 8 of VGG-16's 13 and 3 of
+AlexNet's 5 (the committed `sparse-cnn` run; 31, 8 and 4 in another). The columns are:
 - a view of the input for a 1×1 kernel with stride 1 and no padding (no copy);
 - the input subsampled (one copy) for a 1×1 kernel with a stride, without padding;
 - `F.unfold` (im2col, one copy) otherwise.
