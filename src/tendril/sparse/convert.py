@@ -275,7 +275,7 @@ def convert(
     kernels on every layer with `example_input` and keeps the faster (`SparseNetwork.tune`); an
     overflow of a reduced capacity while tuning is not reported (it concerns the example only).
     `pixel_runs=False` keeps `tune` from timing the register-tiled kernel's 1×1 pixel-run plans
-    (`SparseNetwork.pixel_runs`); `dense_fallback=False` keeps it from running a convolution densely (cuDNN)
+    (`SparseNetwork.pixel_runs`); `dense_fallback=False` keeps it from running a convolution densely (cuDNN, cuBLAS)
     where that measures faster than the sparse kernels (`SparseNetwork.dense_fallback`).
     """
     if model.training:

@@ -19,7 +19,7 @@ Cartesian product or the output-stationary sparse-weight dataflow, whichever its
 predicts faster, on `threads` threads of numba's pool; the CPU steps read their dense input
 directly, compress it only for SCNN's dataflow, and fuse bias, residual and ReLU into the kernels).
 A plain forward launches the layers' kernels and nothing else: the kernels that read compressed
-activations or count them on the way report each layer's input nonzeros, the others (cuDNN, the FC
+activations or count them on the way report each layer's input nonzeros, the others (dense fallbacks, the FC
 row kernel) only in `tune`, `profile` or with `count_activations`. The GPU forwards never sync with
 the host: every buffer has a static size, nonzero counts stay on the device, overflow of a reduced
 activation capacity raises a device flag that `check_overflow()` turns into an error after the run.
@@ -76,7 +76,7 @@ class RunState:
     overflow: torch.Tensor
     last_counts: dict[str, torch.Tensor] = field(default_factory=dict)
     count_inputs: bool = False
-    """Whether the layers whose kernels do not count their input's nonzeros on the way (cuDNN fallbacks, the FC
+    """Whether the layers whose kernels do not count their input's nonzeros on the way (dense fallbacks, the FC
     row kernel) count them with extra small kernels (for `SparseNetwork.layers`; off in plain forwards)."""
 
     def compress(self, step: str, x: torch.Tensor, layout: ActivationLayout) -> CompressedActivations:
@@ -110,7 +110,7 @@ class SparseConvStep:
     """The weights in the CUDA kernel's tile order (GPU networks only)."""
     conv_kernel: str = "cuda"
     """Under the `"cuda"` backend, which convolution kernel this layer uses (`SparseNetwork.tune` picks):
-    `"cuda"`, `"triton"`, `"register"`, or `"dense"` / `"dense-fused"` (cuDNN in fp32 on the pruned weights,
+    `"cuda"`, `"triton"`, `"register"`, or one of `DENSE_KERNELS` (fp32 cuDNN or cuBLAS on the pruned weights,
     where it measured faster than every sparse kernel; see `_run_dense`)."""
     dense_weight: torch.Tensor | None = None
     """The pruned weights as a dense tensor, kept only for the dense kernels."""
@@ -443,15 +443,16 @@ class SparseNetwork:
         H200 the best pixel-run plan beat the best tile plan on each of ResNet-50's 14 distinct 1×1 layers
         (0.61 ms against 0.93 ms in all, `sparse-conv-kernels`); `convert(..., pixel_runs=False)` leaves them out."""
         self.dense_fallback = True
-        """Whether `tune` also times cuDNN (fp32) on each convolution's dense pruned weights and keeps it where it is
-        faster than every sparse kernel (`convert(..., dense_fallback=False)`: sparse kernels only). The layers
-        that fell back, with every candidate's time, are in `kernel_times` and the layer report."""
+        """Whether `tune` also times fp32 dense math (cuDNN, and cuBLAS as one matrix product) on each convolution's
+        dense pruned weights and keeps it where it is faster than every sparse kernel
+        (`convert(..., dense_fallback=False)`: sparse kernels only). The layers that fell back, with every
+        candidate's time, are in `kernel_times` and the layer report."""
         self._released = False
         self.kernel_times: dict[str, dict[str, float]] = {}
         """`{layer: {kernel: ms}}` as `tune` measured them on the example input (`reps` calls each)."""
         self.count_activations = False
         """Whether every forward also counts the nonzero inputs of the layers whose kernels do not count them on
-        the way (cuDNN fallbacks, the FC row kernel), for `layers`: one reduction (three small kernels, ~11 us on
+        the way (dense fallbacks, the FC row kernel), for `layers`: one reduction (three small kernels, ~11 us on
         the H200) per such layer. Off by default, so those densities are from the last `tune` or `profile`
         forward (which always count)."""
 
@@ -510,9 +511,9 @@ class SparseNetwork:
         """Pick each convolution's kernel by timing the candidates on `x`: shared-memory CUDA (`"cuda"`),
         Triton atomics (`"triton"`), where its planner supports the geometry, the register-tiled
         sparse-weight kernel (`"register"`, timed on the layer's dense input, as it runs) and, with
-        `dense_fallback`, cuDNN fp32 on the dense pruned weights (`"dense"`, and `"dense-fused"` for layers with
-        a ReLU); and each fully-connected layer's two kernels (`SparseLinearStep.fc_kernel`), the row kernel in
-        each of `linear_triton.ROWS_CONFIGS`.
+        `dense_fallback`, fp32 dense math on the dense pruned weights (`dense_kernels_for`: cuDNN's `"dense"`,
+        `"dense-fused"` for layers with a ReLU, and cuBLAS's `"gemm"` for ungrouped ones); and each fully-connected
+        layer's two kernels (`SparseLinearStep.fc_kernel`), the row kernel in each of `linear_triton.ROWS_CONFIGS`.
 
         Runs one forward, and for every convolution times the kernels on the activations it really
         sees, behind a GPU sleep so the device time counts, not the launches (a network runs in a CUDA
@@ -521,7 +522,7 @@ class SparseNetwork:
         `{layer: kernel}`; the choice is used by the `"cuda"` backend.
 
         The register-tiled kernel is timed with the planner's `REGISTER_PLANS_TIMED` best plans (the fastest
-        stays). It and the cuDNN kernels (benchmark mode: cuDNN times its algorithms on the layer's input shape)
+        stays). It and the dense kernels (cuDNN in benchmark mode: it times its algorithms on the layer's input shape)
         are candidates only once the layer output agrees with the layer's float64 dense reference
         (`SparseConvStep.reference`, relative error <= `AGREEMENT_RTOL`); one that fails to build or run, or
         disagrees, is left out, with the reason in `rejected_kernels` and a warning. (The reference is not
