@@ -15,8 +15,15 @@ exactly 128 tokens):
 Then one run with an early eos (a token greedy decoding emits at step 32): HF stops on the host,
 tendril on the device. Every call is timed with CUDA events (medians); prompts rotate among several.
 For each variant: ms per call, tokens/s, time to first token (the same call with max_new_tokens=1)
-and warm-up (wall time of the first call: compilation or capture). The targets take tendril's fastest
-variant among those whose tokens equal HF eager's.
+and warm-up (wall time of the first call: compilation or capture).
+
+The targets take tendril's fastest variant among those that agree with HF eager: identical tokens, or,
+for greedy, tokens that part from HF's only at a near tie. A kernel that sums in another order than
+cuBLAS (the fused step in fp16) moves logits by an ulp or two, and random weights give close top-2
+logits often enough that 128 greedy tokens rarely survive that unchanged. So each greedy sequence is also
+scored by HF itself, teacher-forced: one HF forward over the variant's tokens gives, at every step, how far
+the chosen token's logit is below HF's best; within `TIE_ULPS` fp16 ulps everywhere is a near tie. The
+fastest variant with identical tokens is reported beside the targets in any case.
 """
 
 from __future__ import annotations
@@ -172,6 +179,40 @@ def _check_same(ctx: Context, label: str, a: torch.Tensor, b: torch.Tensor) -> b
     return same
 
 
+TIE_ULPS = 8.0
+"""How far below HF's best logit (in fp16 ulps of it) a greedy token may be and still count as a near tie."""
+
+AGREEMENTS = ("identical", "near tie", "differs")
+"""How a variant's tokens agree with HF eager's, best first."""
+
+
+def tie_gap_ulps(model: nn.Module, tokens: torch.Tensor, prompt_len: int) -> float:
+    """The largest gap over the generated steps of greedy `tokens` [1, L] between HF's best logit and HF's logit of
+    the chosen token, teacher-forced (one HF forward over the sequence), in fp16 ulps of the best logit."""
+    with torch.inference_mode():
+        logits = model(tokens[:, :-1]).logits[0, prompt_len - 1:].float()  # type: ignore[operator]
+    best = logits.max(-1).values
+    gap = best - logits.gather(1, tokens[0, prompt_len:, None]).squeeze(1)
+    _, exponent = torch.frexp(best.abs())
+    ulp = torch.ldexp(torch.ones_like(best), exponent - 11)  # fp16 spacing at |best| (10 mantissa bits)
+    return float((gap / ulp).max())
+
+
+def agreement(ctx: Context, model: nn.Module, label: str, ours: torch.Tensor, reference: torch.Tensor,
+              prompt_len: int, greedy: bool) -> str:
+    """One of `AGREEMENTS` for a variant's tokens against HF eager's, with a note (and the gap for greedy)."""
+    if _check_same(ctx, label, ours, reference):
+        return "identical"
+    if not greedy or ours.shape != reference.shape:
+        return "differs"
+    gap = tie_gap_ulps(model, ours, prompt_len)
+    first = int((ours[0] != reference[0]).nonzero()[0]) - prompt_len
+    verdict = "near tie" if gap <= TIE_ULPS else "differs"
+    ctx.note(f"{label}: parts from HF at new token {first}; teacher-forced by HF, every token is within {gap:.2f} "
+             f"fp16 ulps of HF's best logit ({verdict}: <= {TIE_ULPS:g} is a near tie)")
+    return verdict
+
+
 @register("generation", "GPT-2 124M fp16 generation, 128 tokens: HF eager / HF static+compile / per-step graph / "
           "tendril (one graph launch), greedy and 4-beam")
 def run(ctx: Context) -> None:
@@ -183,7 +224,7 @@ def run(ctx: Context) -> None:
                for _ in range(work.prompts)]
     reps = 3 if ctx.quick else 10
     times: dict[tuple[str, int], float] = {}
-    exact: dict[tuple[str, int], bool] = {}
+    agreed: dict[tuple[str, int], str] = {}
     for beams in (1, 4):
         mode = "greedy" if beams == 1 else "beam4"
         variants: list[tuple[str, Callable[[int], Generate]]] = [
@@ -206,7 +247,8 @@ def run(ctx: Context) -> None:
             if (name, beams) not in times:
                 continue
             ours = tendril_generate(model, work.new_tokens, beams, compile_step=compile_step)(prompts[0])
-            exact[(name, beams)] = _check_same(ctx, f"{mode}: {name} vs hf eager", ours, reference)
+            agreed[(name, beams)] = agreement(ctx, model, f"{mode}: {name} vs hf eager", ours, reference,
+                                              work.prompt_len, greedy=beams == 1)
     ctx.note("time to first token is not measured for the compiled variants (each would compile again for a "
              "1-token cache); tendril's compiled step leaves the prompt pass as in 'tendril'")
     _early_eos(ctx, model, prompts, work, reps)
@@ -215,30 +257,38 @@ def run(ctx: Context) -> None:
              f"({dict(lowering.fallback_reasons)}), {lowering.eager} eager")
     for runner in graphed_runners(model):
         ctx.note(f"{runner.name}: {len(runner.stats.graphs)} graphs, fallbacks {dict(runner.stats.fallback_details)}")
-    report_targets(ctx, times, work, exact)
+    report_targets(ctx, times, work, agreed)
 
 
 def report_targets(ctx: Context, times: dict[tuple[str, int], float], work: Workload,
-                   exact: dict[tuple[str, int], bool] | None = None) -> None:
+                   agreed: dict[tuple[str, int], str] | None = None) -> None:
     """The issue's targets from the medians (ms per call) of (variant, num_beams); absent variants are skipped.
 
-    tendril's figure is its fastest variant (`TENDRIL_VARIANTS`) among those whose tokens equal HF eager's
-    (`exact`; all count when it is None), named in a note; an inexact variant is never chosen.
+    tendril's figure is its fastest variant (`TENDRIL_VARIANTS`) among those that agree with HF eager
+    (`agreed`: "identical" or "near tie"; all count when it is None), named in a note, and the fastest with
+    identical tokens is reported beside it; a variant that differs is never chosen.
     """
     originals, times = dict(times), dict(times)
     for beams in (1, 4):
         mode = "greedy" if beams == 1 else "beam4"
         measured = [name for name in TENDRIL_VARIANTS if (name, beams) in originals]
-        candidates = [name for name in measured if exact is None or exact.get((name, beams), False)]
+        level = {name: "identical" if agreed is None else agreed.get((name, beams), "differs") for name in measured}
+        candidates = [name for name in measured if level[name] != "differs"]
         for name in sorted(set(measured) - set(candidates)):
             ctx.note(f"{mode}: '{name}' is left out of the targets: its tokens differ from HF eager's")
         if measured and not candidates:
-            ctx.note(f"{mode}: no tendril variant gave HF's tokens; the targets use the fastest, which is NOT exact")
+            ctx.note(f"{mode}: no tendril variant agreed with HF's tokens; the targets use the fastest, which does NOT")
             candidates = measured
         if candidates:
             best = min(candidates, key=lambda name: originals[(name, beams)])
             times[("tendril", beams)] = originals[(best, beams)]
-            ctx.note(f"targets for {mode} use '{best}'")
+            ctx.note(f"targets for {mode} use '{best}' ({level[best]} tokens)")
+        identical = [name for name in measured if level[name] == "identical"]
+        if identical:
+            fastest = min(identical, key=lambda name: originals[(name, beams)])
+            ctx.add_value(f"{mode} fastest with identical tokens", "tok_per_s",
+                          tokens_per_second(work.new_tokens, originals[(fastest, beams)]))
+            ctx.note(f"{mode}: the fastest variant with HF-identical tokens is '{fastest}'")
     greedy_ms = times.get(("tendril", 1))
     if greedy_ms is not None:
         ctx.target("greedy_tok_per_s", tokens_per_second(work.new_tokens, greedy_ms), Goal(">=", 3000))

@@ -10,7 +10,7 @@ For each step variant (`compile_step` mode, optionally with inductor options):
 - the whole loop graph under the profiler: GPU operations per call, to see what the loop adds to the step.
 `--sweep` also times the fused linear kernel over launch configurations (block sizes, split-K, warps; see
 `sweep_configs`) for GPT-2's five batch-1 projection shapes against cuBLAS (each in a CUDA graph of repeated
-launches, weights rotated through more memory than L2 holds), about a minute.
+launches, weights rotated through more memory than L2 holds), about two minutes.
 
     PYTHONPATH=src:. python3 -m benchmarks.tools.profile_generation --out OUT [--variants eager,inductor,fused]
 
@@ -39,6 +39,7 @@ from torch import nn
 from benchmarks.cases import generation as case
 from tendril.generation import generate
 from tendril.generation.api import DecodeLoop, _state, release_graphs
+from tendril.generation.kernels import pdl
 from tendril.generation.noise import draw_key
 from tendril.graphs.callable import GraphedCallable
 from tendril.graphs.capture import GRAPH_SDPA_BACKENDS, capture
@@ -235,26 +236,32 @@ def _graph_time_us(fn: Callable[[int], Any], copies: int, launches: int = 24, re
     return start.elapsed_time(end) * 1e3 / (reps * launches)
 
 
+SWEEP_SIZE = 16
+"""Launches timed per shape by `--sweep` besides the default (a Triton compilation each: about 2 minutes in all)."""
+
+
 def sweep_configs(out_f: int, in_f: int, k_contiguous: bool) -> list[tuple[int, int, int, int]]:
-    """(BLOCK_N, BLOCK_K, SPLIT_K, num_warps) tried by `--sweep` for one batch-1 shape, the default first: the
-    default's neighbours one factor at a time (warps, split, tile depth, tile width), 8 at most, so the sweep
-    (a Triton compilation each) stays within a minute for the five shapes."""
+    """(BLOCK_N, BLOCK_K, SPLIT_K, num_warps) tried by `--sweep` for one batch-1 shape, the default first, then
+    `SWEEP_SIZE` others drawn (with a fixed seed) from the plausible ones: tiles of 2-16K elements, at least 64
+    programs, at most 4 tiles a program, K split into whole non-empty shares."""
+    import random
+
     from tendril.generation.kernels import linear
 
     d = linear.launch_config(out_f, in_f, 1, k_contiguous=k_contiguous,
                              sm_count=torch.cuda.get_device_properties(0).multi_processor_count)
-    wider, narrower = (d.block_n // 2, d.block_n * 2) if k_contiguous else (d.block_n * 2, d.block_n // 2)
-    candidates = [
-        (d.block_n, d.block_k, d.split_k, d.num_warps),
-        (d.block_n, d.block_k, d.split_k, 2),
-        (d.block_n, d.block_k, d.split_k, 8),
-        (d.block_n, d.block_k, 1, d.num_warps),
-        (d.block_n, d.block_k, max(1, d.split_k // 2), d.num_warps),
-        (d.block_n, d.block_k * 2, max(1, d.split_k // 2), d.num_warps),
-        (wider, d.block_k, d.split_k, d.num_warps),
-        (max(8, narrower), d.block_k, d.split_k, d.num_warps),
-    ]
-    return list(dict.fromkeys(candidates))
+    default = (d.block_n, d.block_k, d.split_k, d.num_warps)
+    pool = []
+    for block_n, block_k, split_k, warps in itertools.product((8, 16, 32, 64, 256), (64, 128, 256, 512),
+                                                             (1, 2, 3, 4, 6, 12), (4, 8)):
+        k_tiles = -(-in_f // block_k)
+        programs = -(-out_f // block_n) * split_k
+        if (2048 <= block_n * block_k <= 16384 and programs >= 64 and split_k <= k_tiles
+                and -(-k_tiles // split_k) <= 4 and k_tiles % split_k == 0
+                and (split_k == 1 or -(-out_f // block_n) <= 1024)):
+            pool.append((block_n, block_k, split_k, warps))
+    random.Random(0).shuffle(pool)
+    return [default, *[c for c in pool if c != default][:SWEEP_SIZE]]
 
 
 def _sweep_shape(label: str, out_f: int, in_f: int, layout: str, with_norm: bool, activation: str,
@@ -317,7 +324,9 @@ def sweep_linear() -> list[dict[str, Any]]:
 def markdown(report: dict[str, Any]) -> str:
     lines = ["# Profile of the greedy decode step (GPT-2 124M fp16, batch 1)", "",
              f"- device: {report['device']}; torch {report['torch']}; {report['new_tokens']} new tokens, "
-             f"prompt {report['prompt_len']}", "",
+             f"prompt {report['prompt_len']}; fused kernels with programmatic dependent launch: "
+             f"{'yes' if report.get('programmatic_launch') else 'no'} (then a kernel's traced time includes its wait "
+             "for the one before, so busy and mean times overlap)", "",
              "| variant | tok/s | ms/token | warm-up s | = HF | step graph ms | ops/step | busy us/step | "
              "gaps us/step | loop ops/call |",
              "|---|---:|---:|---:|---|---:|---:|---:|---:|---:|"]
@@ -367,7 +376,8 @@ def main() -> None:
     prompts = [torch.randint(0, 50257, (1, args.prompt_len), generator=generator).to(device) for _ in range(4)]
     reference = case.hf_eager(model, args.new_tokens, 1)(prompts[0])
     report: dict[str, Any] = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-                              "new_tokens": args.new_tokens, "prompt_len": args.prompt_len, "variants": []}
+                              "new_tokens": args.new_tokens, "prompt_len": args.prompt_len,
+                              "programmatic_launch": pdl.enabled(device), "variants": []}
     for variant in args.variants.split(","):
         print(f"variant {variant} ...", flush=True)
         try:

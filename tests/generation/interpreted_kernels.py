@@ -8,7 +8,7 @@ import os
 import torch
 
 from tendril.generation.kernels import attention
-from tests.generation.kernel_cases import check_attention, check_linear
+from tests.generation.kernel_cases import check_argmax, check_attention, check_linear
 
 
 def main() -> None:
@@ -20,6 +20,7 @@ def main() -> None:
     assert check_linear(torch.float16, "cpu", rows=1, launches=((None, None, None),)) > 0
     for dtype in (torch.float32, torch.float16):
         assert check_attention(dtype, "cpu") > 0  # the GPU test's cases, cache writes compared exactly
+    assert check_argmax("cpu") > 0
     print("interpreted checks passed")
 
 

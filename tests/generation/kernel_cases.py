@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from tendril.generation.kernels import attention, linear, reference
+from tendril.generation.kernels import argmax_kernel, attention, linear, reference
 from tendril.generation.kernels.layers import Norm, Projection
 
 
@@ -32,7 +32,10 @@ def linear_cases(dtype: torch.dtype, device: str) -> list[dict]:
     layer = Norm("layer", vec(k), vec(k), 1e-5)
     rms = Norm("rms", vec(k), None, 1e-6)
     w = [_weight(n, k, dtype, device, conv1d=i == 0) for i, n in enumerate((40, 24, 24))]
+    long = 1100  # a norm over more inputs than one statistics block of a 4-row program (1024)
     return [
+        dict(projection=Projection((_weight(16, long, dtype, device, True),), (vec(16),)),
+             norm=Norm("layer", vec(long), vec(long), 1e-5)),
         dict(projection=Projection((w[0],), (vec(40),)), norm=layer, activation="gelu_tanh"),
         dict(projection=Projection((w[0],), (vec(40),)), norm=layer, activation="gelu"),
         dict(projection=Projection((w[1], w[2]), (None, None)), norm=rms, activation="silu", gated=True),
@@ -47,8 +50,9 @@ LAUNCHES = ((None, None, None), (16, 16, 1), (32, 64, 1), (16, 16, 3), (8, 32, 2
 """(BLOCK_N, BLOCK_K, SPLIT_K) of the linear kernel checked (None: its default, which splits K at these sizes)."""
 
 
-def check_linear(dtype: torch.dtype, device: str, rows: int = 3, launches=LAUNCHES) -> int:
-    """Every linear case at the `launches` configurations; returns the number of comparisons."""
+def check_linear(dtype: torch.dtype, device: str, rows: int = 3, launches=LAUNCHES, pdl: bool | None = None) -> int:
+    """Every linear case at the `launches` configurations (and, in fp16/bf16, the default launch into a float32
+    output); returns the number of comparisons."""
     checked = 0
     for case in linear_cases(dtype, device):
         projection = case["projection"]
@@ -62,10 +66,36 @@ def check_linear(dtype: torch.dtype, device: str, rows: int = 3, launches=LAUNCH
             for _ in range(1 if split_k == 1 else 2):  # a split launch leaves its counters at zero for the next
                 out = torch.full((rows, out_f), float("nan"), device=device, dtype=dtype)
                 got = linear.fused_linear(x, projection, out=out, block_n=block_n, block_k=block_k, split_k=split_k,
-                                          **options)
+                                          pdl=pdl, **options)
                 assert got.data_ptr() == out.data_ptr() and not got.isnan().any()
                 torch.testing.assert_close(got, expected, **_tolerance(dtype))
                 assert not projection.split_k_counters.any()
+            checked += 1
+        if dtype != torch.float32:  # widened on store: the same values, as .float() of the rounded result
+            wide = torch.full((rows, out_f), float("nan"), device=device)
+            got = linear.fused_linear(x, projection, out=wide, pdl=pdl, **options)
+            torch.testing.assert_close(got, expected.float(), **_tolerance(dtype))
+            assert torch.equal(got, got.to(dtype).float())
+            checked += 1
+    return checked
+
+
+def check_argmax(device: str) -> int:
+    """`argmax_kernel.argmax` equals `torch.argmax` on rows with ties, -inf rows, a NaN, one element, and rows
+    longer than one chunk (the interpreter checks short rows; the GPU also a GPT-2 and a 150k vocabulary)."""
+    torch.manual_seed(2)
+    sizes = (1, 7, 1000) + ((50257, argmax_kernel.MAX_BLOCK + 3, 151_936) if device != "cpu" else ())
+    checked = 0
+    for columns in sizes:
+        for dtype in (torch.float32, torch.float16):
+            scores = torch.randn(3, columns, device=device).to(dtype)
+            scores[1] = scores[1].round()  # many ties: the first index wins
+            scores[2, : columns // 2] = float("-inf")
+            if columns > 1:
+                scores[0, columns // 3] = float("nan")
+            assert torch.equal(argmax_kernel.argmax(scores), scores.argmax(-1)), (columns, dtype)
+            assert torch.equal(argmax_kernel.argmax(torch.full_like(scores, float("-inf"))),
+                               torch.zeros(3, dtype=torch.long, device=device))
             checked += 1
     return checked
 
@@ -97,11 +127,16 @@ def check_attention(dtype: torch.dtype, device: str, slots=SLOTS) -> int:
                 slot = torch.tensor([slot_value], device=device)
                 ref_keys, ref_values = keys.clone(), values.clone()
                 expected = reference.decode_attention(q, k, v, ref_keys, ref_values, key_valid, slot, 0.25, rotary)
+                # slots that are not valid may hold anything: the kernel's copy holds NaN there
+                unused = (~key_valid[:, None, :, None]) & (torch.arange(max_len, device=device) != slot_value)[
+                    None, None, :, None]
+                keys, values = keys.masked_fill(unused, float("nan")), values.masked_fill(unused, float("nan"))
                 out = torch.full_like(expected, float("nan"))
                 got = attention.decode_attention(q, k, v, keys, values, key_valid, slot, 0.25, rotary, out=out,
                                                  block_s=8)
                 assert not got.isnan().any()
                 torch.testing.assert_close(got, expected, **_tolerance(dtype))
-                assert torch.equal(keys, ref_keys) and torch.equal(values, ref_values)
+                for cache, ref_cache in ((keys, ref_keys), (values, ref_values)):
+                    assert torch.equal(cache.masked_fill(unused, 0), ref_cache.masked_fill(unused, 0))
                 checked += 1
     return checked

@@ -134,3 +134,51 @@ def test_triton_kernels_match_their_references_under_the_interpreter():
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "interpreted checks passed" in result.stdout
+
+
+def _gpt2_projection(out_f: int, in_f: int, conv1d: bool, dtype: torch.dtype = torch.float16) -> Projection:
+    w = torch.zeros(out_f, in_f, dtype=dtype)
+    bias = torch.zeros(out_f, dtype=dtype) if conv1d else None
+    return Projection((w.t().contiguous().t() if conv1d else w,), (bias,))
+
+
+def test_decode_kernels_compile_for_hopper():
+    """The kernels as a GPT-2 / Llama decode launches them (PDL on) compile for sm_90: type errors the
+    interpreter cannot see (hopper_compile.py)."""
+    from tendril.generation.kernels import argmax_kernel, attention, linear
+    from tests.generation.hopper_compile import hopper_compile
+
+    half = torch.float16
+    norm = Norm("layer", torch.ones(768, dtype=half), torch.zeros(768, dtype=half), 1e-5)
+    x, wide = torch.zeros(1, 768, dtype=half), torch.zeros(4, 3072, dtype=half)
+    gate, up = (Projection((torch.zeros(64, 48, dtype=half), torch.zeros(64, 48, dtype=half)), (None, None)),
+                torch.zeros(4, 48, dtype=half))
+    rms = Norm("rms", torch.ones(48, dtype=half), None, 1e-6)
+    launches = [
+        lambda: linear.fused_linear(x, _gpt2_projection(2304, 768, True), norm=norm, pdl=True),
+        lambda: linear.fused_linear(wide[:1], _gpt2_projection(768, 3072, True), addends=(x,), pdl=True),
+        lambda: linear.fused_linear(x, _gpt2_projection(50257, 768, False), norm=norm, pdl=True,
+                                    out=torch.zeros(1, 50257)),
+        lambda: linear.fused_linear(wide, _gpt2_projection(16, 3072, True),
+                                    norm=Norm("layer", torch.ones(3072, dtype=half), None, 1e-5), pdl=True),
+        lambda: linear.fused_linear(up, gate, norm=rms, activation="silu", gated=True, pdl=True),
+    ]
+    for launch in launches:
+        assert hopper_compile(linear._fused_linear_kernel, launch) == 1
+    cache = torch.zeros(1, 2, 144, 32, dtype=half)
+    qkv = torch.zeros(1, 3 * 64, dtype=half)
+    q, k, v = qkv.split(64, dim=1)
+    tables = torch.zeros(1, 32, dtype=half)
+    assert hopper_compile(attention._decode_attention_kernel, lambda: attention.decode_attention(
+        q, k, v, cache, cache.clone(), torch.ones(1, 144, dtype=torch.bool), torch.zeros(1, dtype=torch.long),
+        0.125, ("half", tables, tables), pdl=True)) == 1
+    assert hopper_compile(argmax_kernel._argmax_kernel, lambda: argmax_kernel.argmax(torch.zeros(1, 50257),
+                                                                                     pdl=True)) == 1
+
+
+def test_programmatic_launch_is_off_without_a_hopper_gpu(monkeypatch):
+    from tendril.generation.kernels import pdl
+
+    assert not pdl.enabled(torch.device("cpu"))
+    monkeypatch.setenv("TENDRIL_PDL", "0")
+    assert not pdl.enabled(torch.device("cuda"))  # switched off before the device is asked

@@ -8,21 +8,30 @@ import torch
 
 from tendril.generation import generate
 from tendril.generation.api import graphed_runners, release_graphs
-from tendril.generation.kernels import linear, reference
+from tendril.generation.kernels import linear, pdl, reference
 from tendril.generation.kernels.layers import Norm, Projection
 from tendril.generation.noise import draw_key
-from tests.generation.kernel_cases import check_attention, check_linear
+from tests.generation.kernel_cases import check_argmax, check_attention, check_linear
 from tests.generation.models import hf_generate, left_padded, tiny_model
 
 pytestmark = pytest.mark.gpu
 NEW = 16
 
 
+@pytest.mark.parametrize("pdl", [True, False])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-def test_linear_kernel_matches_reference(dtype):
-    assert check_linear(dtype, "cuda", rows=1) > 0
-    assert check_linear(dtype, "cuda", rows=4) > 0
-    assert check_linear(dtype, "cuda", rows=6, launches=((None, None, None),)) > 0  # two row groups, one half full
+def test_linear_kernel_matches_reference(dtype, pdl):
+    assert check_linear(dtype, "cuda", rows=1, pdl=pdl) > 0
+    assert check_linear(dtype, "cuda", rows=4, pdl=pdl) > 0
+    assert check_linear(dtype, "cuda", rows=6, launches=((None, None, None),), pdl=pdl) > 0  # a half-full row group
+
+
+def test_argmax_kernel_matches_torch():
+    assert check_argmax("cuda") > 0
+
+
+def test_decode_kernels_overlap_on_hopper():
+    assert pdl.enabled(torch.device("cuda")) == (torch.cuda.get_device_capability() >= (9, 0))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])

@@ -116,12 +116,14 @@ def generate(
     to disable stopping on eos. `seed` makes sampling reproducible (torch's default generator otherwise).
     `compile_step` chooses how the one-token decode forward runs inside the loop graph: False (the
     architecture's forward, eager kernels), True or "inductor" (`torch.compile`d; the first call per shape
-    pays the compilation), "fused" (tendril's fused Triton kernels: five per layer, no compilation step;
-    GPT-2, GPT-J and the Llama family; see `tendril.generation.kernels`). What "fused" guarantees: in fp32
-    the same tokens as HF (tested for greedy and beams on every family); in fp16/bf16 the same computation,
-    rounded to the dtype wherever HF's eager forward rounds, but its matrix products sum in another order
-    than cuBLAS, so logits differ in the last bits and tokens can differ from HF's where two candidates
-    are nearly tied: numerically equivalent, not bit-identical. Use False or True for HF-exact fp16 tokens.
+    pays the compilation), "fused" (tendril's fused Triton kernels: five per layer, no compilation step,
+    overlapped by programmatic dependent launch on Hopper; GPT-2, GPT-J and the Llama family; greedy GPT-2
+    fp16 on the H200 runs 1.9x faster than with "inductor"; see `tendril.generation.kernels`). What "fused"
+    guarantees: in fp32 the same tokens as HF (tested for greedy and beams on every family); in fp16/bf16
+    the same computation, rounded to the dtype wherever HF's eager forward rounds, but its matrix products
+    sum in another order than cuBLAS, so logits differ in the last bits and tokens can differ from HF's
+    where two candidates are (nearly) tied: numerically equivalent, not bit-identical. Use False or True
+    for HF-exact fp16 tokens.
     `unsupported='hf'` runs HF's own `generate` eagerly for models tendril has no decode path for.
     """
     if other:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 
+from tendril.generation import kernels
 from tendril.generation.noise import gumbel
 from tendril.generation.state import Decoder
 
@@ -54,7 +55,7 @@ class TokenSearch:
         scores = decoder.process(logits, sequences, length)
         if decoder.processing.do_sample:
             scores = scores + gumbel(decoder.noise_key, step, *scores.shape)
-        tokens = scores.argmax(-1)
+        tokens = kernels.argmax(scores)
         if decoder.has_eos:
             tokens = torch.where(unfinished, tokens, self.pad_token_id)
             unfinished = unfinished & ~decoder.is_eos(tokens)

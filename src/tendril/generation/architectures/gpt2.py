@@ -89,6 +89,6 @@ class GPT2(DecoderArchitecture):
                 hidden = fused_linear(out, attn_out, addends=(hidden,))
                 hidden = fused_linear(fused_linear(hidden, fc, norm=ln_2, activation=activation), mlp_out,
                                       addends=(hidden,))
-            return fused_linear(hidden, head, norm=final_norm).float()
+            return fused_linear(hidden, head, norm=final_norm, out_dtype=torch.float32)
 
         return forward

@@ -107,7 +107,7 @@ class GPTJ(DecoderArchitecture):
                 attended = fused_linear(out, attn_out)
                 hidden = fused_linear(fused_linear(hidden, fc_in, norm=ln_1, activation=activation), fc_out,
                                       addends=(attended, hidden))
-            return fused_linear(hidden, head, norm=final_norm).float()
+            return fused_linear(hidden, head, norm=final_norm, out_dtype=torch.float32)
 
         return forward
 

@@ -114,6 +114,6 @@ class Llama(DecoderArchitecture):
                 hidden = fused_linear(out, attn_out, addends=(hidden,))
                 gated = fused_linear(hidden, gate_up, norm=norm_2, activation=activation, gated=True)
                 hidden = fused_linear(gated, down, addends=(hidden,))
-            return fused_linear(hidden, head, norm=final_norm).float()
+            return fused_linear(hidden, head, norm=final_norm, out_dtype=torch.float32)
 
         return forward

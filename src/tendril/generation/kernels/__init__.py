@@ -1,8 +1,9 @@
 """Fused kernels of one-token decode steps (`generate(compile_step="fused")`).
 
 `linear.py` (norm + projection + activation + residual adds), `attention.py` (cache write + rotary +
-attention of one query over the static cache), `reference.py` (plain PyTorch with the same numerics),
-`layers.py` (norms and projections read from HF modules). The functions here run the Triton kernels on
+attention of one query over the static cache), `argmax_kernel.py` (the token choice), `reference.py` (plain
+PyTorch with the same numerics), `layers.py` (norms and projections read from HF modules), `pdl.py`
+(how consecutive kernels overlap). The functions here run the Triton kernels on
 CUDA tensors and the references elsewhere (the CPU), so a fused decode path runs, slowly, without a GPU;
 on the CPU under Triton's interpreter (`TRITON_INTERPRET=1`) they run the kernels (that is how CI tests
 them without a GPU).
@@ -18,7 +19,7 @@ import torch
 from tendril.generation.kernels import reference
 from tendril.generation.kernels.layers import Norm, Projection, activation_for
 
-__all__ = ["Norm", "Projection", "activation_for", "decode_attention", "fused_linear"]
+__all__ = ["Norm", "Projection", "activation_for", "argmax", "decode_attention", "fused_linear"]
 
 
 def _use_triton(x: torch.Tensor) -> bool:
@@ -39,13 +40,31 @@ def fused_linear(
     activation: str = "none",
     gated: bool = False,
     addends: Sequence[torch.Tensor] = (),
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
-    """`addends + act(projection(norm(x)))` ([rows, in] -> [rows, out]); see `reference.fused_linear`."""
+    """`addends + act(projection(norm(x)))` ([rows, in] -> [rows, out]); see `reference.fused_linear`.
+    `out_dtype=torch.float32` returns the result (rounded to x's dtype) widened, as `.float()` would,
+    without a kernel of its own."""
     if _use_triton(x):
         from tendril.generation.kernels import linear
 
-        return linear.fused_linear(x, projection, norm=norm, activation=activation, gated=gated, addends=addends)
-    return reference.fused_linear(x, projection, norm=norm, activation=activation, gated=gated, addends=addends)
+        out = None
+        if out_dtype is not None and out_dtype != x.dtype:
+            out = torch.empty(x.shape[0], projection.out_sizes[0] if gated else projection.out_features,
+                              dtype=out_dtype, device=x.device)
+        return linear.fused_linear(x, projection, norm=norm, activation=activation, gated=gated, addends=addends,
+                                   out=out)
+    result = reference.fused_linear(x, projection, norm=norm, activation=activation, gated=gated, addends=addends)
+    return result if out_dtype is None else result.to(out_dtype)
+
+
+def argmax(scores: torch.Tensor) -> torch.Tensor:
+    """`scores.argmax(-1)` of [rows, columns] scores: one Triton kernel on CUDA (see `argmax_kernel.py`)."""
+    if _use_triton(scores) and scores.dim() == 2 and scores.stride(1) == 1:
+        from tendril.generation.kernels import argmax_kernel
+
+        return argmax_kernel.argmax(scores)
+    return scores.argmax(-1)
 
 
 def decode_attention(

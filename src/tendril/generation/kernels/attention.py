@@ -7,7 +7,11 @@ output, in place), applies the rotary embedding when there is one, stores the ke
 (the first query head of each kv group does; the others use the values in registers, so no program reads
 a slot another is writing), and runs an online softmax over the valid slots before the query's, in
 blocks of `BLOCK_S`, seeded with its own key. The slot is read on the device: the loop covers only slots
-written so far, and one compiled kernel serves every step.
+written so far, and one compiled kernel serves every step. A block's keys, values and validity flags load
+at once (the flags mask the scores and values afterwards, not the loads), and by default a block is the
+whole cache up to `MAX_BLOCK_S` slots: one memory round trip per step for GPT-2. Under programmatic
+dependent launch (`pdl.py`) the kernel starts during the projection before it and waits for it first
+thing: everything it reads is written in the step.
 
 The kernel is compiled with `enable_fp_fusion=False`: in float32 the compiler would otherwise contract the
 rotary embedding's `x * cos + rotate(x) * sin` into a fused multiply-add, one rounding where HF's eager ops
@@ -23,6 +27,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from tendril.generation.kernels import pdl as programmatic
 
 _ROTARY = {None: 0, "half": 1, "interleaved": 2}
 
@@ -55,7 +61,11 @@ def _decode_attention_kernel(
     BLOCK_S: tl.constexpr,
     ROTARY: tl.constexpr,
     ROTARY_DIM: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    if PDL:  # nothing here is constant during a step: start early, then wait for the previous kernel
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     row = tl.program_id(0)
     head = tl.program_id(1)
     kv_head = head // GROUP
@@ -103,15 +113,17 @@ def _decode_attention_kernel(
     acc = v_new
     for start in range(0, slot, BLOCK_S):
         s = start + tl.arange(0, BLOCK_S)  # [BLOCK_S]
+        # the three loads are independent (masking the cache reads by `valid` would wait for it)
         valid = tl.load(valid_ptr + row * stride_valid + s, mask=s < slot, other=0) != 0
         offsets = cache_row + s[:, None] * stride_cs + d[None, :]  # [BLOCK_S, BLOCK_D]
-        tile_mask = valid[:, None] & d_mask[None, :]
+        tile_mask = (s < slot)[:, None] & d_mask[None, :]
         keys = tl.load(keys_ptr + offsets, mask=tile_mask, other=0.0).to(tl.float32)
+        values = tl.load(values_ptr + offsets, mask=tile_mask, other=0.0).to(tl.float32)
         scores = tl.where(valid, tl.sum(keys * q[None, :], axis=1) * scale, float("-inf"))
         m_new = tl.maximum(m, tl.max(scores, axis=0))
         alpha = tl.exp(m - m_new)
         p = tl.exp(scores - m_new)  # [BLOCK_S]
-        values = tl.load(values_ptr + offsets, mask=tile_mask, other=0.0).to(tl.float32)
+        values = tl.where(valid[:, None], values, 0.0)  # a slot never written may hold anything
         acc = acc * alpha + tl.sum(p[:, None] * values, axis=0)
         denominator = denominator * alpha + tl.sum(p, axis=0)
         m = m_new
@@ -120,6 +132,9 @@ def _decode_attention_kernel(
 
 INTERPRETED = not isinstance(_decode_attention_kernel, triton.runtime.JITFunction)
 """True when Triton runs kernels in its interpreter (TRITON_INTERPRET=1 when this module was imported)."""
+
+MAX_BLOCK_S = 256
+"""Largest default slot block: a GPT-2 cache of up to 256 slots is read in one block (one memory round trip)."""
 
 
 def decode_attention(
@@ -134,11 +149,13 @@ def decode_attention(
     rotary: tuple[str, torch.Tensor, torch.Tensor] | None = None,
     *,
     out: torch.Tensor | None = None,
-    block_s: int = 64,
+    block_s: int | None = None,
     num_warps: int = 4,
+    pdl: bool | None = None,
 ) -> torch.Tensor:
     """The Triton kernel of `reference.decode_attention` (same arguments and result), writing into `out`
-    ([rows, heads * head_dim], contiguous rows) when given."""
+    ([rows, heads * head_dim], contiguous rows) when given. `block_s` slots per block default to the cache
+    length up to `MAX_BLOCK_S`; `pdl` as in `pdl.enabled`."""
     rows, kv_heads, max_len, head_dim = keys.shape
     if values.shape != keys.shape or values.stride() != keys.stride() or keys.stride(3) != 1:
         raise ValueError(f"keys and values must share shape and strides with contiguous head_dim, got "
@@ -161,6 +178,11 @@ def decode_attention(
                                or rotary_dim > head_dim or rotary_dim % 2):
         raise ValueError(f"rotary cos/sin must be [{rows}, R] (R even, <= {head_dim}) with equal strides, got "
                          f"{tuple(cos.shape)} and {tuple(sin.shape)}")
+    if block_s is None:
+        block_s = min(triton.next_power_of_2(max_len), MAX_BLOCK_S)
+    if pdl is None:
+        pdl = programmatic.enabled(q.device)
+    pdl = pdl and not INTERPRETED
     if out is None:
         out = torch.empty(rows, heads * head_dim, dtype=q.dtype, device=q.device)
     elif out.shape != (rows, heads * head_dim) or out.stride(1) != 1 or out.dtype != q.dtype:
@@ -179,7 +201,9 @@ def decode_attention(
         BLOCK_S=block_s,
         ROTARY=_ROTARY[kind],
         ROTARY_DIM=rotary_dim,
+        PDL=pdl,
         num_warps=num_warps,
         enable_fp_fusion=False,
+        launch_pdl=pdl,
     )
     return out

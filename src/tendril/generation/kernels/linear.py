@@ -6,20 +6,24 @@ after it as more kernels. Here one kernel does all of it.
 
 Work split. A program owns `BLOCK_N` output columns of `BLOCK_M` rows (all rows of a decode step up to
 4, so the weights are read once for them) and a `1/SPLIT_K` share of the input features, streamed in
-`[BLOCK_K, BLOCK_N]` weight tiles. A GPT-2 projection at batch 1 has only 12-48 column blocks, far fewer
-than the GPU's SMs, and a program that walks all of K is a chain of dependent memory round trips; so
-small launches split K until about two programs per SM are running (`launch_config`). With
-`SPLIT_K > 1` each program stores its float32 partial sums, then counts its arrival on its block's
-counter (an acq_rel atomic, after a CTA barrier); the last program of the block to arrive reads the
-`SPLIT_K` partials back in a fixed order (so results do not depend on arrival order) and runs the
-epilogue, then resets the counter to zero for the next launch. No second kernel, no memset per launch:
-the counters belong to the `Projection` (`layers.SPLIT_K_LOCKS` of them).
+`[BLOCK_K, BLOCK_N]` weight tiles, two in flight. With `SPLIT_K > 1` each program stores its float32
+partial sums, then counts its arrival on its block's counter (an acq_rel atomic, after a CTA barrier);
+the last program of the block to arrive reads the `SPLIT_K` partials back in a fixed order (so results
+do not depend on arrival order) and runs the epilogue, then resets the counter to zero for the next
+launch. No second kernel, no memset per launch: the counters belong to the `Projection`
+(`layers.SPLIT_K_LOCKS` of them). `launch_config` chooses the split (see there).
 
-Each program recomputes the norm's statistics from its input rows (a few KiB, read from L2), in one
-load when a row fits `STATS_BLOCK`. Accumulation is float32; bias, activation and addends are applied
-before the one store. Rounding to the tensor dtype happens where HF's eager forward rounds (see
-`reference.py`), so fp16 results track HF's closely, but the summation order differs from cuBLAS's:
-in fp16 the outputs are not bit-identical to HF's.
+Memory round trips. A batch-1 projection is a few microseconds, and most of it is waiting for memory, so
+the kernel orders its loads to overlap. Under programmatic dependent launch (`pdl.py`) the first two
+weight tiles and the bias load before the program waits for the previous kernel; after the wait it loads
+the addends (residuals) and the input row for the norm's statistics together, in one load when the row
+fits `STATS_BLOCK`, and the input tiles of its loop then come from L1.
+
+Numerics. Accumulation is float32; bias, activation and addends are applied before the one store.
+Rounding to the input's dtype happens where HF's eager forward rounds (see `reference.py`), so fp16
+results track HF's closely, but the summation order differs from cuBLAS's: in fp16 the outputs are not
+bit-identical to HF's. A float32 `out` receives the rounded result widened (the LM head's logits, as
+HF's `.float()`).
 
 A projection may have up to three weight matrices whose outputs are concatenated (Llama's q, k and v):
 the programs are split between them by their column blocks. `GATED` computes two matrices per program
@@ -37,6 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
+from tendril.generation.kernels import pdl as programmatic
 from tendril.generation.kernels.layers import ACTIVATIONS, SPLIT_K_LOCKS, Norm, Projection
 
 _NORMS = {None: 0, "layer": 1, "rms": 2}
@@ -82,11 +87,13 @@ def _fused_linear_kernel(
     SPLIT_K: tl.constexpr,
     SPLIT_K_POW2: tl.constexpr,
     STATS_BLOCK: tl.constexpr,
+    STATS_ONE_LOAD: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     split = tl.program_id(1)
     row_group = tl.program_id(2)
-    DTYPE = out_ptr.dtype.element_ty
+    DTYPE = x_ptr.dtype.element_ty
     rows = row_group * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M]
     m_mask = rows < M
     x_rows_ptr = x_ptr + rows[:, None] * stride_xm  # [BLOCK_M, 1]
@@ -103,38 +110,78 @@ def _fused_linear_kernel(
     offs_n = block * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] columns within the segment
     n_mask = offs_n < n_size
 
-    # the norm's statistics per row, two-pass as PyTorch's (one load of each row when it fits STATS_BLOCK)
-    mean = tl.zeros([BLOCK_M], dtype=tl.float32)
-    rstd = tl.full([BLOCK_M], 1.0, dtype=tl.float32)
-    if NORM != 0:
-        total = tl.zeros([BLOCK_M, STATS_BLOCK], dtype=tl.float32)
-        if NORM == 1:
-            for k0 in range(0, K, STATS_BLOCK):
-                offs_k = k0 + tl.arange(0, STATS_BLOCK)
-                stats_mask = m_mask[:, None] & (offs_k < K)[None, :]
-                total += tl.load(x_rows_ptr + offs_k[None, :], mask=stats_mask, other=0.0).to(tl.float32)
-            mean = tl.sum(total, axis=1) / K
-            total = tl.zeros([BLOCK_M, STATS_BLOCK], dtype=tl.float32)
-        for k0 in range(0, K, STATS_BLOCK):
-            offs_k = k0 + tl.arange(0, STATS_BLOCK)
-            stats_mask = m_mask[:, None] & (offs_k < K)[None, :]
-            x = tl.load(x_rows_ptr + offs_k[None, :], mask=stats_mask, other=0.0).to(tl.float32)
-            centered = tl.where(stats_mask, x - mean[:, None], 0.0)
-            total += centered * centered
-        rstd = 1.0 / tl.sqrt(tl.sum(total, axis=1) / K + eps)
-
     # this program's share of K: whole tiles, the last share possibly shorter
     tiles_per_split = ((K + BLOCK_K - 1) // BLOCK_K + SPLIT_K - 1) // SPLIT_K
     k_begin = split * tiles_per_split * BLOCK_K
     k_end = tl.minimum(k_begin + tiles_per_split * BLOCK_K, K)
+
+    # weights never change during a decode: the first two tiles load before waiting for the previous kernel,
+    # and the loop keeps two tiles in flight (a tile past the share is fully masked: no memory traffic)
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+    offs_k = k_begin + tl.arange(0, BLOCK_K)  # [BLOCK_K]
+    w_offsets = offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wk  # [BLOCK_K, BLOCK_N]
+    tile_mask = (offs_k < k_end)[:, None] & n_mask[None, :]
+    next_mask = (offs_k + BLOCK_K < k_end)[:, None] & n_mask[None, :]
+    w = tl.load(w_ptr + w_offsets, mask=tile_mask, other=0.0)
+    w_next = tl.load(w_ptr + w_offsets + BLOCK_K * stride_wk, mask=next_mask, other=0.0)
+    w_up = w
+    w_up_next = w_next
+    if GATED:
+        w_up = tl.load(w1_ptr + w_offsets, mask=tile_mask, other=0.0)
+        w_up_next = tl.load(w1_ptr + w_offsets + BLOCK_K * stride_wk, mask=next_mask, other=0.0)
+    bias = tl.zeros([BLOCK_N], dtype=tl.float32)
+    bias_up = bias
+    if HAS_BIAS:
+        bias = tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+        if GATED:
+            bias_up = tl.load(b1_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+    if PDL:
+        tl.extra.cuda.gdc_wait()  # everything below may read what earlier kernels wrote
+
+    # the addends now, so their loads overlap the input's (each load is a round trip to L2)
+    cols = col0 + offs_n
+    out_mask = m_mask[:, None] & n_mask[None, :]  # [BLOCK_M, BLOCK_N]
+    add0 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    add1 = add0
+    if ADDENDS >= 1:
+        add0 = tl.load(add0_ptr + rows[:, None] * stride_a0m + cols[None, :], mask=out_mask, other=0.0)
+    if ADDENDS >= 2:
+        add1 = tl.load(add1_ptr + rows[:, None] * stride_a1m + cols[None, :], mask=out_mask, other=0.0)
+
+    # the norm's statistics per row, two-pass as PyTorch's (one load of each row when it fits STATS_BLOCK)
+    mean = tl.zeros([BLOCK_M], dtype=tl.float32)
+    rstd = tl.full([BLOCK_M], 1.0, dtype=tl.float32)
+    if NORM != 0 and STATS_ONE_LOAD:
+        offs_s = tl.arange(0, STATS_BLOCK)
+        stats_mask = m_mask[:, None] & (offs_s < K)[None, :]
+        x_row = tl.load(x_rows_ptr + offs_s[None, :], mask=stats_mask, other=0.0).to(tl.float32)
+        if NORM == 1:
+            mean = tl.sum(x_row, axis=1) / K
+        centered = tl.where(stats_mask, x_row - mean[:, None], 0.0)
+        rstd = 1.0 / tl.sqrt(tl.sum(centered * centered, axis=1) / K + eps)
+    elif NORM != 0:
+        total = tl.zeros([BLOCK_M, STATS_BLOCK], dtype=tl.float32)
+        if NORM == 1:
+            for k0 in range(0, K, STATS_BLOCK):
+                offs_s = k0 + tl.arange(0, STATS_BLOCK)
+                stats_mask = m_mask[:, None] & (offs_s < K)[None, :]
+                total += tl.load(x_rows_ptr + offs_s[None, :], mask=stats_mask, other=0.0).to(tl.float32)
+            mean = tl.sum(total, axis=1) / K
+            total = tl.zeros([BLOCK_M, STATS_BLOCK], dtype=tl.float32)
+        for k0 in range(0, K, STATS_BLOCK):
+            offs_s = k0 + tl.arange(0, STATS_BLOCK)
+            stats_mask = m_mask[:, None] & (offs_s < K)[None, :]
+            x_row = tl.load(x_rows_ptr + offs_s[None, :], mask=stats_mask, other=0.0).to(tl.float32)
+            centered = tl.where(stats_mask, x_row - mean[:, None], 0.0)
+            total += centered * centered
+        rstd = 1.0 / tl.sqrt(tl.sum(total, axis=1) / K + eps)
+
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(k_begin, k_end, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)  # [BLOCK_K]
         k_mask = offs_k < k_end
-        w_offsets = offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wk  # [BLOCK_K, BLOCK_N]
-        tile_mask = k_mask[:, None] & n_mask[None, :]
-        w = tl.load(w_ptr + w_offsets, mask=tile_mask, other=0.0).to(tl.float32)
         x_mask = m_mask[:, None] & k_mask[None, :]
         x = tl.load(x_rows_ptr + offs_k[None, :], mask=x_mask, other=0.0).to(tl.float32)  # [BLOCK_M, BLOCK_K]
         if NORM == 1:  # LayerNorm, output rounded to DTYPE
@@ -147,13 +194,18 @@ def _fused_linear_kernel(
             gain = tl.load(norm_w_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)
             x = (x * rstd[:, None]).to(DTYPE).to(tl.float32)
             x = (x * gain[None, :]).to(DTYPE).to(tl.float32)
-        acc += tl.sum(x[:, :, None] * w[None, :, :], axis=1)
+        acc += tl.sum(x[:, :, None] * w.to(tl.float32)[None, :, :], axis=1)
         if GATED:
-            w_up = tl.load(w1_ptr + w_offsets, mask=tile_mask, other=0.0).to(tl.float32)
-            acc_up += tl.sum(x[:, :, None] * w_up[None, :, :], axis=1)
+            acc_up += tl.sum(x[:, :, None] * w_up.to(tl.float32)[None, :, :], axis=1)
+        ahead = offs_k + 2 * BLOCK_K  # the tile after the next one
+        w_offsets = offs_n[None, :] * stride_wn + ahead[:, None] * stride_wk
+        tile_mask = (ahead < k_end)[:, None] & n_mask[None, :]
+        w = w_next
+        w_next = tl.load(w_ptr + w_offsets, mask=tile_mask, other=0.0)
+        if GATED:
+            w_up = w_up_next
+            w_up_next = tl.load(w1_ptr + w_offsets, mask=tile_mask, other=0.0)
 
-    cols = col0 + offs_n
-    out_mask = m_mask[:, None] & n_mask[None, :]  # [BLOCK_M, BLOCK_N]
     if SPLIT_K > 1:
         # partials [SPLIT_K, 1 + GATED, M, columns]; the block's last program to arrive sums them in split order
         columns = N0 if GATED else N0 + N1 + N2
@@ -177,10 +229,7 @@ def _fused_linear_kernel(
                                     cache_modifier=".cg"), axis=0)
         tl.store(lock_ptr, 0, mask=last)  # every program has arrived: ready for the next launch
 
-    y = acc
-    if HAS_BIAS:
-        y += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-    y = y.to(DTYPE).to(tl.float32)
+    y = (acc + bias[None, :]).to(DTYPE).to(tl.float32)
     # the activation (inline: the interpreter re-patches triton.language on every nested jit call)
     if ACTIVATION == 1:  # gelu_tanh, with tanh(u) = 1 - 2 / (exp(2u) + 1)
         u = 0.7978845608028654 * (y + 0.044715 * y * y * y)
@@ -192,26 +241,27 @@ def _fused_linear_kernel(
     elif ACTIVATION == 4:  # relu
         y = tl.maximum(y, 0.0)
     if GATED:  # act(gate) * up, each rounded
-        up = acc_up
-        if HAS_BIAS:
-            up += tl.load(b1_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        up = acc_up + bias_up[None, :]
         y = y.to(DTYPE).to(tl.float32) * up.to(DTYPE).to(tl.float32)
     y = y.to(DTYPE).to(tl.float32)
     if ADDENDS >= 1:  # each sum rounded, as HF's residual adds
-        add0 = tl.load(add0_ptr + rows[:, None] * stride_a0m + cols[None, :], mask=out_mask, other=0.0)
         y = (y + add0.to(tl.float32)).to(DTYPE).to(tl.float32)
     if ADDENDS >= 2:
-        add1 = tl.load(add1_ptr + rows[:, None] * stride_a1m + cols[None, :], mask=out_mask, other=0.0)
         y = (y + add1.to(tl.float32)).to(DTYPE).to(tl.float32)
-    tl.store(out_ptr + rows[:, None] * stride_om + cols[None, :], y.to(DTYPE), mask=out_mask)
+    tl.store(out_ptr + rows[:, None] * stride_om + cols[None, :], y.to(out_ptr.dtype.element_ty), mask=out_mask)
 
+
+INTERPRETED = not isinstance(_fused_linear_kernel, triton.runtime.JITFunction)
+"""True when Triton runs kernels in its interpreter (TRITON_INTERPRET=1 when this module was imported)."""
 
 TILE_BYTES = 16384
-"""Weight bytes a program reads per tile by default (8192 fp16 elements)."""
+"""Weight bytes a program reads per tile by default (8192 fp16 elements), shared by its rows."""
 MAX_ROWS_PER_PROGRAM = 4
 """Rows a program computes together (reading each weight tile once for all of them)."""
-MAX_TILES_PER_PROGRAM = 4
-"""Weight tiles one program streams in turn (each a dependent memory round trip) before K is split further."""
+PREFETCHED_TILES = 2
+"""Weight tiles a program loads before it waits for the previous kernel (and keeps in flight in its loop)."""
+CONTIGUOUS_ROW_COLUMNS = 16
+"""Columns of a tile when columns are contiguous in memory (Conv1D): 32 bytes of fp16, one memory sector."""
 
 
 @dataclass(frozen=True)
@@ -248,30 +298,41 @@ def launch_config(
     """The default launch of a projection with `columns` output columns (per segment block count as one
     matrix of that many columns), `in_features` inputs and `rows` rows.
 
-    Tiles of `TILE_BYTES` (fewer per row when a program computes several rows), shaped for coalesced
-    reads: 64 columns wide when columns are contiguous in memory (Conv1D), up to 256 deep when the inputs
-    are (nn.Linear). If that gives fewer than two programs per SM, tiles get shallower (down to 32) and
-    then K is split, up to one tile per program; K is also split so that no program streams more than
-    `MAX_TILES_PER_PROGRAM` tiles. Splitting needs a counter per column block and row group, so launches with
-    more than `layers.SPLIT_K_LOCKS` of those (which fill the GPU anyway) do not split."""
+    Under programmatic dependent launch (`pdl.py`) a program's weight loads overlap the previous kernel
+    only for the tiles it loads before its wait, `PREFETCHED_TILES`; so K is split until no program has
+    more, and a split-K reduction (a round trip through L2 on the critical path) is avoided when it can be.
+    Tiles of `TILE_BYTES`, shaped for coalesced reads: up to 256 deep when the inputs are contiguous in
+    memory (nn.Linear), `CONTIGUOUS_ROW_COLUMNS` wide when the columns are (Conv1D). If that leaves fewer
+    programs than SMs, K is split down to one tile per program, then tiles get shallower (down to 32).
+    Splitting needs a counter per column block and row group, so launches with more than
+    `layers.SPLIT_K_LOCKS` of those (which fill the GPU anyway) do not split. A launch that splits anyway
+    takes one tile per program, twice as wide and half as deep. On the H200 this choice was the fastest of
+    17 launches timed for four of GPT-2's five batch-1 projections, and 11% off for the fifth (the sweep in
+    `benchmarks/results/profile_generation.md`)."""
     block_m = min(triton.next_power_of_2(max(rows, 1)), MAX_ROWS_PER_PROGRAM)
-    tile = max(TILE_BYTES // element_size // block_m, 256)
+    tile = TILE_BYTES // element_size // block_m
     if k_contiguous:
         block_k = min(triton.next_power_of_2(in_features), 256)
         block_n = max(_pow2_at_most(tile // block_k), 8)
     else:
-        block_n = min(triton.next_power_of_2(columns), 64)
-        block_k = max(_pow2_at_most(tile // block_n), 16)
-    groups = triton.cdiv(rows, block_m)
-    target = 2 * sm_count
-    n_blocks = triton.cdiv(columns, block_n)
-    while n_blocks * groups * triton.cdiv(in_features, block_k) < target and block_k > 32:
+        block_n = min(triton.next_power_of_2(columns), CONTIGUOUS_ROW_COLUMNS)
+        block_k = min(max(_pow2_at_most(tile // block_n), 16), triton.next_power_of_2(in_features))
+    programs_per_split = triton.cdiv(columns, block_n) * triton.cdiv(rows, block_m)
+    while True:
+        k_tiles = triton.cdiv(in_features, block_k)
+        split_k = triton.cdiv(k_tiles, PREFETCHED_TILES)
+        if programs_per_split * split_k < sm_count:
+            split_k = k_tiles
+        if programs_per_split * split_k >= sm_count or block_k <= 32:
+            break
         block_k //= 2
-    k_tiles = triton.cdiv(in_features, block_k)
-    split_k = 1
-    if n_blocks * groups <= SPLIT_K_LOCKS:
-        split_k = min(k_tiles, max(triton.cdiv(target, n_blocks * groups), triton.cdiv(k_tiles, MAX_TILES_PER_PROGRAM)))
-        split_k = triton.cdiv(k_tiles, triton.cdiv(k_tiles, split_k))  # no empty shares
+    if programs_per_split > SPLIT_K_LOCKS:
+        split_k = 1
+    elif 1 < split_k < k_tiles and not k_contiguous and block_k >= 64:
+        # the reduction is paid anyway: one tile per program, twice as wide (longer contiguous reads)
+        block_n, block_k = block_n * 2, block_k // 2
+        k_tiles = split_k = triton.cdiv(in_features, block_k)
+    split_k = triton.cdiv(k_tiles, triton.cdiv(k_tiles, split_k))  # no empty shares
     return LaunchConfig(block_m, block_n, block_k, split_k)
 
 
@@ -288,9 +349,12 @@ def fused_linear(
     block_k: int | None = None,
     split_k: int | None = None,
     num_warps: int | None = None,
+    pdl: bool | None = None,
 ) -> torch.Tensor:
     """The Triton kernel of `reference.fused_linear` (same arguments); x is [rows, in] with unit column stride.
-    `block_n`, `block_k`, `split_k` and `num_warps` override the launch configuration (`launch_config`)."""
+    `out` may be float32 for an fp16/bf16 x (the result is still rounded to x's dtype, then stored widened).
+    `block_n`, `block_k`, `split_k` and `num_warps` override the launch configuration (`launch_config`);
+    `pdl` the programmatic dependent launch (`pdl.enabled`; never under the interpreter)."""
     rows, in_features = x.shape
     if in_features != projection.in_features or x.stride(1) != 1:
         raise ValueError(f"x must be [rows, {projection.in_features}] with contiguous rows, got {tuple(x.shape)} "
@@ -309,6 +373,12 @@ def fused_linear(
                              f"{tuple(addend.shape)}")
     if out is None:
         out = torch.empty(rows, out_features, dtype=x.dtype, device=x.device)
+    elif out.shape != (rows, out_features) or out.stride(1) != 1 or out.dtype not in (x.dtype, torch.float32):
+        raise ValueError(f"out must be a {x.dtype} or float32 [{rows}, {out_features}] tensor with contiguous rows, "
+                         f"got {out.dtype} {tuple(out.shape)} strides {out.stride()}")
+    if pdl is None:
+        pdl = programmatic.enabled(x.device)
+    pdl = pdl and not INTERPRETED
     weights = list(projection.weights) + [projection.weights[0]] * (3 - len(sizes))
     biases = [b if b is not None else weights[0] for b in projection.biases]
     biases += [biases[0]] * (3 - len(biases))
@@ -331,6 +401,7 @@ def fused_linear(
     norm_b = norm.bias if norm is not None and norm.bias is not None else norm_w
     add0 = addends[0] if addends else out
     add1 = addends[1] if len(addends) > 1 else out
+    stats_block = min(triton.next_power_of_2(in_features), 4096 // config.block_m)
     _fused_linear_kernel[(blocks, split_k, groups)](
         x, x.stride(0), rows, in_features,
         norm_w, norm_b, norm.eps if norm is not None else 0.0,
@@ -351,7 +422,10 @@ def fused_linear(
         BLOCK_K=block_k,
         SPLIT_K=split_k,
         SPLIT_K_POW2=triton.next_power_of_2(split_k),
-        STATS_BLOCK=min(triton.next_power_of_2(in_features), 4096 // config.block_m),
+        STATS_BLOCK=stats_block,
+        STATS_ONE_LOAD=stats_block >= in_features,
+        PDL=pdl,
         num_warps=num_warps or config.num_warps,
+        launch_pdl=pdl,
     )
     return out

@@ -1,0 +1,57 @@
+"""Compile a Triton kernel launch for sm_90 without a GPU, to catch what the interpreter never checks.
+
+Triton's interpreter runs kernel bodies as NumPy code, so type errors of the compiled language (a loop-carried
+variable changing shape, a constexpr branch that does not type-check) only show on a GPU. `hopper_compile`
+intercepts the launches a wrapper makes (its kernel's `run`) and compiles each for an H100/H200 target with
+Triton's own compiler, down to a cubin: the same code generation a GPU run does, on the CPU.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+HOPPER = GPUTarget("cuda", 90, 32)
+_DTYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.int64: "i64",
+           torch.int32: "i32", torch.uint8: "u8", torch.bool: "i1"}
+_OPTIONS = ("num_warps", "num_stages", "launch_pdl", "enable_fp_fusion")
+
+
+def _type(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return "*" + _DTYPES[value.dtype]
+    if isinstance(value, bool):
+        return "i1"
+    if isinstance(value, int):
+        return "i32" if -(2**31) <= value < 2**31 else "i64"
+    if isinstance(value, float):
+        return "fp32"
+    raise TypeError(f"no Triton type for {type(value).__name__}")
+
+
+def hopper_compile(kernel: triton.runtime.JITFunction, launch: Callable[[], Any]) -> int:
+    """Run `launch()` (which must launch `kernel`, on any device) with the launch replaced by an sm_90
+    compilation of it; returns how many launches were compiled."""
+    compiled = []
+
+    def compile_launch(*args: Any, grid: Any, warmup: bool, **kwargs: Any) -> None:
+        names = [p.name for p in kernel.params]
+        bound = dict(zip(names, args, strict=False))
+        bound.update({k: v for k, v in kwargs.items() if k in names})
+        constexprs = {name: bound[name] for name, p in zip(names, kernel.params, strict=True) if p.is_constexpr}
+        signature = {name: "constexpr" if name in constexprs else _type(bound[name]) for name in names}
+        options = {k: v for k, v in kwargs.items() if k in _OPTIONS}
+        source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs)
+        compiled.append(triton.compile(source, target=HOPPER, options=options))
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(kernel, "run", compile_launch)
+        launch()
+    assert all("cubin" in c.asm for c in compiled)
+    return len(compiled)
