@@ -76,6 +76,7 @@ def check_linear(dtype: torch.dtype, device: str, rows: int = 3, launches=LAUNCH
             got = linear.fused_linear(x, projection, out=wide, pdl=pdl, **options)
             torch.testing.assert_close(got, expected.float(), **_tolerance(dtype))
             assert torch.equal(got, got.to(dtype).float())
+            assert torch.equal(linear.fused_linear(x, projection, out_dtype=torch.float32, pdl=pdl, **options), got)
             checked += 1
     return checked
 

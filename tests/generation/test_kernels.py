@@ -182,3 +182,15 @@ def test_programmatic_launch_is_off_without_a_hopper_gpu(monkeypatch):
     assert not pdl.enabled(torch.device("cpu"))
     monkeypatch.setenv("TENDRIL_PDL", "0")
     assert not pdl.enabled(torch.device("cuda"))  # switched off before the device is asked
+
+
+def test_programmatic_launch_is_never_asked_of_the_interpreter():
+    from tendril.generation.kernels import linear, pdl
+
+    assert pdl.resolve(True, torch.device("cpu"), linear._fused_linear_kernel)  # a compiled kernel may be asked
+
+    def interpreted_kernel() -> None:  # what Triton's interpreter puts in place of a JIT function
+        pass
+
+    assert not pdl.resolve(True, torch.device("cpu"), interpreted_kernel)
+    assert not pdl.resolve(None, torch.device("cpu"), interpreted_kernel)

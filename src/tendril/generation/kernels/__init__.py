@@ -48,12 +48,8 @@ def fused_linear(
     if _use_triton(x):
         from tendril.generation.kernels import linear
 
-        out = None
-        if out_dtype is not None and out_dtype != x.dtype:
-            out = torch.empty(x.shape[0], projection.out_sizes[0] if gated else projection.out_features,
-                              dtype=out_dtype, device=x.device)
         return linear.fused_linear(x, projection, norm=norm, activation=activation, gated=gated, addends=addends,
-                                   out=out)
+                                   out_dtype=out_dtype)
     result = reference.fused_linear(x, projection, norm=norm, activation=activation, gated=gated, addends=addends)
     return result if out_dtype is None else result.to(out_dtype)
 

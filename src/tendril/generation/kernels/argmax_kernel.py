@@ -41,8 +41,6 @@ def _argmax_kernel(scores_ptr, stride_row, columns, out_ptr, BLOCK: tl.constexpr
     tl.store(out_ptr + row, first.to(tl.int64))
 
 
-INTERPRETED = not isinstance(_argmax_kernel, triton.runtime.JITFunction)
-
 MAX_BLOCK = 8192
 """Widest chunk, streamed by 32 warps (on the H200 one 65536-wide chunk was several times slower)."""
 
@@ -56,9 +54,7 @@ def argmax(scores: torch.Tensor, *, pdl: bool | None = None) -> torch.Tensor:
     if columns == 0:
         raise ValueError("argmax of an empty row")
     out = torch.empty(rows, dtype=torch.long, device=scores.device)
-    if pdl is None:
-        pdl = programmatic.enabled(scores.device)
-    pdl = pdl and not INTERPRETED
+    pdl = programmatic.resolve(pdl, scores.device, _argmax_kernel)
     block = min(triton.next_power_of_2(columns), MAX_BLOCK)
     _argmax_kernel[(rows,)](scores, scores.stride(0), columns, out, BLOCK=block, PDL=pdl,
                             num_warps=32 if block == MAX_BLOCK else 4, launch_pdl=pdl)

@@ -180,9 +180,7 @@ def decode_attention(
                          f"{tuple(cos.shape)} and {tuple(sin.shape)}")
     if block_s is None:
         block_s = min(triton.next_power_of_2(max_len), MAX_BLOCK_S)
-    if pdl is None:
-        pdl = programmatic.enabled(q.device)
-    pdl = pdl and not INTERPRETED
+    pdl = programmatic.resolve(pdl, q.device, _decode_attention_kernel)
     if out is None:
         out = torch.empty(rows, heads * head_dim, dtype=q.dtype, device=q.device)
     elif out.shape != (rows, heads * head_dim) or out.stride(1) != 1 or out.dtype != q.dtype:

@@ -17,7 +17,7 @@ Memory round trips. A batch-1 projection is a few microseconds, and most of it i
 the kernel orders its loads to overlap. Under programmatic dependent launch (`pdl.py`) the first two
 weight tiles and the bias load before the program waits for the previous kernel; after the wait it loads
 the addends (residuals) and the input row for the norm's statistics together, in one load when the row
-fits `STATS_BLOCK`, and the input tiles of its loop then come from L1.
+fits `STATS_BLOCK`, and the input tiles of its loop then come from cache.
 
 Numerics. Accumulation is float32; bias, activation and addends are applied before the one store.
 Rounding to the input's dtype happens where HF's eager forward rounds (see `reference.py`), so fp16
@@ -251,9 +251,6 @@ def _fused_linear_kernel(
     tl.store(out_ptr + rows[:, None] * stride_om + cols[None, :], y.to(out_ptr.dtype.element_ty), mask=out_mask)
 
 
-INTERPRETED = not isinstance(_fused_linear_kernel, triton.runtime.JITFunction)
-"""True when Triton runs kernels in its interpreter (TRITON_INTERPRET=1 when this module was imported)."""
-
 TILE_BYTES = 16384
 """Weight bytes a program reads per tile by default (8192 fp16 elements), shared by its rows."""
 MAX_ROWS_PER_PROGRAM = 4
@@ -350,9 +347,11 @@ def fused_linear(
     split_k: int | None = None,
     num_warps: int | None = None,
     pdl: bool | None = None,
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """The Triton kernel of `reference.fused_linear` (same arguments); x is [rows, in] with unit column stride.
-    `out` may be float32 for an fp16/bf16 x (the result is still rounded to x's dtype, then stored widened).
+    `out` (or, when it is None, `out_dtype`) may be float32 for an fp16/bf16 x: the result is still rounded to
+    x's dtype, then stored widened.
     `block_n`, `block_k`, `split_k` and `num_warps` override the launch configuration (`launch_config`);
     `pdl` the programmatic dependent launch (`pdl.enabled`; never under the interpreter)."""
     rows, in_features = x.shape
@@ -372,13 +371,11 @@ def fused_linear(
             raise ValueError(f"addends must be [{rows}, {out_features}] with contiguous rows, got "
                              f"{tuple(addend.shape)}")
     if out is None:
-        out = torch.empty(rows, out_features, dtype=x.dtype, device=x.device)
-    elif out.shape != (rows, out_features) or out.stride(1) != 1 or out.dtype not in (x.dtype, torch.float32):
-        raise ValueError(f"out must be a {x.dtype} or float32 [{rows}, {out_features}] tensor with contiguous rows, "
-                         f"got {out.dtype} {tuple(out.shape)} strides {out.stride()}")
-    if pdl is None:
-        pdl = programmatic.enabled(x.device)
-    pdl = pdl and not INTERPRETED
+        out = torch.empty(rows, out_features, dtype=out_dtype or x.dtype, device=x.device)
+    if out.shape != (rows, out_features) or out.stride(1) != 1 or out.dtype not in (x.dtype, torch.float32):
+        raise ValueError(f"the output must be a {x.dtype} or float32 [{rows}, {out_features}] tensor with contiguous "
+                         f"rows, got {out.dtype} {tuple(out.shape)} strides {out.stride()}")
+    pdl = programmatic.resolve(pdl, x.device, _fused_linear_kernel)
     weights = list(projection.weights) + [projection.weights[0]] * (3 - len(sizes))
     biases = [b if b is not None else weights[0] for b in projection.biases]
     biases += [biases[0]] * (3 - len(biases))

@@ -14,7 +14,8 @@ the step runs (weights, biases, norm gains) and writes nothing. CUDA graph captu
 as programmatic edges, so replays keep the overlap.
 
 `enabled(device)` says whether the kernels launch this way: on CUDA devices of compute capability 9.0 or
-later, unless `TENDRIL_PDL=0` (for comparisons), never under Triton's interpreter.
+later, unless `TENDRIL_PDL=0` (for comparisons); `resolve` is what each launch asks, and never says yes
+under Triton's interpreter (which has no grid dependency control).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import functools
 import os
 
 import torch
+import triton
 
 MIN_CAPABILITY = (9, 0)
 """Programmatic dependent launch needs Hopper (sm_90) or later."""
@@ -39,3 +41,10 @@ def enabled(device: torch.device) -> bool:
         return False
     index = device.index if device.index is not None else torch.cuda.current_device()
     return _capable(index)
+
+
+def resolve(requested: bool | None, device: torch.device, kernel: object) -> bool:
+    """Whether a launch of `kernel` on `device` uses PDL: `requested`, or `enabled(device)` when None; never
+    when the kernel runs in Triton's interpreter."""
+    wanted = enabled(device) if requested is None else requested
+    return wanted and isinstance(kernel, triton.runtime.JITFunction)
