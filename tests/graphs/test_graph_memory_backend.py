@@ -87,6 +87,8 @@ class FakeCuda:
         self.synchronized = 0
         self.generator = FakeGenerator()
         self.streams = {0: FakeStream(0)}
+        self.log: list[tuple[str, int]] = []
+        """Updates and launches of executables, in order."""
         self.current = 0
         self._next = 1
         self._lock = threading.Lock()
@@ -107,6 +109,7 @@ class FakeCuda:
 
     def update(self, executable: int, raw: int) -> UpdateOutcome:
         self.update_threads.add(threading.current_thread().name)
+        self.log.append(("update", executable))
         old, new = self.graphs[self.executables[executable]], self.graphs[raw]
         if old.topology != new.topology or new.refuse_updates:
             return UpdateOutcome(False, "cudaGraphExecUpdateErrorParametersChanged")
@@ -125,6 +128,7 @@ class FakeCuda:
     def launch(self, executable: int, stream: int) -> None:
         assert executable in self.executables, "launched a destroyed executable"
         self.launches.append((executable, stream))
+        self.log.append(("launch", executable))
         self.graphs[self.executables[executable]].run()
 
     def destroy(self, executable: int) -> None:
@@ -132,6 +136,30 @@ class FakeCuda:
 
     def topology(self, raw: int) -> Topology:
         return self.graphs[raw].topology
+
+    def split(self, raw: int, count: int) -> list[int]:
+        return [FakeSegment(self, self.graphs[raw], index).raw for index in range(count)]
+
+    def destroy_graph(self, raw: int) -> None:
+        del self.graphs[raw]
+
+
+class FakeSegment:
+    """A segment of a `FakeGraph`: the first runs the function, the others nothing."""
+
+    def __init__(self, cuda: FakeCuda, whole: FakeGraph, index: int) -> None:
+        self.whole, self.index = whole, index
+        self.raw = cuda.handle()
+        cuda.graphs[self.raw] = self  # type: ignore[assignment]
+        self.topology = Topology(whole.topology.nodes, f"{whole.topology.digest}/{index}")
+
+    @property
+    def refuse_updates(self) -> bool:
+        return self.whole.refuse_updates
+
+    def run(self) -> None:
+        if self.index == 0:
+            self.whole.run()
 
 
 class FakeGraph:
@@ -189,6 +217,8 @@ def cuda(monkeypatch: pytest.MonkeyPatch) -> FakeCuda:
             launch=fake.launch,
             destroy=fake.destroy,
             topology=fake.topology,
+            split=fake.split,
+            destroy_graph=fake.destroy_graph,
         ),
     )
     monkeypatch.setattr(cuda_backend, "device_free_bytes", lambda device: 1 << 40)
@@ -373,21 +403,23 @@ def test_a_background_update_waits_for_the_last_launch_then_uploads(cuda: FakeCu
     x = torch.randn(3)
     doubling, tripling, refusing = (FakeGraph(cuda, _scale, (t, f), {}) for t, f in ((x, 2.0), (x, 3.0), (x[:0], 4.0)))
     refusing.refuse_updates = True
-    handle, _ = driver.instantiate(doubling)
-    driver.launch(handle, cuda.streams[0])
+    doubling, tripling, refusing = (cuda_backend.ManagedGraph(g, 1) for g in (doubling, tripling, refusing))
+    chain, _ = driver.instantiate(doubling)
+    (handle,) = chain.segments
+    driver.launch(chain, cuda.streams[0])
     cuda.running = True  # the launch of `doubling` is still running when the update is submitted
     cuda.streams[5] = FakeStream(5)
-    assert driver.update_async(handle, tripling, cuda.streams[5]).result().ok
-    assert cuda.executables[handle] == tripling.raw and cuda.uploads == [(handle, 5)]
+    assert driver.update_async(chain, tripling, cuda.streams[5]).result().ok
+    assert cuda.executables[handle] == tripling.graph.raw and cuda.uploads == [(handle, 5)]
     assert driver.background_waits == 1 == cuda.synchronized and driver.waits == 0
     (worker,) = cuda.update_threads
     assert worker.startswith("tendril-executables") and worker in cuda.relaxed_threads
     cuda.running = False
-    refused = driver.update_async(handle, refusing, cuda.streams[5]).result()
-    assert not refused.ok and cuda.executables[handle] == tripling.raw and len(cuda.uploads) == 1
+    refused = driver.update_async(chain, refusing, cuda.streams[5]).result()
+    assert not refused.ok and cuda.executables[handle] == tripling.graph.raw and len(cuda.uploads) == 1
     cuda.fail_upload = True
     with pytest.raises(RuntimeError, match="cudaGraphUpload failed"):
-        driver.update_async(handle, doubling, cuda.streams[5]).result()
+        driver.update_async(chain, doubling, cuda.streams[5]).result()
     assert handle not in cuda.executables, "the executable of a failed background update must be destroyed"
     driver.close()
 
@@ -421,3 +453,26 @@ def test_update_prefetches_by_updating_on_the_worker_thread(cuda: FakeCuda):
 
 def _memory_total(fast: Any, what: str) -> int:
     return sum(getattr(record.memory, what) for record in fast.stats.graphs.values())
+
+
+def test_segmented_graphs_switch_segment_by_segment_at_launch(cuda: FakeCuda, monkeypatch: pytest.MonkeyPatch):
+    """Graphs cut into segments: a switch updates each segment right before launching it (so the host updates
+    the next segment while the GPU runs this one); a segment CUDA refuses is instantiated afresh and the call
+    still runs its graph, the refusal counted."""
+    monkeypatch.setattr(cuda_backend, "SEGMENT_NODES", 5)  # the fake's graphs of 10 nodes: two segments each
+    fast = _graphed(_scale, "1KiB", "update", prefetch=False)  # room for no second executable: every miss updates
+    x = torch.randn(4)
+    for factor in (2.0, 3.0, 2.0):
+        torch.testing.assert_close(fast(x, factor), _scale(x, factor))
+    (chain,) = [e.handle for e in next(iter(fast._backend.executable_caches().values()))._live]
+    first, second = chain.segments
+    assert cuda.log[-4:] == [("update", first), ("launch", first), ("update", second), ("launch", second)]
+    memory = [record.memory for record in fast.stats.graphs.values()]
+    assert all(m.segments == 2 for m in memory) and sum(m.updates for m in memory) == 2
+    (tripling,) = [g for g in cuda.graphs.values() if isinstance(g, FakeGraph) and g.args[1] == 3.0]
+    tripling.refuse_updates = True  # from now on CUDA refuses updates to it
+    torch.testing.assert_close(fast(x, 3.0), _scale(x, 3.0))  # refused at launch, both segments re-instantiated
+    driver = next(iter(fast._backend.executable_caches().values())).driver
+    assert driver.refused_segments == 2 and _memory_total(fast, "update_failures") == 1
+    assert [kind for kind, _ in cuda.log[-4:]] == ["update", "launch", "update", "launch"]
+    torch.testing.assert_close(fast(x, 2.0), _scale(x, 2.0))  # the executable left with the split family

@@ -41,7 +41,16 @@ class FakeGraphs:
         """(graph, node index) -> kernel function where it differs from the default `7000 + index`."""
         self.clusters = {(9, 1): (2, 2, 1)}
         """(graph, node index) -> cluster dimensions where they differ from the default (1, 1, 1)."""
+        self.cooperative: set[tuple[int, int]] = set()
+        """(graph, node index) of cooperative launches."""
+        self.required_clusters: dict[int, tuple[int, int, int]] = {}
+        """Function -> the cluster dimensions it was compiled with (default none: 0, 0, 0)."""
         self.unreadable_functions: set[int] = set()
+        """Graphs whose kernel nodes' parameters cannot be read."""
+        self.unreadable_requirements: set[int] = set()
+        """Functions whose attributes cannot be read."""
+        self.programmatic_edges: set[tuple[int, int]] = set()
+        """(graph, edge index) of programmatic (PDL) edges."""
         self.lossy_edges = False
         self.launched: list[tuple[int, int]] = []
         self.uploaded: list[tuple[int, int]] = []
@@ -71,9 +80,22 @@ class FakeGraphs:
         return driver.CUresult.CUDA_SUCCESS, SimpleNamespace(func=self.functions.get((graph, index), 7000 + index))
 
     def kernel_attribute(self, node, attribute):
-        assert attribute == driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
-        x, y, z = self.clusters.get((int(node) // 100, int(node) % 100), (1, 1, 1))
-        return driver.CUresult.CUDA_SUCCESS, SimpleNamespace(clusterDim=SimpleNamespace(x=x, y=y, z=z))
+        assert attribute.name in graph_exec.LAUNCH_ATTRIBUTES, f"{attribute.name} is not read"
+        where = (int(node) // 100, int(node) % 100)
+        x, y, z = self.clusters.get(where, (1, 1, 1))
+        value = SimpleNamespace(
+            clusterDim=SimpleNamespace(x=x, y=y, z=z),
+            clusterSchedulingPolicyPreference=0,
+            cooperative=int(where in self.cooperative),
+        )
+        return driver.CUresult.CUDA_SUCCESS, value
+
+    def function_attribute(self, attribute, function):
+        if int(function) in self.unreadable_requirements:
+            return driver.CUresult.CUDA_ERROR_INVALID_HANDLE, None
+        dims = self.required_clusters.get(int(function), (0, 0, 0))
+        names = graph_exec.FUNCTION_CLUSTER_ATTRIBUTES
+        return driver.CUresult.CUDA_SUCCESS, (*dims, 0, 0)[names.index(attribute.name)]
 
     def child_graph(self, node):
         return OK, runtime.cudaGraph_t(init_value=self.children[int(node) // 100])
@@ -85,7 +107,11 @@ class FakeGraphs:
         if count == 0:
             return OK, None, None, None, len(edges)
         g = int(graph)
-        return OK, [self.node(g, a) for a, _ in edges], [self.node(g, b) for _, b in edges], [None] * len(edges), count
+        data = [
+            SimpleNamespace(type=int((g, i) in self.programmatic_edges), from_port=0, to_port=0)
+            for i in range(len(edges))
+        ]
+        return OK, [self.node(g, a) for a, _ in edges], [self.node(g, b) for _, b in edges], data, count
 
     def instantiate(self, graph, flags):
         assert flags == graph_exec.INSTANTIATE_FLAGS
@@ -138,6 +164,7 @@ def fake(monkeypatch: pytest.MonkeyPatch) -> FakeGraphs:
         monkeypatch.setattr(runtime, name, fn)
     monkeypatch.setattr(driver, "cuGraphKernelNodeGetParams", graphs.kernel_params)
     monkeypatch.setattr(driver, "cuGraphKernelNodeGetAttribute", graphs.kernel_attribute)
+    monkeypatch.setattr(driver, "cuFuncGetAttribute", graphs.function_attribute)
     return graphs
 
 
@@ -147,10 +174,25 @@ def test_topology_digest_tells_node_kinds_order_and_edges_apart(fake: FakeGraphs
     assert len({first.digest, reordered.digest, rewired.digest}) == 3
 
 
-def test_graphs_running_other_kernels_are_not_one_family(fake: FakeGraphs):
+def test_graphs_running_other_kernels_are_one_family_while_their_launches_match(fake: FakeGraphs):
+    """cuBLAS picks other kernels at other sizes and CUDA's update swaps kernel functions, so the function is not
+    part of the family; how it is launched (and the clusters it was compiled for) is."""
+    assert graph_exec.topology(5).digest == graph_exec.topology(1).digest
+    fake.required_clusters[9999] = (2, 1, 1)
     assert graph_exec.topology(5).digest != graph_exec.topology(1).digest
+    fake.required_clusters.clear()
+    fake.cooperative.add((5, 1))
+    assert graph_exec.topology(5).digest != graph_exec.topology(1).digest
+
+
+def test_unreadable_kernels_get_families_of_their_own(fake: FakeGraphs):
     fake.unreadable_functions = {1, 2}
-    assert graph_exec.topology(1).digest != graph_exec.topology(2).digest  # unknown kernels: no updates
+    assert graph_exec.topology(1).digest != graph_exec.topology(2).digest
+    fake.unreadable_functions.clear()
+    fake.unreadable_requirements = {9999}  # then only that very function matches
+    assert graph_exec.topology(5).digest != graph_exec.topology(1).digest
+    fake.functions[(1, 1)] = 9999
+    assert graph_exec.topology(5).digest == graph_exec.topology(1).digest
 
 
 def test_one_function_launched_with_other_clusters_is_another_family(fake: FakeGraphs):
@@ -161,12 +203,18 @@ def test_one_function_launched_with_other_clusters_is_another_family(fake: FakeG
     assert graph_exec.topology(9).digest == graph_exec.topology(1).digest
 
 
+def test_programmatic_edges_are_part_of_the_family(fake: FakeGraphs):
+    fake.programmatic_edges.add((2, 1))
+    assert graph_exec.topology(2).digest != graph_exec.topology(1).digest
+
+
 def test_kernels_inside_child_graphs_decide_the_family_too(fake: FakeGraphs):
-    """cuDNN captures its work as a child graph: two graphs whose child graphs run other kernels must not be
-    one family (switching an executable between them ended in an illegal instruction on the H200)."""
+    """cuDNN captures its work as a child graph: its kernels' launches must match as the top level's do."""
     same_child, other_child = graph_exec.topology(7), graph_exec.topology(8)
     assert graph_exec.topology(6) == same_child and same_child.nodes == 2
-    assert other_child.digest != same_child.digest
+    assert other_child == same_child  # another function, launched alike
+    fake.required_clusters[8888] = (4, 1, 1)
+    assert graph_exec.topology(8).digest != same_child.digest
 
 
 def test_unreadable_edges_give_a_coarser_digest_not_an_error(fake: FakeGraphs):

@@ -50,6 +50,7 @@ def test_budgeted_executables_equal_dedicated_ones_under_random_call_orders(stra
         f"{sum(m.evictions for m in memory)} evictions, switching {budgeted.stats.switch_ms:.1f} ms"
     )
     assert switches > budgeted.stats.captures, "the budget never forced a switch: the test exercised nothing"
+    assert all(m.segments >= 2 for m in memory), "the graphs ran unsegmented: the chains were not exercised"
     if strategy == "lru":
         assert sum(m.updates for m in memory) == 0
     else:  # update, and auto (which is update under a budget)
@@ -182,9 +183,11 @@ def test_graph_exec_instantiates_updates_and_refuses_other_topologies():
     x = torch.randn(4096, device="cuda")
     doubled, out_doubled = _kept_graph(lambda t: t * 2 + 1, x)
     tripled, out_tripled = _kept_graph(lambda t: t * 3 + 1, x)
+    sined, out_sined = _kept_graph(lambda t: t.sin() + 1, x)  # another kernel function, launched alike
     other, out_other = _kept_graph(lambda t: (t * 2).sin().cos(), x)
     same = graph_exec.topology(doubled.raw_cuda_graph())
     assert same == graph_exec.topology(tripled.raw_cuda_graph()) and same.nodes >= 2
+    assert same == graph_exec.topology(sined.raw_cuda_graph())
     assert same.digest != graph_exec.topology(other.raw_cuda_graph()).digest
     stream = torch.cuda.current_stream().cuda_stream
     executable = graph_exec.instantiate(doubled.raw_cuda_graph())
@@ -196,6 +199,11 @@ def test_graph_exec_instantiates_updates_and_refuses_other_topologies():
         graph_exec.launch(executable, stream)
         torch.cuda.synchronize()
         torch.testing.assert_close(out_tripled, x * 3 + 1)
+        out_sined.fill_(float("nan"))
+        assert graph_exec.update(executable, sined.raw_cuda_graph()).ok
+        graph_exec.launch(executable, stream)
+        torch.cuda.synchronize()
+        torch.testing.assert_close(out_sined, x.sin() + 1)
         refused = graph_exec.update(executable, other.raw_cuda_graph())
         assert not refused.ok and refused.reason, "an update across topologies must be refused with a reason"
         torch.ones(1, device="cuda").sum().item()  # the refusal left no error behind for torch to trip on
@@ -238,20 +246,29 @@ def _poisoned_equal(budgeted, dedicated, ids: torch.Tensor) -> None:
     got.fill_(float("nan"))  # the next replay of this graph must overwrite all of it
 
 
-def test_prefetched_executables_equal_dedicated_ones():
-    """Lengths growing 1..40 then shrinking 40..1, twice, under a budget of a few executables: after the first
-    steps every call finds its executable prefetched; results equal dedicated executables' bit for bit. Then a
-    random order (which rarely prefetches) still gives the same results."""
+def _captured_twice(lengths: list[int], **options):
+    """A small GPT-2 captured at `lengths` (longest first) with dedicated executables and under a 2 MiB budget
+    (`options` for the budgeted one); returns both callables, the budgeted one's cache and the charge of its
+    largest executable."""
     model = gpt2()
-    lengths = list(range(1, 41))
     dedicated = fast(model, max_graphs=64)
-    budgeted = fast(model, max_graphs=64, graph_memory_budget="2MiB")
+    budgeted = fast(model, max_graphs=64, graph_memory_budget="2MiB", **options)
     with torch.inference_mode():
         examples = [(torch.randint(0, 1000, (1, n), device="cuda"),) for n in reversed(lengths)]
         dedicated.capture(examples, progress=False)
         budgeted.capture(examples, progress=False)
-        (cache,) = budgeted._backend.executable_caches().values()  # type: ignore[attr-defined]
-        largest = cache.charge(max(r.memory.nodes or 0 for r in budgeted.stats.graphs.values()))
+    (cache,) = budgeted._backend.executable_caches().values()  # type: ignore[attr-defined]
+    largest = cache.charge(max(r.memory.nodes or 0 for r in budgeted.stats.graphs.values()))
+    return dedicated, budgeted, cache, largest
+
+
+def test_prefetched_executables_equal_dedicated_ones():
+    """Lengths growing 1..40 then shrinking 40..1, twice, under a budget of a few executables: after the first
+    steps every call finds its executable prefetched; results equal dedicated executables' bit for bit. Then a
+    random order (which rarely prefetches) still gives the same results."""
+    lengths = list(range(1, 41))
+    dedicated, budgeted, cache, largest = _captured_twice(lengths)
+    with torch.inference_mode():
         assert cache.budget >= 2 * largest, "the budget must hold the executable called and a prefetch"
         hits = []
         for order in (lengths, lengths[::-1], lengths, lengths[::-1]):
@@ -282,28 +299,23 @@ def test_prefetched_executables_equal_dedicated_ones():
 def test_update_with_prefetching_equals_dedicated_executables():
     """`update` under a budget of a few executables: growing and shrinking lengths prefetch by updating an
     executable of the family on the background thread (after its last launch, then uploaded in the call's stream),
-    a random order updates on the calling thread; results equal dedicated executables' bit for bit."""
-    model = gpt2()
+    a random order switches at launch on the calling thread, segment by segment; results equal dedicated
+    executables' bit for bit."""
     lengths = list(range(1, 41))
-    dedicated = fast(model, max_graphs=64)
-    budgeted = fast(model, max_graphs=64, graph_memory_budget="2MiB", graph_memory_strategy="update")
+    dedicated, budgeted, cache, largest = _captured_twice(lengths, graph_memory_strategy="update")
     with torch.inference_mode():
-        examples = [(torch.randint(0, 1000, (1, n), device="cuda"),) for n in reversed(lengths)]
-        dedicated.capture(examples, progress=False)
-        budgeted.capture(examples, progress=False)
-        (cache,) = budgeted._backend.executable_caches().values()  # type: ignore[attr-defined]
-        largest = cache.charge(max(r.memory.nodes or 0 for r in budgeted.stats.graphs.values()))
         assert cache.budget < len(lengths) * largest, "a budget that holds every executable never updates"
         background_updates = _count_calls(cache.driver, "update_async")
         for order in (lengths, lengths[::-1], lengths, lengths[::-1]):
             for n in order:
                 _poisoned_equal(budgeted, dedicated, torch.randint(0, 1000, (1, n), device="cuda"))
         stepping = (len(background_updates), cache.prefetches, cache.prefetch_hits, cache.prefetch_waits)
-        foreground_updates = _count_calls(cache.driver, "update")
+        launches = _count_calls(cache.driver, "launch")
         rng = random.Random(6)
         for _ in range(120):
             _poisoned_equal(budgeted, dedicated, torch.randint(0, 1000, (1, rng.choice(lengths)), device="cuda"))
         cache.wait_idle()
+    foreground_updates = [args for args in launches if len(args) > 2 and args[2] is not None]  # switched at launch
     memory = [record.memory for record in budgeted.stats.graphs.values()]
     print(
         f"update: {len({m.family for m in memory})} families; growing/shrinking: {stepping[0]} background updates "

@@ -103,6 +103,17 @@ class FakeDriver:
         self.running[executable] = graph
         return UpdateOutcome(True)
 
+    def launch(self, executable: int, stream: Any, switch_to: FakeGraph | None = None) -> UpdateOutcome:
+        """Switches first where asked; a refused switch runs the graph anyway (as the CUDA driver, which
+        instantiates what CUDA refused)."""
+        outcome = UpdateOutcome(True) if switch_to is None else self.update(executable, switch_to)
+        if not outcome.ok:
+            assert switch_to is not None
+            self.running[executable] = switch_to
+            self.log.append(("instantiate", switch_to.name))
+        self.log.append(("launch", self.running[executable].name))
+        return outcome
+
     def destroy(self, executable: int) -> None:
         assert executable in self.running, "destroyed twice"
         del self.running[executable]
@@ -181,6 +192,11 @@ def _acquire(cache: ExecutableCache, driver: FakeDriver, graphs: dict[str, FakeG
     return handle
 
 
+def _launch(cache: ExecutableCache, driver: FakeDriver, name: str) -> None:
+    cache.launch(name, stream=None)
+    assert driver.log[-1] == ("launch", name), "the launch did not run the requested graph"
+
+
 def _graphs(*specs: tuple[str, int, str]) -> dict[str, FakeGraph]:
     return {name: FakeGraph(name, nodes, family) for name, nodes, family in specs}
 
@@ -255,6 +271,34 @@ def test_auto_under_a_full_budget_updates_within_the_family():
     assert memories["a3"].updates == 1 and memories["a3"].instantiations == 0
     assert cache.holder_keys() == ["a3", "b1"] and memories["b1"].instantiations == 1
     assert cache.over_budget == 0
+
+
+def test_a_call_leaves_its_switch_to_the_launch():
+    """`launch` hands a switch by update to the driver's launch (which pipelines it), counted as an update; a hit
+    or an instantiation launches as it is."""
+    graphs = _graphs(("a1", 100, "A"), ("a2", 100, "A"))
+    cache, driver, memories = _cache(MemoryStrategy.UPDATE, 100 * PRIOR_BYTES_PER_NODE, list(graphs.values()))
+    _launch(cache, driver, "a1")
+    _launch(cache, driver, "a2")
+    _launch(cache, driver, "a2")
+    assert [op for op, _ in driver.log] == ["instantiate", "launch", "update", "launch", "launch"]
+    assert memories["a2"].updates == 1 and cache.holder_keys() == ["a2"]
+
+
+def test_a_switch_refused_at_launch_splits_the_family_with_its_executable():
+    """CUDA refuses an update only the launch tries: the launch still runs the graph (the driver instantiated it),
+    the graph moves into a family of its own and takes the executable along, so the old family's next graph is
+    instantiated rather than updated into a refusing executable."""
+    graphs = _graphs(("a1", 100, "A"), ("a2", 100, "A"), ("a3", 100, "A"))
+    driver = FakeDriver(refuse={"a2"})
+    cache, driver, memories = _cache(MemoryStrategy.UPDATE, 100 * PRIOR_BYTES_PER_NODE, list(graphs.values()), driver)
+    _launch(cache, driver, "a1")
+    _launch(cache, driver, "a2")
+    assert memories["a2"].update_failures == 1 and memories["a2"].updates == 0
+    assert memories["a2"].family != "A" and cache.family("a2") == memories["a2"].family
+    driver.log.clear()
+    _launch(cache, driver, "a3")
+    assert [op for op, _ in driver.log] == ["destroy", "instantiate", "launch"] and memories["a2"].evictions == 1
 
 
 @pytest.mark.parametrize("strategy", [MemoryStrategy.LRU, MemoryStrategy.UPDATE])

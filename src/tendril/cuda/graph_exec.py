@@ -1,4 +1,5 @@
-"""Executable CUDA graphs managed through cuda-python: instantiate, upload, update, launch, destroy, topology.
+"""Executable CUDA graphs managed through cuda-python: instantiate, upload, update, launch, destroy, topology,
+and `split` (a graph cut into segments of consecutive nodes, run one after the other).
 
 torch's `CUDAGraph(keep_graph=True)` keeps the captured `cudaGraph_t` (`raw_cuda_graph()`) without
 instantiating it; these calls turn such a graph into executables whose lifetime tendril controls, so
@@ -32,6 +33,8 @@ per GPT-2 forward graph on the H200) into an upload enqueued on a stream ahead o
 from __future__ import annotations
 
 import hashlib
+import itertools
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,15 +55,16 @@ class UpdateOutcome:
 
 @dataclass(frozen=True)
 class Topology:
-    """A captured graph's shape: node count (top level) and a digest of node types in creation order, the
-    function and cluster dimensions of every kernel node, and the edges, child graphs included.
+    """A captured graph's shape: node count (top level) and a digest of node types in creation order, the launch
+    configuration of every kernel node (`_kernel_launch`), and the edges with their data, child graphs included.
 
-    Graphs with equal digests are candidates for `update`, which then only changes kernel arguments, launch
-    dimensions and copy/memset parameters, never which kernels run. CUDA accepts updates that swap a kernel
-    node's function too; tendril does not ask for them. A graph whose kernel functions cannot be read gets a
-    digest of its own (no updates). Before the digest covered cluster dimensions, updates of Wav2Vec2-base
-    executables between graphs of equal digests ended in an illegal instruction on the H200 (driver 580): one
-    cuBLAS node ran the same function with other clusters (`_kernel_function`)."""
+    Graphs with equal digests form a family: candidates for `update`, which changes kernel functions, arguments,
+    launch dimensions and copy/memset parameters. CUDA accepts updates that swap a kernel node's function (same
+    context, no change of dynamic parallelism or cooperativeness), and cuBLAS picks other kernels at other problem
+    sizes, so the function is left out: GPT-2's forward graphs at lengths 1..1024 make 49 families so, against 184
+    by function (`graphs-memory`'s `topology_families`). The GPU tests switch executables between graphs of other
+    functions (elementwise kernels; GPT-2 at random lengths) and compare them with dedicated executables bit for
+    bit. A kernel node whose configuration cannot be read gets a digest of its own (no updates)."""
 
     nodes: int
     digest: str
@@ -139,25 +143,23 @@ def destroy(executable: int) -> None:
 def topology(graph: int) -> Topology:
     """The node count and topology digest of the captured graph `graph` (host calls only).
 
-    The digest covers node types in creation order, the function of every kernel node and the edges, and
-    the same inside child-graph nodes (libraries such as cuDNN's frontend can capture their work as a child
-    graph, whose kernels must match as much as the top level's). Where
-    the bindings cannot read a part (edges with data this query cannot return losslessly, say), the digest
-    says so and covers the rest: a coarser digest only makes more updates fail their check and
-    re-instantiate, never changes results."""
+    The digest covers node types in creation order, every kernel node's launch configuration and the edges with
+    their data, and the same inside child-graph nodes (libraries such as cuDNN's frontend can capture their work
+    as a child graph). Where the bindings cannot read edges losslessly the digest says so and covers the rest:
+    CUDA then refuses the updates whose edges differ, and the cache re-instantiates."""
     digest = hashlib.sha1()
-    count = _digest_graph(_graph(graph), graph, digest)
+    count = _digest_graph(_graph(graph), graph, digest, {})
     return Topology(count, digest.hexdigest()[:16])
 
 
-def _digest_graph(handle: Any, graph: int, digest: Any) -> int:
-    """Add `handle`'s nodes (recursively into child graphs) and edges to `digest`; return its node count."""
+def _digest_graph(handle: Any, graph: int, digest: Any, requirements: dict[int, str]) -> int:
+    """Add `handle`'s nodes (recursively into child graphs) and edges to `digest`; return its node count.
+    `requirements` caches `_cluster_requirements` per function for this digest."""
     from cuda.bindings import runtime
 
-    _, count = check(runtime.cudaGraphGetNodes(handle, 0), "cudaGraphGetNodes")
-    nodes, count = check(runtime.cudaGraphGetNodes(handle, count), "cudaGraphGetNodes")
-    nodes = list(nodes)[:count]
+    nodes = _nodes(handle)
     index = {int(node): position for position, node in enumerate(nodes)}
+    count = len(nodes)
     digest.update(f"{count};".encode())
     for node in nodes:
         err, kind = runtime.cudaGraphNodeGetType(node)
@@ -165,50 +167,158 @@ def _digest_graph(handle: Any, graph: int, digest: Any) -> int:
         if int(err) != 0:
             continue
         if kind == runtime.cudaGraphNodeType.cudaGraphNodeTypeKernel:
-            digest.update(f"{_kernel_function(node, graph)};".encode())
+            digest.update(f"{_kernel_launch(node, graph, requirements)};".encode())
         elif kind == runtime.cudaGraphNodeType.cudaGraphNodeTypeGraph:
             child_err, child = runtime.cudaGraphChildGraphNodeGetGraph(node)
             if int(child_err) != 0:
                 digest.update(f"unknown child graph in graph {graph};".encode())
                 continue
             digest.update(b"{")
-            _digest_graph(child, graph, digest)
+            _digest_graph(child, graph, digest, requirements)
             digest.update(b"}")
     try:
         edges = _edges(handle)
     except CudaError as error:
         digest.update(f"edges unread: {error}".encode())
     else:
-        for source, target in edges:
-            digest.update(f"{index.get(int(source), -1)}>{index.get(int(target), -1)};".encode())
+        for source, target, data in edges:
+            kind = (data.type, data.from_port, data.to_port) if data is not None else ()
+            digest.update(f"{index.get(int(source), -1)}>{index.get(int(target), -1)}{kind};".encode())
     return int(count)
 
 
-def _kernel_function(node: Any, graph: int) -> str:
-    """The kernel node's function (`CUfunction`) and cluster dimensions as a string, or one unique to `graph`
-    when CUDA cannot say.
+def _nodes(handle: Any) -> list[Any]:
+    """The graph's nodes in creation order."""
+    from cuda.bindings import runtime
 
-    The cluster dimensions are part of the identity: cuBLAS launches one function with other cluster shapes at
-    other problem sizes (a Wav2Vec2-base node ran with clusters of (5, 1, 1) at one length and (2, 2, 1) at
-    another), and `cudaGraphExecUpdate` between such nodes is accepted but ended in an illegal instruction on
-    the H200 (driver 580). Through the driver API: the runtime's `cudaGraphKernelNodeGetParams` answers
-    "invalid device function" for kernels that torch's own (statically linked) runtime launched."""
+    _, count = check(runtime.cudaGraphGetNodes(handle, 0), "cudaGraphGetNodes")
+    nodes, count = check(runtime.cudaGraphGetNodes(handle, count), "cudaGraphGetNodes")
+    return list(nodes)[:count]
+
+
+def _dims(value: Any) -> str:
+    return f"{value.x},{value.y},{value.z}"
+
+
+LAUNCH_ATTRIBUTES: dict[str, Callable[[Any], Any]] = {
+    "CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION": lambda value: _dims(value.clusterDim),
+    "CU_LAUNCH_ATTRIBUTE_CLUSTER_SCHEDULING_POLICY_PREFERENCE": lambda value: value.clusterSchedulingPolicyPreference,
+    "CU_LAUNCH_ATTRIBUTE_COOPERATIVE": lambda value: value.cooperative,
+}
+"""The kernel-node launch attributes a family must share, and how each value is read (driver 580 reads these
+on graph nodes; the preferred cluster dimension, say, it does not)."""
+
+FUNCTION_CLUSTER_ATTRIBUTES = (
+    "CU_FUNC_ATTRIBUTE_REQUIRED_CLUSTER_WIDTH",
+    "CU_FUNC_ATTRIBUTE_REQUIRED_CLUSTER_HEIGHT",
+    "CU_FUNC_ATTRIBUTE_REQUIRED_CLUSTER_DEPTH",
+    "CU_FUNC_ATTRIBUTE_CLUSTER_SIZE_MUST_BE_SET",
+    "CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED",
+)
+"""The cluster requirements a kernel function is compiled with, which a family's functions must share."""
+
+
+def _kernel_launch(node: Any, graph: int, requirements: dict[int, str]) -> str:
+    """A kernel node's launch configuration as a string (not its function), or one unique to `graph` when CUDA
+    cannot say: the launch attributes of `LAUNCH_ATTRIBUTES` and the function's cluster requirements.
+
+    The cluster shape is part of it: cuBLAS launches one function with other cluster shapes at other problem
+    sizes (a Wav2Vec2-base node ran with clusters of (5, 1, 1) at one length and (2, 2, 1) at another), and
+    `cudaGraphExecUpdate` between such nodes is accepted but ended in an illegal instruction on the H200 (driver
+    580). Through the driver API: the runtime's `cudaGraphKernelNodeGetParams` answers "invalid device function"
+    for kernels that torch's own (statically linked) runtime launched."""
     from cuda.bindings import driver
 
     handle = driver.CUgraphNode(init_value=int(node))
     err, params = driver.cuGraphKernelNodeGetParams(handle)
     if int(err) != 0 or params is None:
-        return f"unknown function in graph {graph}"
-    cluster_attribute = driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
-    err, value = driver.cuGraphKernelNodeGetAttribute(handle, cluster_attribute)
-    if int(err) != 0:
-        return f"unknown cluster of a node in graph {graph}"
-    cluster = value.clusterDim
-    return f"{int(params.func)}@{cluster.x},{cluster.y},{cluster.z}"
+        return f"unknown kernel in graph {graph}"
+    parts = []
+    for name, read in LAUNCH_ATTRIBUTES.items():
+        err, value = driver.cuGraphKernelNodeGetAttribute(handle, getattr(driver.CUlaunchAttributeID, name))
+        if int(err) != 0:
+            return f"unknown {name} of a node in graph {graph}"
+        parts.append(str(read(value)))
+    function = int(params.func)
+    if function not in requirements:
+        requirements[function] = _cluster_requirements(params.func)
+    parts.append(requirements[function])
+    return "@".join(parts)
 
 
-def _edges(handle: Any) -> list[tuple[Any, Any]]:
-    """The graph's edges as (from, to) node pairs (CUDA 13 bindings also return edge data, ignored here)."""
+def _cluster_requirements(function: Any) -> str:
+    """The function's `FUNCTION_CLUSTER_ATTRIBUTES`, or the function itself where one cannot be read (so that
+    only nodes running that very function match)."""
+    from cuda.bindings import driver
+
+    values = []
+    for name in FUNCTION_CLUSTER_ATTRIBUTES:
+        err, value = driver.cuFuncGetAttribute(getattr(driver.CUfunction_attribute, name), function)
+        if int(err) != 0:
+            return f"function {int(function)}"
+        values.append(str(value))
+    return ",".join(values)
+
+
+SEGMENTABLE_NODES = (
+    "cudaGraphNodeTypeKernel",
+    "cudaGraphNodeTypeMemcpy",
+    "cudaGraphNodeTypeMemset",
+    "cudaGraphNodeTypeEmpty",
+    "cudaGraphNodeTypeGraph",
+)
+"""Node kinds `split` cuts between: work that needs nothing of the nodes before it but their completion (an event,
+a conditional or a memory node may pair with a node in another segment, so graphs holding one stay whole)."""
+
+
+def split(graph: int, segments: int) -> list[int] | None:
+    """`graph` cut into `segments` graphs of consecutive nodes in creation order, or None where it cannot be cut
+    so: fewer nodes than segments, a node kind outside `SEGMENTABLE_NODES`, or an edge against creation order.
+
+    Each segment is a clone of `graph` with the other nodes destroyed, so its nodes' parameters, attributes and
+    the edges among them are CUDA's own copy; an edge from an earlier segment goes with its source node. Launched
+    one after the other in one stream, the segments run what `graph` runs: stream order is at least every edge
+    cut. The caller owns the segments (`destroy_graph`)."""
+    from cuda.bindings import runtime
+
+    handle = _graph(graph)
+    nodes = _nodes(handle)
+    if segments < 2 or len(nodes) < segments:
+        return None
+    for node in nodes:
+        err, kind = runtime.cudaGraphNodeGetType(node)
+        if int(err) != 0 or getattr(kind, "name", None) not in SEGMENTABLE_NODES:
+            return None
+    position = {int(node): index for index, node in enumerate(nodes)}
+    if any(position[int(source)] > position[int(target)] for source, target, _ in _edges(handle)):
+        return None
+    cuts = [round(index * len(nodes) / segments) for index in range(segments + 1)]
+    made: list[int] = []
+    try:
+        for first, end in itertools.pairwise(cuts):
+            clone = check(runtime.cudaGraphClone(handle), "cudaGraphClone")
+            made.append(int(clone))
+            for index, node in enumerate(nodes):
+                if not first <= index < end:
+                    copy = check(runtime.cudaGraphNodeFindInClone(node, clone), "cudaGraphNodeFindInClone")
+                    check(runtime.cudaGraphDestroyNode(copy), "cudaGraphDestroyNode")
+    except BaseException:
+        for segment in made:
+            destroy_graph(segment)
+        raise
+    return made
+
+
+def destroy_graph(graph: int) -> None:
+    """Destroy a graph made here (a segment of `split`)."""
+    from cuda.bindings import runtime
+
+    check(runtime.cudaGraphDestroy(_graph(graph)), "cudaGraphDestroy")
+
+
+def _edges(handle: Any) -> list[tuple[Any, Any, Any]]:
+    """The graph's edges as (from, to, data) triples (data: a `cudaGraphEdgeData`, or None where the bindings
+    return none)."""
     from cuda.bindings import runtime
 
     values = check(runtime.cudaGraphGetEdges(handle, 0), "cudaGraphGetEdges")
@@ -217,4 +327,5 @@ def _edges(handle: Any) -> list[tuple[Any, Any]]:
         return []
     values = check(runtime.cudaGraphGetEdges(handle, count), "cudaGraphGetEdges")
     sources, targets, count = values[0], values[1], values[-1]
-    return list(zip(list(sources)[:count], list(targets)[:count], strict=True))
+    data = list(values[2])[:count] if len(values) > 3 and values[2] is not None else [None] * count
+    return list(zip(list(sources)[:count], list(targets)[:count], data, strict=True))

@@ -9,8 +9,16 @@ Executables. Without a graph-memory budget (strategy `dedicated`) each graph is 
 capture and replayed with `CUDAGraph.replay`. Under a budget (`tendril.graphs.executables`) the captured
 graph stays on the host (`keep_graph`) and an `ExecutableCache` per device gives it an executable on
 demand, instantiating, updating (`cudaGraphExecUpdate`) or evicting through `tendril.cuda.graph_exec`;
-replays launch that executable on torch's current stream. Under `lru` and `update` (the automatic strategy
-with a budget) the cache also prefetches: after each launch it predicts the next call's key
+replays launch that executable on torch's current stream. A managed graph runs as segments of about
+`SEGMENT_NODES` consecutive nodes, each its own executable (`ManagedGraph`, `ExecutableChain`), launched one
+after the other in the stream: a call that switches updates segment k + 1 on the host while the GPU runs
+segment k (`CudaExecutables.launch`). On the H200 (`graphs-memory`) this took GPT-2's random-order calls from
+1.89x to 1.23x a dedicated executable's (1.20x in another run), together with families that ignore which kernels
+cuBLAS picked. It costs driver memory (4.4 KB per node learnt, against 2.6 KB unsegmented), host memory (the
+segments are clones of the captured graph: 1.5 MiB per GPT-2 forward graph, against 0.75 MiB) and capture time
+(cutting takes two driver calls per node and segment: 23.9 ms per GPT-2 graph captured, against 14.7 ms
+unsegmented in an earlier run). Under `lru` and `update` (the automatic strategy with a budget) the cache also
+prefetches: after each launch it predicts the next call's key
 (`key.next_in_step`: lengths growing or shrinking by a constant step) and `CudaExecutables` instantiates
 that graph's executable on one background thread (under `update` without room, updates one of its
 family's instead), then uploads it (`cudaGraphUpload`) in the stream of the call that predicted it, so
@@ -201,7 +209,13 @@ class CudaBackend:
         driver = cache.driver
         assert isinstance(driver, CudaExecutables)
         topology = graph_exec.topology(graph.graph.raw_cuda_graph())
-        cache.add(key, graph.graph, topology, memory)
+        host_before = host_resident_bytes()
+        managed = ManagedGraph(graph.graph, topology.nodes // SEGMENT_NODES)
+        host_after = host_resident_bytes()
+        if memory.host_bytes is not None and host_before is not None and host_after is not None:
+            memory.host_bytes += max(host_after - host_before, 0)
+        memory.segments = len(managed.segments)
+        cache.add(key, managed, topology, memory)
         measured_before = driver.measured_total
         cache.acquire(key, call=False)  # instantiates (or switches) now: a graph that cannot run fails here
         graph.driver_bytes = driver.measured_total - measured_before
@@ -253,19 +267,58 @@ class CudaBackend:
         return dict(self._caches)
 
 
+SEGMENT_NODES = 48
+"""Nodes per segment of a managed graph (`ManagedGraph`): a GPT-2 forward graph of 293 nodes runs as 6 segments.
+In a scratch sweep (not committed) of 1 to 12 segments per GPT-2 forward switched at every call, 6 to 8 were
+fastest; each segment's executable also takes driver memory of its own."""
+
+
+class ManagedGraph:
+    """A captured graph under the executable cache, cut into segments (`graph_exec.split`) of about
+    `SEGMENT_NODES` nodes, each with an executable of its own: a switch updates a segment right before
+    launching it, so the host updates segment k + 1 while the GPU runs segment k (`CudaExecutables.launch`).
+    Graphs that cannot be cut (see `split`) are one segment: the captured graph itself. Holds the torch graph
+    (and its pool) alive; the segments are destroyed with this object."""
+
+    def __init__(self, graph: torch.cuda.CUDAGraph, segments: int) -> None:
+        self.graph = graph
+        raw = graph.raw_cuda_graph()
+        made = graph_exec.split(raw, segments) if segments >= 2 else None
+        self.segments: tuple[int, ...] = tuple(made) if made else (raw,)
+        if made:
+            finalizer = weakref.finalize(self, _destroy_graphs, graph_exec.destroy_graph, tuple(made))
+            finalizer.atexit = False  # at interpreter exit the CUDA context goes away with the graphs
+
+
+def _destroy_graphs(destroy: Callable[[int], None], graphs: tuple[int, ...]) -> None:
+    for graph in graphs:
+        destroy(graph)
+
+
+class ExecutableChain:
+    """The executables of a `ManagedGraph`'s segments, launched in order in one stream: what the cache calls an
+    executable. A segment CUDA refused to update is replaced by a fresh instantiation (`CudaExecutables.launch`)."""
+
+    def __init__(self, segments: list[int]) -> None:
+        self.segments = segments
+
+    def __repr__(self) -> str:
+        return f"ExecutableChain({len(self.segments)} segments)"
+
+
 class CudaExecutables:
-    """`ExecutableDriver` over cuda-python for torch `CUDAGraph`s of one device, measuring driver memory around
+    """`ExecutableDriver` over cuda-python for the `ManagedGraph`s of one device, measuring driver memory around
     each instantiation made on the calling thread while the background thread is idle (cudaMemGetInfo sees the
     whole device, so concurrent background work would pollute it: such instantiations report None).
 
-    An executable is updated or destroyed only once its last launch has completed: an event recorded after
-    every launch is waited for on the host when it has not completed yet (counted in `waits` on the calling
-    thread, `background_waits` on the worker). CUDA documents both operations as safe on an executable still
-    running; the wait makes "no update while a replay still uses the executable" hold by construction instead
-    of by the driver's word. It is usually free: the executable switched or evicted is the least recently
-    used. (It did not cure the illegal instruction that `update` caused on the H200; telling cluster
-    dimensions apart in the topology digest did: see `tendril.graphs.executables`.) The `_async` operations
-    run in order on one worker thread (see the module docstring).
+    An executable (`ExecutableChain`) is updated or destroyed only once its last launch has completed: an event
+    recorded after every launch is waited for on the host when it has not completed yet (counted in `waits` on
+    the calling thread, `background_waits` on the worker). CUDA documents both operations as safe on an
+    executable still running; the wait makes "no update while a replay still uses the executable" hold by
+    construction instead of by the driver's word. It is usually free: the executable switched or evicted is the
+    least recently used. (It did not cure the illegal instruction that `update` caused on the H200; telling
+    cluster dimensions apart in the topology digest did: see `tendril.graphs.executables`.) The `_async`
+    operations run in order on one worker thread (see the module docstring).
     """
 
     def __init__(self, device: torch.device) -> None:
@@ -276,64 +329,83 @@ class CudaExecutables:
         self.background_waits = 0
         """Background updates and destructions that waited on the worker for the executable's last launch
         (worker-written)."""
-        self._launched: dict[int, torch.cuda.Event] = {}
+        self.refused_segments = 0
+        """Segments a switch at launch could not update and instantiated afresh."""
+        self._launched: dict[ExecutableChain, torch.cuda.Event] = {}
         self._worker: ThreadPoolExecutor | None = None
         self._outstanding: list[Future[Any]] = []
 
-    def launch(self, executable: int, stream: torch.cuda.Stream) -> None:
-        graph_exec.launch(executable, stream.cuda_stream)
+    def launch(
+        self, executable: ExecutableChain, stream: torch.cuda.Stream, switch_to: ManagedGraph | None = None
+    ) -> UpdateOutcome:
+        """Launch the segments in `stream`; with `switch_to`, first update each segment to that graph's, right
+        before launching it. A refused segment is destroyed and instantiated from `switch_to`'s, so the launch
+        runs `switch_to` whatever CUDA answers; the outcome names the first refusal."""
+        outcome = UpdateOutcome(True)
+        if switch_to is not None:
+            self._settle(executable)
+        with torch.cuda.device(self.device):
+            for index, segment in enumerate(executable.segments):
+                if switch_to is not None:
+                    updated = graph_exec.update(segment, switch_to.segments[index])
+                    if not updated.ok:
+                        outcome = outcome if not outcome.ok else updated
+                        self.refused_segments += 1
+                        graph_exec.destroy(segment)
+                        segment = executable.segments[index] = graph_exec.instantiate(switch_to.segments[index])
+                graph_exec.launch(segment, stream.cuda_stream)
         event = self._launched.get(executable)
         if event is None:
             event = self._launched[executable] = torch.cuda.Event()
         event.record(stream)
+        return outcome
 
-    def _settle(self, executable: int) -> None:
+    def _settle(self, executable: ExecutableChain) -> None:
         event = self._launched.get(executable)
         if event is not None and not event.query():
             self.waits += 1
             event.synchronize()
 
-    def instantiate(self, graph: torch.cuda.CUDAGraph) -> tuple[int, int | None]:
+    def instantiate(self, graph: ManagedGraph) -> tuple[ExecutableChain, int | None]:
         with torch.cuda.device(self.device):
             if self._background_busy():  # only this thread submits work: idle now means idle until we return
-                return graph_exec.instantiate(graph.raw_cuda_graph()), None
+                return _instantiate(graph.segments), None
             free_before = device_free_bytes(self.device)
-            handle = graph_exec.instantiate(graph.raw_cuda_graph())
+            executable = _instantiate(graph.segments)
             measured = max(free_before - device_free_bytes(self.device), 0)
         self.measured_total += measured
-        return handle, measured
+        return executable, measured
 
-    def update(self, executable: int, graph: torch.cuda.CUDAGraph) -> UpdateOutcome:
+    def update(self, executable: ExecutableChain, graph: ManagedGraph) -> UpdateOutcome:
         self._settle(executable)
         with torch.cuda.device(self.device):
-            return graph_exec.update(executable, graph.raw_cuda_graph())
+            return _update(executable, graph.segments)
 
-    def destroy(self, executable: int) -> None:
+    def destroy(self, executable: ExecutableChain) -> None:
         self._settle(executable)
         self._launched.pop(executable, None)
         with torch.cuda.device(self.device):
-            graph_exec.destroy(executable)
+            _destroy(executable)
 
     def instantiate_async(
-        self, graph: torch.cuda.CUDAGraph, stream: torch.cuda.Stream | None
-    ) -> Future[tuple[int, int | None]]:
-        raw = graph.raw_cuda_graph()
-        return self._submit(self._instantiate_and_upload, raw, None if stream is None else stream.cuda_stream)
+        self, graph: ManagedGraph, stream: torch.cuda.Stream | None
+    ) -> Future[tuple[ExecutableChain, int | None]]:
+        raw_stream = None if stream is None else stream.cuda_stream
+        return self._submit(self._instantiate_and_upload, graph.segments, raw_stream)
 
     def update_async(
-        self, executable: int, graph: torch.cuda.CUDAGraph, stream: torch.cuda.Stream | None
+        self, executable: ExecutableChain, graph: ManagedGraph, stream: torch.cuda.Stream | None
     ) -> Future[UpdateOutcome]:
         """Update `executable` on the worker after its last launch, then upload it in `stream`. The last launch's
         event is read now and left in the table (the executable lives on): the cache launches it again only once
         this future has completed, so no launch records that event meanwhile."""
         event = self._launched.get(executable)
-        raw = graph.raw_cuda_graph()
         return self._submit(
-            self._update_and_upload, executable, raw, event, None if stream is None else stream.cuda_stream
+            self._update_and_upload, executable, graph.segments, event, None if stream is None else stream.cuda_stream
         )
 
-    def destroy_async(self, executable: int) -> Future[None]:
-        event = self._launched.pop(executable, None)  # taken now: a later executable may reuse the handle value
+    def destroy_async(self, executable: ExecutableChain) -> Future[None]:
+        event = self._launched.pop(executable, None)  # taken now: the table holds live executables only
         return self._submit(self._destroy_after, executable, event)
 
     def close(self) -> None:
@@ -357,20 +429,26 @@ class CudaExecutables:
         self._outstanding = [future for future in self._outstanding if not future.done()]
         return bool(self._outstanding)
 
-    def _instantiate_and_upload(self, raw: int, stream: int | None) -> tuple[int, int | None]:
+    def _instantiate_and_upload(
+        self, segments: tuple[int, ...], stream: int | None
+    ) -> tuple[ExecutableChain, int | None]:
         with torch.cuda.device(self.device):
             _relax_this_thread()
-            handle = graph_exec.instantiate(raw)
+            executable = _instantiate(segments)
             if stream is not None:
                 try:
-                    graph_exec.upload(handle, stream)
+                    _upload(executable, stream)
                 except BaseException:
-                    graph_exec.destroy(handle)
+                    _destroy(executable)
                     raise
-        return handle, None  # unmeasured: the calling thread may allocate meanwhile
+        return executable, None  # unmeasured: the calling thread may allocate meanwhile
 
     def _update_and_upload(
-        self, executable: int, raw: int, last_launch: torch.cuda.Event | None, stream: int | None
+        self,
+        executable: ExecutableChain,
+        segments: tuple[int, ...],
+        last_launch: torch.cuda.Event | None,
+        stream: int | None,
     ) -> UpdateOutcome:
         """Update after the last launch, then upload, so that the next launch does not upload the updated executable
         itself. On an error the executable is destroyed (the cache forgets it: nothing is left to leak)."""
@@ -378,24 +456,55 @@ class CudaExecutables:
             try:
                 _relax_this_thread()
                 self._wait_for(last_launch)
-                outcome = graph_exec.update(executable, raw)
+                outcome = _update(executable, segments)
                 if outcome.ok and stream is not None:
-                    graph_exec.upload(executable, stream)
+                    _upload(executable, stream)
             except BaseException:
-                graph_exec.destroy(executable)
+                _destroy(executable)
                 raise
         return outcome
 
-    def _destroy_after(self, executable: int, last_launch: torch.cuda.Event | None) -> None:
+    def _destroy_after(self, executable: ExecutableChain, last_launch: torch.cuda.Event | None) -> None:
         with torch.cuda.device(self.device):
             _relax_this_thread()
             self._wait_for(last_launch)
-            graph_exec.destroy(executable)
+            _destroy(executable)
 
     def _wait_for(self, last_launch: torch.cuda.Event | None) -> None:
         if last_launch is not None and not last_launch.query():
             self.background_waits += 1
             last_launch.synchronize()
+
+
+def _instantiate(segments: tuple[int, ...]) -> ExecutableChain:
+    made: list[int] = []
+    try:
+        for segment in segments:
+            made.append(graph_exec.instantiate(segment))
+    except BaseException:
+        for handle in made:
+            graph_exec.destroy(handle)
+        raise
+    return ExecutableChain(made)
+
+
+def _update(executable: ExecutableChain, segments: tuple[int, ...]) -> UpdateOutcome:
+    """Update every segment; stops at the first refusal (the cache then destroys the executable)."""
+    for handle, segment in zip(executable.segments, segments, strict=True):
+        outcome = graph_exec.update(handle, segment)
+        if not outcome.ok:
+            return outcome
+    return UpdateOutcome(True)
+
+
+def _upload(executable: ExecutableChain, stream: int) -> None:
+    for handle in executable.segments:
+        graph_exec.upload(handle, stream)
+
+
+def _destroy(executable: ExecutableChain) -> None:
+    for handle in executable.segments:
+        graph_exec.destroy(handle)
 
 
 _worker_state = threading.local()
@@ -421,7 +530,6 @@ class _ManagedReplay:
             raise TypeError(f"a CUDA replay needs CudaExecutables, got {type(cache.driver).__name__}")
         self._backend = backend
         self._cache = cache
-        self._driver = cache.driver
         self._key = key
         self._device = device
         self._graph = graph
@@ -431,9 +539,8 @@ class _ManagedReplay:
             with torch.cuda.device(self._device):
                 self()
             return
-        handle = self._cache.acquire(self._key)
         stream = torch.cuda.current_stream(self._device)
-        self._driver.launch(handle, stream)
+        self._cache.launch(self._key, stream)
         self._cache.prefetch_next(stream)
 
 
@@ -487,4 +594,4 @@ class _RandomUse:
             self.checked = True
 
 
-__all__ = ["CaptureFailed", "CudaBackend", "CudaExecutables"]
+__all__ = ["CaptureFailed", "CudaBackend", "CudaExecutables", "ExecutableChain", "ManagedGraph"]

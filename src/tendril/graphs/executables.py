@@ -11,29 +11,32 @@ with one graph per sequence length spends most of its memory there. The captured
 - `lru`: executables are instantiated on demand; past the budget the least recently used is destroyed.
   With a `predict_next` (the CUDA backend's default) it also prefetches: see below.
 - `update`: `lru` while the budget has room; once it is full, a miss switches the least recently
-  used executable of the graph's topology family (graphs whose node types, kernel functions with their
-  cluster dimensions, and edges match, e.g. one model at different lengths) to the graph by
-  `cudaGraphExecUpdate` instead of evicting and instantiating; where the family has no executable that
-  can be updated (none, or only prefetches not yet taken), it evicts and instantiates as `lru` does.
+  used executable of the graph's topology family (graphs whose node types, kernel launch configurations and
+  edges match, e.g. one model at different lengths, whichever kernels cuBLAS picks: `graph_exec.Topology`) to
+  the graph by `cudaGraphExecUpdate` instead of evicting and instantiating; where the family has no executable
+  that can be updated (none, or only prefetches not yet taken), it evicts and instantiates as `lru` does.
   Without a budget a family keeps one executable (and one more prefetched for the next call). With a
-  `predict_next` it prefetches too, by updating where it cannot instantiate: see below. On the H200 the
-  update call takes 0.2 ms of host time for a GPT-2 forward, but a call that switches costs about 0.6 ms
-  more than a dedicated executable's (`benchmarks/tools/graph_switch_cost.py`, measured when `update`
-  switched at every miss, without prefetching). Before families told cluster dimensions apart, switching
-  Wav2Vec2-base executables ended in an illegal instruction on driver 580: a cuBLAS node ran one function
-  with clusters (5, 1, 1) at one length and (2, 2, 1) at another, and CUDA accepted the update
-  (`benchmarks/tools/graph_node_attributes.py`). Since then 128 Wav2Vec2 calls under `update` equalled
-  dedicated executables.
+  `predict_next` it prefetches too, by updating where it cannot instantiate: see below. A call's switch is
+  left to its launch (`launch`): the CUDA driver cuts graphs into segments and updates each right before
+  launching it, so the host's update of one segment overlaps the GPU's run of the one before (an update of a
+  whole GPT-2 forward graph took 0.2 ms of host time on the H200, and a call that switched then cost about
+  0.6 ms more than a dedicated executable's, `benchmarks/tools/graph_switch_cost.py`). Before families told
+  cluster dimensions apart, switching Wav2Vec2-base executables ended in an illegal instruction on driver 580:
+  a cuBLAS node ran one function with clusters (5, 1, 1) at one length and (2, 2, 1) at another, and CUDA
+  accepted the update (`benchmarks/tools/graph_node_attributes.py`).
 - `auto` (the default): `dedicated` without a budget, `update` with one. On the H200 (`graphs-memory`, GPT-2
   lengths 1..1024, 64 MiB budget) a call took 1.20x a dedicated executable's with lengths growing by one and
-  1.89x in random order, against 1.57x and 2.49x under `lru`, at the same memory (0.063 MiB of driver memory per
-  extra graph); Wav2Vec2-base 1.27x in random order.
+  1.23x in random order (1.155x and 1.20x in an earlier run of the same code on a faster host), at 0.066 MiB of
+  driver memory per extra graph; before: 1.20x and 1.89x with families split by kernel function (184 of them
+  instead of 49) and whole-graph updates on the calling thread, 1.57x and 2.49x under `lru`. Wav2Vec2-base:
+  1.075x in random order (1.27x before).
 
 Every update is checked: CUDA refuses graphs whose topology or node kinds differ in ways the digest does
 not see. A refused update destroys that executable, moves the graph into a family of its own and
-instantiates it (a refused background update: when the call takes it); the failure is counted in the
-graph's `GraphMemory`. Results are those of dedicated executables: an executable updated to graph G runs
-exactly G's nodes and parameters.
+instantiates it (a refused background update: when the call takes it); a switch refused at launch has
+already run the graph (the driver instantiated the refused segments), and the executable moves into the new
+family with it. The failure is counted in the graph's `GraphMemory`. Results are those of dedicated
+executables: an executable updated to graph G runs exactly G's nodes and parameters.
 
 Budget accounting. The driver's memory per executable is measured around each instantiation
 (cudaMemGetInfo), but the driver takes it in chunks (one instantiation in several takes 2-4 MiB, the
@@ -87,14 +90,13 @@ CUDA accepted it, in `updates`); a refused update is found when it is taken. Whe
 executable, the prefetch is `lru`'s. At a full budget this turns the background instantiation, upload and
 destruction into an update and an upload, and a random order's miss into an update instead of an eviction
 and an instantiation (where the family has an executable to update). Measured (`graphs-memory`, as above):
-4033 of 4096 growing calls found their executable prefetched and 442 waited for it; a call took 1.20x a
-dedicated executable's growing, 1.89x in random order. With every executable resident (nothing switched) the
-cache's own cost per call is 1.02-1.04x (`benchmarks/tools/update_prefetch_cost.py`), so what is left is the
-switching itself: at a 16 MiB budget (about 22 executables, lengths 1..192, every growing call switching) a call
-took 1.62x with the upload in the call's stream, 1.56x with it in a stream of the worker's own, 1.83x without it
-and 1.96x without prefetching; an update plus its upload costs about 0.6 of a call. GPT-2's 1024 lengths make
-184 topology families (cuBLAS picks kernels by size), so a random miss often finds no executable of its family
-to update.
+4052 of 4096 growing calls found their executable prefetched and 366 waited for it. With every executable
+resident (nothing switched) the cache's own cost per call is 1.02-1.04x
+(`benchmarks/tools/update_prefetch_cost.py`, before segments), so what is left is the switching itself. Growing
+lengths: segments raise the driver memory per node (4.4 KB against 2.6 KB learnt), so 64 MiB holds about 52
+executables for GPT-2's 49 families; a family entered by a growing pass then has one executable, the one just
+called, and its second length is prefetched by evicting another family's executable and instantiating (381
+instantiations in the 8 latency passes). Random lengths: nearly every call switches at launch.
 
 Limit of the accounting: executables recycle driver memory that destroyed ones freed (another callable's
 too), and such instantiations measure no growth; the learnt rate then falls and more executables fit the
@@ -165,25 +167,30 @@ class ExecutableDriver(Protocol):
     The `_async` operations run in submission order on one background thread; their errors are raised by the
     futures' `result()`."""
 
-    def instantiate(self, graph: Any) -> tuple[int, int | None]:
+    def instantiate(self, graph: Any) -> tuple[Any, int | None]:
         """Instantiate `graph`; return the executable's handle and the driver bytes it took (None: unmeasured)."""
 
-    def update(self, executable: int, graph: Any) -> UpdateOutcome:
+    def update(self, executable: Any, graph: Any) -> UpdateOutcome:
         """Switch `executable` to `graph` for its later launches."""
 
-    def destroy(self, executable: int) -> None:
+    def launch(self, executable: Any, stream: Any, switch_to: Any = None) -> UpdateOutcome:
+        """Launch `executable` in `stream`; with `switch_to`, switch it to that graph first (the CUDA driver does
+        it piece by piece, each piece right before its launch). The launch runs `switch_to` even where CUDA
+        refuses the update (the driver instantiates what it refused); the outcome says whether it refused."""
+
+    def destroy(self, executable: Any) -> None:
         """Destroy `executable` (a launch still running completes first)."""
 
-    def instantiate_async(self, graph: Any, stream: Any) -> Future[tuple[int, int | None]]:
+    def instantiate_async(self, graph: Any, stream: Any) -> Future[tuple[Any, int | None]]:
         """Instantiate `graph` in the background (and upload it in `stream`, the stream of the call that asked
         for it, if not None); the future gives what `instantiate` returns."""
 
-    def update_async(self, executable: int, graph: Any, stream: Any) -> Future[UpdateOutcome]:
+    def update_async(self, executable: Any, graph: Any, stream: Any) -> Future[UpdateOutcome]:
         """Switch `executable` to `graph` in the background, once its last launch has completed, and upload it in
         `stream` (if not None) when the update succeeded; the future gives what `update` returns. If the
         operation raises, `executable` is destroyed first."""
 
-    def destroy_async(self, executable: int) -> Future[None]:
+    def destroy_async(self, executable: Any) -> Future[None]:
         """Destroy `executable` in the background, once its last launch has completed."""
 
     def close(self) -> None:
@@ -192,8 +199,9 @@ class ExecutableDriver(Protocol):
 
 @dataclass
 class _Executable:
-    handle: int | None
-    """None while its instantiation is `pending`."""
+    handle: Any
+    """The driver's handle (the CUDA backend's is an `ExecutableChain`); None while its instantiation is
+    `pending`."""
     family: str
     nodes: int
     holder: Hashable
@@ -336,11 +344,34 @@ class ExecutableCache:
         memory.nodes = topology.nodes
         self._sources[key] = _Source(graph, topology.nodes, topology.digest, memory)
 
-    def acquire(self, key: Hashable, *, call: bool = True) -> int:
+    def acquire(self, key: Hashable, *, call: bool = True) -> Any:
         """The handle of an executable that runs `key`'s graph at its next launch (instantiated, switched, taken
         from a prefetch, or already there). `call=False` for an acquisition that is not a call (at capture): it
         does not count towards prediction. Raises the error of a failed background instantiation, update or
         destruction."""
+        executable, _ = self._acquire(key, call=call, defer=False)
+        return executable.handle
+
+    def launch(self, key: Hashable, stream: Any) -> None:
+        """A call: acquire `key`'s executable and launch it in `stream`. A switch by update is left to the launch
+        (`ExecutableDriver.launch`), which the CUDA driver pipelines segment by segment; if CUDA refused it, the
+        launch still ran the graph (the driver instantiated what was refused) and the graph moves into a family
+        of its own, with the executable that now runs it."""
+        executable, switch_to = self._acquire(key, call=True, defer=True)
+        source = self._sources[key]
+        start = time.perf_counter()
+        outcome = self.driver.launch(executable.handle, stream, switch_to)
+        if switch_to is not None:
+            source.memory.switch_ms += (time.perf_counter() - start) * 1e3
+            if outcome.ok:
+                source.memory.updates += 1
+            else:
+                self._split(source)
+                self._refile(executable, source.family)
+
+    def _acquire(self, key: Hashable, *, call: bool, defer: bool) -> tuple[_Executable, Any]:
+        """`key`'s executable, and the graph it must be switched to at launch (None: it runs that graph already);
+        without `defer` the switch is made here."""
         self._clock += 1
         self._raise_background_errors()
         if call:
@@ -348,9 +379,9 @@ class ExecutableCache:
         held = self._holding.get(key)
         if held is not None and held.pending is None:
             held.last_used = self._clock
-            assert held.handle is not None
-            return held.handle
+            return held, None
         source = self._sources[key]
+        switch_to = None
         start = time.perf_counter()
         try:
             if held is not None:
@@ -360,12 +391,12 @@ class ExecutableCache:
                     source.memory.prefetch_waits += 1
                 executable = held if self._take(held) else self._replace_refused(key, source, held)
             else:
-                executable = self._switch_or_instantiate(key, source)
+                executable, switch_to = self._switch_or_instantiate(key, source, defer)
         finally:
             source.memory.switch_ms += (time.perf_counter() - start) * 1e3
         executable.last_used = self._clock
         assert executable.handle is not None
-        return executable.handle
+        return executable, switch_to
 
     def prefetch_next(self, stream: Any = None) -> Hashable | None:
         """After a call's launch: predict the next call's key and, if its registered graph has no executable, start
@@ -422,15 +453,19 @@ class ExecutableCache:
 
     # -- policy --------------------------------------------------------------------------------------
 
-    def _switch_or_instantiate(self, key: Hashable, source: _Source) -> _Executable:
+    def _switch_or_instantiate(self, key: Hashable, source: _Source, defer: bool) -> tuple[_Executable, Any]:
         """A call's miss: instantiate (`lru`, or `update` with room), else update the family's least recently used
-        executable; with no such executable, `lru`'s way (evict, instantiate)."""
+        executable (at launch, with `defer`: then the graph to switch to comes back); with no such executable,
+        `lru`'s way (evict, instantiate)."""
         if self.strategy is MemoryStrategy.UPDATE and not self._has_room(source):
             target = self._update_target(source.family)
             if target is not None:
-                return self._switch(key, source, target)
+                if defer:
+                    self._move_holder(target, key)
+                    return target, source.graph
+                return self._switch(key, source, target), None
             self._clear_family(source.family)
-        return self._instantiate(key, source)
+        return self._instantiate(key, source), None
 
     def _switch(self, key: Hashable, source: _Source, target: _Executable) -> _Executable:
         assert target.handle is not None and target.pending is None
@@ -442,6 +477,15 @@ class ExecutableCache:
         self._split(source)
         self._evict(target)
         return self._instantiate(key, source)
+
+    def _refile(self, executable: _Executable, family: str) -> None:
+        """Move `executable` into `family` (its graph's, after a split)."""
+        members = self._families[executable.family]
+        members.remove(executable)
+        if not members:
+            del self._families[executable.family]
+        executable.family = family
+        self._families.setdefault(family, []).append(executable)
 
     def _prefetch(self, key: Hashable, source: _Source, protected: _Executable | None, stream: Any) -> bool:
         """Start giving `key`'s graph an executable in the background, leaving `protected` (the executable just

@@ -52,8 +52,11 @@ class GraphMemory:
     family: str | None = None
     """Digest of the graph's topology; graphs of one family can share an executable through updates."""
     nodes: int | None = None
+    segments: int = 1
+    """Executables the graph runs as, one per segment of consecutive nodes (`tendril.graphs.cuda_backend`)."""
     host_bytes: int | None = None
-    """Host memory taken while capturing (process RSS growth: the kept CUDA graph, bounded from above)."""
+    """Host memory taken while capturing (process RSS growth: the kept CUDA graph and its segments, bounded from
+    above)."""
     executable_bytes: int = 0
     """Driver memory charged to the executable holding this graph now (0 while it has none)."""
     instantiations: int = 0
@@ -71,10 +74,12 @@ class GraphMemory:
     """Switches of another graph's executable to this graph by `cudaGraphExecUpdate` that CUDA accepted, on the call
     path and in the background (then also `prefetches`; counted once a call, eviction or close took its outcome)."""
     update_failures: int = 0
+    """Updates to this graph CUDA refused (the graph then moves into a family of its own)."""
     evictions: int = 0
     switch_ms: float = 0.0
     """Host time the call path spent giving this graph an executable (instantiations, updates, evictions, starting
-    a prefetch and waiting for one, after capture); the background thread's time is not counted."""
+    a prefetch and waiting for one, after capture; a switch at launch counts the whole launch, its segments' updates
+    interleaved with their launches); the background thread's time is not counted."""
 
 
 @dataclass
