@@ -340,20 +340,20 @@ class CudaExecutables:
     ) -> UpdateOutcome:
         """Launch the segments in `stream`; with `switch_to`, first update each segment to that graph's, right
         before launching it. A refused segment is destroyed and instantiated from `switch_to`'s, so the launch
-        runs `switch_to` whatever CUDA answers; the outcome names the first refusal."""
+        runs `switch_to` whatever CUDA answers; the outcome names the first refusal. On the calling thread, with
+        this driver's device current (`_ManagedReplay` makes it so)."""
         outcome = UpdateOutcome(True)
         if switch_to is not None:
             self._settle(executable)
-        with torch.cuda.device(self.device):
-            for index, segment in enumerate(executable.segments):
-                if switch_to is not None:
-                    updated = graph_exec.update(segment, switch_to.segments[index])
-                    if not updated.ok:
-                        outcome = outcome if not outcome.ok else updated
-                        self.refused_segments += 1
-                        graph_exec.destroy(segment)
-                        segment = executable.segments[index] = graph_exec.instantiate(switch_to.segments[index])
-                graph_exec.launch(segment, stream.cuda_stream)
+        for index, segment in enumerate(executable.segments):
+            if switch_to is not None:
+                updated = graph_exec.update(segment, switch_to.segments[index])
+                if not updated.ok:
+                    outcome = outcome if not outcome.ok else updated
+                    self.refused_segments += 1
+                    graph_exec.destroy(segment)
+                    segment = executable.segments[index] = graph_exec.instantiate(switch_to.segments[index])
+            graph_exec.launch(segment, stream.cuda_stream)
         event = self._launched.get(executable)
         if event is None:
             event = self._launched[executable] = torch.cuda.Event()
