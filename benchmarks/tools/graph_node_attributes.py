@@ -1,7 +1,8 @@
 """What differs between captured graphs of one topology family, node by node (a diagnostic behind `update`).
 
-`cudaGraphExecUpdate` of Wav2Vec2-base executables between graphs of equal topology digests (same node types,
-kernel functions and edges) ended in an illegal instruction on the H200. This captures the `graphs-memory`
+`cudaGraphExecUpdate` of Wav2Vec2-base executables between graphs of equal topology digests (then: same node
+types, kernel functions and edges) ended in an illegal instruction on the H200. The digest now leaves the function
+out (`graph_exec.Topology`), so `function` differing inside a family is expected. This captures the `graphs-memory`
 models at several lengths, groups the graphs by tendril's digest, and compares every kernel node with its
 counterpart in the family's first graph: block size, dynamic shared memory, and the launch attributes an
 update may not carry over (cluster dimensions, cluster scheduling policy, programmatic stream
