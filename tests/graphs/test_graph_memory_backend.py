@@ -11,6 +11,7 @@ in the GPU tests.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import random
 import threading
 from types import SimpleNamespace
@@ -18,6 +19,8 @@ from typing import Any
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 from torch.utils import _pytree as pytree
 
 from tendril.config import Config
@@ -137,8 +140,11 @@ class FakeCuda:
     def topology(self, raw: int) -> Topology:
         return self.graphs[raw].topology
 
-    def split(self, raw: int, count: int) -> list[int]:
-        return [FakeSegment(self, self.graphs[raw], index).raw for index in range(count)]
+    def split(self, raw: int, sizes: tuple[int, ...]) -> list[int] | None:
+        assert sum(sizes) == self.graphs[raw].topology.nodes
+        if len(sizes) < 2:
+            return None
+        return [FakeSegment(self, self.graphs[raw], index).raw for index in range(len(sizes))]
 
     def destroy_graph(self, raw: int) -> None:
         del self.graphs[raw]
@@ -403,7 +409,8 @@ def test_a_background_update_waits_for_the_last_launch_then_uploads(cuda: FakeCu
     x = torch.randn(3)
     doubling, tripling, refusing = (FakeGraph(cuda, _scale, (t, f), {}) for t, f in ((x, 2.0), (x, 3.0), (x[:0], 4.0)))
     refusing.refuse_updates = True
-    doubling, tripling, refusing = (cuda_backend.ManagedGraph(g, 1) for g in (doubling, tripling, refusing))
+    whole = (cuda_backend.ManagedGraph(g, (g.topology.nodes,)) for g in (doubling, tripling, refusing))
+    doubling, tripling, refusing = whole
     chain, _ = driver.instantiate(doubling)
     (handle,) = chain.segments
     driver.launch(chain, cuda.streams[0])
@@ -455,11 +462,29 @@ def _memory_total(fast: Any, what: str) -> int:
     return sum(getattr(record.memory, what) for record in fast.stats.graphs.values())
 
 
+def test_segment_sizes_of_a_gpt2_forward_graph():
+    assert cuda_backend.segment_sizes(293) == (16, 32, 64, 96, 85)
+    assert cuda_backend.segment_sizes(20) == (20,)  # a last piece of 4 joins the first 16
+    assert cuda_backend.segment_sizes(0) == ()
+
+
+@given(st.integers(min_value=1, max_value=5000))
+def test_segment_sizes_cut_every_node_once_growing_from_a_small_first_segment(nodes: int):
+    sizes = cuda_backend.segment_sizes(nodes)
+    first, largest = cuda_backend.FIRST_SEGMENT_NODES, cuda_backend.MAX_SEGMENT_NODES
+    assert sum(sizes) == nodes and min(sizes) >= 1
+    if len(sizes) > 1:
+        assert sizes[0] == first
+        assert all(b == min(2 * a, largest) for a, b in itertools.pairwise(sizes[:-1]))
+        assert sizes[-2] <= 2 * sizes[-1] and sizes[-1] <= largest + largest // 2
+
+
 def test_segmented_graphs_switch_segment_by_segment_at_launch(cuda: FakeCuda, monkeypatch: pytest.MonkeyPatch):
     """Graphs cut into segments: a switch updates each segment right before launching it (so the host updates
     the next segment while the GPU runs this one); a segment CUDA refuses is instantiated afresh and the call
     still runs its graph, the refusal counted."""
-    monkeypatch.setattr(cuda_backend, "SEGMENT_NODES", 5)  # the fake's graphs of 10 nodes: two segments each
+    monkeypatch.setattr(cuda_backend, "FIRST_SEGMENT_NODES", 5)  # the fake's graphs of 10 nodes: two segments each
+    monkeypatch.setattr(cuda_backend, "MAX_SEGMENT_NODES", 5)
     fast = _graphed(_scale, "1KiB", "update", prefetch=False)  # room for no second executable: every miss updates
     x = torch.randn(4)
     for factor in (2.0, 3.0, 2.0):

@@ -454,15 +454,18 @@ def _keyed_cache(
     driver: FakeDriver | None = None,
     nodes: int = 100,
     strategy: MemoryStrategy = MemoryStrategy.LRU,
-    families: int = 1,
+    families: int | Callable[[int], str] = 1,
+    ahead: int = 1,
 ) -> tuple[ExecutableCache, FakeDriver, dict[GraphKey, FakeGraph], dict[GraphKey, GraphMemory]]:
-    """Graphs of lengths `lengths` keyed as GPT-2 calls, in `families` topology families (length modulo)."""
+    """Graphs of lengths `lengths` keyed as GPT-2 calls, in `families` topology families (length modulo, or the
+    family each length is in); prefetching `ahead` calls ahead."""
     driver = driver or FakeDriver()
     budget = None if budget_executables is None else budget_executables * nodes * PRIOR_BYTES_PER_NODE
-    cache = ExecutableCache(driver, strategy, budget, predict_next=next_in_step)
+    cache = ExecutableCache(driver, strategy, budget, predict_next=next_in_step, ahead=ahead)
     graphs, memories = {}, {}
     for n in lengths:
-        graphs[_ids(n)] = FakeGraph(f"L{n}", nodes, "gpt" if families == 1 else f"gpt{n % families}")
+        family = families(n) if callable(families) else "gpt" if families == 1 else f"gpt{n % families}"
+        graphs[_ids(n)] = FakeGraph(f"L{n}", nodes, family)
         memories[_ids(n)] = GraphMemory()
         cache.add(_ids(n), graphs[_ids(n)], graphs[_ids(n)].topology, memories[_ids(n)])
     return cache, driver, graphs, memories
@@ -471,7 +474,9 @@ def _keyed_cache(
 def _call(cache: ExecutableCache, driver: FakeDriver, graphs: dict[GraphKey, FakeGraph], key: GraphKey) -> int:
     """What a replay does: acquire, (launch), then let the cache prefetch; checks the invariants."""
     handle = _acquire(cache, driver, graphs, key)
+    nearer = {k: cache._holding[k] for k in cache._predicted() if k in cache._holding}
     cache.prefetch_next(stream="the call's stream")
+    assert all(cache._holding.get(k) is e for k, e in nearer.items()), "took an executable held for a predicted call"
     assert handle in driver.running, "prefetching destroyed the executable just called"
     assert driver.running[handle] == graphs[key], "prefetching updated the executable just called"
     if cache.budget is not None and cache.over_budget == 0:
@@ -507,11 +512,83 @@ def test_shrinking_by_two_prefetches_every_other_length():
     assert all(memories[_ids(n)].prefetches == 0 for n in range(1, 31, 2))
 
 
+def _two_families(n: int) -> str:
+    return "A" if n < 10 else "B"
+
+
+def _first_prefetch(driver: FakeDriver, calls: list[int], cache: ExecutableCache, graphs: Any) -> dict[str, int]:
+    """Make `calls`; the call after which each graph was first prefetched (instantiated or updated)."""
+    prefetched_at: dict[str, int] = {}
+    for n in calls:
+        _call(cache, driver, graphs, _ids(n))
+        for op, name in driver.log:
+            if op.startswith("prefetch"):
+                prefetched_at.setdefault(name, n)
+    return prefetched_at
+
+
+def test_update_instantiates_a_family_entry_calls_before_it_runs():
+    """Under `update` three calls ahead, a growing pass into family B (from L10), which holds no executable: L10 is
+    instantiated after call 7 and L11 (B's second executable: the run alternates two) after call 8; one call ahead,
+    after calls 9 and 10. Every call after the third finds its executable made."""
+    for ahead, (ten, eleven) in ((3, (7, 8)), (1, (9, 10))):
+        cache, driver, graphs, _ = _keyed_cache(
+            range(1, 21), 4, strategy=MemoryStrategy.UPDATE, families=_two_families, ahead=ahead
+        )
+        prefetched_at = _first_prefetch(driver, list(range(1, 21)), cache, graphs)
+        assert (prefetched_at["L10"], prefetched_at["L11"]) == (ten, eleven)
+        assert ("prefetch", "L10") in driver.log and ("prefetch", "L11") in driver.log  # instantiated, not updated
+        assert cache.prefetch_hits == 17 == cache.prefetches and cache.prefetch_waits == 0
+        assert cache.over_budget == 0 and cache.prefetch_wasted == 0
+
+
+def test_an_early_instantiation_leaves_the_familys_executables_alone():
+    """B holds one executable (of L15, called first) when the pass reaches it: L11, B's second, is instantiated
+    early (after call 8) without evicting it, and L10 then takes it by an update (after call 9)."""
+    cache, driver, graphs, _ = _keyed_cache(
+        range(1, 21), 4, strategy=MemoryStrategy.UPDATE, families=_two_families, ahead=3
+    )
+    prefetched_at = _first_prefetch(driver, [15, *range(1, 21)], cache, graphs)
+    assert (prefetched_at["L10"], prefetched_at["L11"]) == (9, 8)
+    assert ("prefetch-update", "L10") in driver.log and ("prefetch", "L11") in driver.log
+    assert cache.prefetch_hits == 17 and cache.prefetch_waits == 0 and cache.over_budget == 0
+
+
+def test_no_early_instantiation_where_the_budget_holds_no_more():
+    """A budget of two holds the executable just called and the next call's: B's entry is made one call ahead."""
+    cache, driver, graphs, _ = _keyed_cache(
+        range(1, 21), 2, strategy=MemoryStrategy.UPDATE, families=_two_families, ahead=3
+    )
+    prefetched_at = _first_prefetch(driver, list(range(1, 21)), cache, graphs)
+    assert prefetched_at["L10"] == 9 and cache.over_budget == 0 and cache.executables <= 2
+
+
+def test_a_growing_run_in_one_family_alternates_two_executables():
+    """Without a budget, three calls ahead, one family: two executables (one runs while the other is updated)."""
+    cache, driver, graphs, memories = _keyed_cache(range(1, 41), None, strategy=MemoryStrategy.UPDATE, ahead=3)
+    for n in range(1, 41):
+        _call(cache, driver, graphs, _ids(n))
+        assert cache.executables <= 2
+    assert _total(memories, "instantiations") == 2 and cache.prefetch_hits == 37
+
+
+def test_lru_prefetches_the_next_call_only():
+    cache, driver, graphs, _ = _keyed_cache(range(1, 21), 6, ahead=3)
+    for n in range(1, 8):
+        _call(cache, driver, graphs, _ids(n))
+    assert [name for op, name in driver.log if op == "prefetch"] == ["L4", "L5", "L6", "L7", "L8"]
+
+
+def test_lookahead_must_be_positive():
+    with pytest.raises(ValueError, match="at least one call ahead"):
+        ExecutableCache(FakeDriver(), MemoryStrategy.LRU, None, predict_next=next_in_step, ahead=0)
+
+
 def test_capture_time_acquisitions_do_not_count_as_calls():
     cache, *_ = _keyed_cache(range(1, 6), budget_executables=None)
     for n in (1, 2, 3):
         cache.acquire(_ids(n), call=False)
-    assert cache.prefetch_next() is None and cache.prefetches == 0
+    assert cache.prefetch_next() == [] and cache.prefetches == 0
 
 
 def test_no_prefetch_when_the_budget_holds_only_the_executable_just_called():
@@ -531,7 +608,7 @@ def test_without_a_predictor_nothing_is_prefetched(strategy):
             cache.add(key, graph, graph.topology, GraphMemory())
         for key in graphs:
             _acquire(cache, driver, graphs, key)
-            assert cache.prefetch_next() is None
+            assert cache.prefetch_next() == []
         assert not cache.prefetching and not {"prefetch", "prefetch-update"} & {op for op, _ in driver.log}
 
 
@@ -794,16 +871,18 @@ def _made(cache: ExecutableCache) -> int:
     ),
     refused=st.sets(st.integers(min_value=1, max_value=16), max_size=3),
     lazy=st.booleans(),
+    ahead=st.sampled_from([1, 3]),
 )
 def test_update_with_prefetching_runs_the_requested_graph_within_budget(
-    budget_executables, families, segments, refused, lazy
+    budget_executables, families, segments, refused, lazy, ahead
 ):
     """`update` with prefetching under stepping runs mixed with jumps, refused updates included: every call gets
-    its own graph, never from the executable just called; the charges stay within the budget; without a budget a
-    family holds at most two executables; every prefetch is hit, wasted or still held."""
+    its own graph, never from the executable just called or one held for a nearer predicted call; the charges stay
+    within the budget; without a budget a family holds at most `ahead` + 1 executables; every prefetch is hit,
+    wasted or still held."""
     driver = FakeDriver(refuse={f"L{n}" for n in refused}, background="lazy" if lazy else "done")
     cache, driver, graphs, memories = _keyed_cache(
-        range(1, 17), budget_executables, driver, strategy=MemoryStrategy.UPDATE, families=families
+        range(1, 17), budget_executables, driver, strategy=MemoryStrategy.UPDATE, families=families, ahead=ahead
     )
     for n in _runs(segments, 16):
         _call(cache, driver, graphs, _ids(n))
@@ -811,6 +890,6 @@ def test_update_with_prefetching_runs_the_requested_graph_within_budget(
         assert len(driver.running) == (_made(cache) if lazy else cache.executables)
         if budget_executables is None:
             per_family = Counter(cache.family(key) for key in cache.holder_keys())
-            assert max(per_family.values()) <= 2, per_family
+            assert max(per_family.values()) <= ahead + 1, per_family
     assert cache.prefetches == cache.prefetch_hits + cache.prefetch_wasted + len(cache.pending_keys())
     assert _total(memories, "executable_bytes") == cache.live_bytes

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import hashlib
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -271,9 +271,10 @@ SEGMENTABLE_NODES = (
 a conditional or a memory node may pair with a node in another segment, so graphs holding one stay whole)."""
 
 
-def split(graph: int, segments: int) -> list[int] | None:
-    """`graph` cut into `segments` graphs of consecutive nodes in creation order, or None where it cannot be cut
-    so: fewer nodes than segments, a node kind outside `SEGMENTABLE_NODES`, or an edge against creation order.
+def split(graph: int, sizes: Sequence[int]) -> list[int] | None:
+    """`graph` cut into graphs of consecutive nodes in creation order, `sizes[i]` nodes in the i-th, or None where it
+    cannot be cut so: fewer than two sizes, a node kind outside `SEGMENTABLE_NODES`, or an edge against creation
+    order. The sizes must add up to the graph's node count.
 
     Each segment is a clone of `graph` with the other nodes destroyed, so its nodes' parameters, attributes and
     the edges among them are CUDA's own copy; an edge from an earlier segment goes with its source node. Launched
@@ -281,10 +282,12 @@ def split(graph: int, segments: int) -> list[int] | None:
     cut. The caller owns the segments (`destroy_graph`)."""
     from cuda.bindings import runtime
 
+    if len(sizes) < 2:
+        return None
     handle = _graph(graph)
     nodes = _nodes(handle)
-    if segments < 2 or len(nodes) < segments:
-        return None
+    if sum(sizes) != len(nodes) or min(sizes) < 1:
+        raise ValueError(f"segment sizes {list(sizes)} do not cut a graph of {len(nodes)} nodes")
     for node in nodes:
         err, kind = runtime.cudaGraphNodeGetType(node)
         if int(err) != 0 or getattr(kind, "name", None) not in SEGMENTABLE_NODES:
@@ -292,7 +295,7 @@ def split(graph: int, segments: int) -> list[int] | None:
     position = {int(node): index for index, node in enumerate(nodes)}
     if any(position[int(source)] > position[int(target)] for source, target, _ in _edges(handle)):
         return None
-    cuts = [round(index * len(nodes) / segments) for index in range(segments + 1)]
+    cuts = list(itertools.accumulate(sizes, initial=0))
     made: list[int] = []
     try:
         for first, end in itertools.pairwise(cuts):

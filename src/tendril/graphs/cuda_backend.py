@@ -5,28 +5,25 @@ capture the outputs are released to the pool (`memory.release_outputs`) so the n
 their memory too. A failed capture leaves its blocks free in the pool for the next capture; if no
 graph holds the pool yet, the pool itself is dropped and its memory returned to the device.
 
-Executables. Without a graph-memory budget (strategy `dedicated`) each graph is instantiated by torch at
-capture and replayed with `CUDAGraph.replay`. Under a budget (`tendril.graphs.executables`) the captured
-graph stays on the host (`keep_graph`) and an `ExecutableCache` per device gives it an executable on
-demand, instantiating, updating (`cudaGraphExecUpdate`) or evicting through `tendril.cuda.graph_exec`;
-replays launch that executable on torch's current stream. A managed graph runs as segments of about
-`SEGMENT_NODES` consecutive nodes, each its own executable (`ManagedGraph`, `ExecutableChain`), launched one
-after the other in the stream: a call that switches updates segment k + 1 on the host while the GPU runs
-segment k (`CudaExecutables.launch`). On the H200 (`graphs-memory`) this took GPT-2's random-order calls from
-1.89x to 1.23x a dedicated executable's (1.20x in another run), together with families that ignore which kernels
-cuBLAS picked. It costs driver memory (4.4 KB per node learnt, against 2.6 KB unsegmented), host memory (the
-segments are clones of the captured graph: 1.5 MiB per GPT-2 forward graph, against 0.75 MiB) and capture time
-(cutting takes two driver calls per node and segment: 23.9 ms per GPT-2 graph captured, against 14.7 ms
-unsegmented in an earlier run). Under `lru` and `update` (the automatic strategy with a budget) the cache also
-prefetches: after each launch it predicts the next call's key
-(`key.next_in_step`: lengths growing or shrinking by a constant step) and `CudaExecutables` instantiates
-that graph's executable on one background thread (under `update` without room, updates one of its
-family's instead), then uploads it (`cudaGraphUpload`) in the stream of the call that predicted it, so
-the next call neither instantiates (1.34 ms on the H200 for a GPT-2 forward) nor pays the first launch's
-upload (0.27 ms); evictions destroy in the background too (0.25 ms). Graphs that
-draw random numbers keep torch's dedicated executable, because torch's replay advances the generator's
-seed and offset before each launch (a plain launch would repeat the same numbers); they are counted
-against the budget.
+Executables. Without a graph-memory budget (strategy `dedicated`) each graph is instantiated by torch at capture and
+replayed with `CUDAGraph.replay`. Under a budget (`tendril.graphs.executables`) the captured graph stays on the host
+(`keep_graph`) and an `ExecutableCache` per device gives it an executable on demand, instantiating, updating
+(`cudaGraphExecUpdate`) or evicting through `tendril.cuda.graph_exec`; replays launch that executable on torch's
+current stream. A managed graph runs as segments of consecutive nodes (`segment_sizes`: 16 nodes first, then
+doubling up to 96), each its own executable (`ManagedGraph`, `ExecutableChain`), launched one after the other in the
+stream: a call that switches updates segment k + 1 on the host while the GPU runs segment k
+(`CudaExecutables.launch`). Segments cost driver memory (each executable has a share of its own), host memory (the
+segments are clones of the captured graph: 1.5 MiB per GPT-2 forward graph, against 0.75 MiB whole) and capture time
+(cutting takes two driver calls per node and segment). Under `lru` and `update` (the automatic strategy with a
+budget) the cache also prefetches: after each launch it predicts the next call's key (`key.next_in_step`: lengths
+growing or shrinking by a constant step) and `CudaExecutables` instantiates that graph's executable on one
+background thread (under `update` without room, updates one of its family's instead), then uploads it
+(`cudaGraphUpload`) in the stream of the call that predicted it, so the next call neither instantiates (1.34 ms on
+the H200 for a GPT-2 forward) nor pays the first launch's upload (0.27 ms); evictions destroy in the background too
+(0.25 ms). Under `update` it looks `PREFETCH_AHEAD` calls ahead, to instantiate a family's executables before a
+growing pass enters it. Graphs that draw random numbers keep torch's dedicated executable, because torch's replay
+advances the generator's seed and offset before each launch (a plain launch would repeat the same numbers); they are
+counted against the budget.
 
 Ordering of switches. All graphs of a callable share pool memory, placeholders and outputs, so a
 launch must not overlap the previous one. Launches on one stream are ordered by the stream; when a
@@ -210,7 +207,7 @@ class CudaBackend:
         assert isinstance(driver, CudaExecutables)
         topology = graph_exec.topology(graph.graph.raw_cuda_graph())
         host_before = host_resident_bytes()
-        managed = ManagedGraph(graph.graph, topology.nodes // SEGMENT_NODES)
+        managed = ManagedGraph(graph.graph, segment_sizes(topology.nodes))
         host_after = host_resident_bytes()
         if memory.host_bytes is not None and host_before is not None and host_after is not None:
             memory.host_bytes += max(host_after - host_before, 0)
@@ -232,6 +229,7 @@ class CudaBackend:
                 self.strategy,
                 self.graph_memory_budget,
                 predict_next=next_in_step if self.prefetch else None,
+                ahead=PREFETCH_AHEAD,
             )
             self._caches[device] = cache
             finalizer = weakref.finalize(self, cache.close)
@@ -267,23 +265,53 @@ class CudaBackend:
         return dict(self._caches)
 
 
-SEGMENT_NODES = 48
-"""Nodes per segment of a managed graph (`ManagedGraph`): a GPT-2 forward graph of 293 nodes runs as 6 segments.
-In a scratch sweep (not committed) of 1 to 12 segments per GPT-2 forward switched at every call, 6 to 8 were
-fastest; each segment's executable also takes driver memory of its own."""
+PREFETCH_AHEAD = 3
+"""Calls ahead the cache predicts (`ExecutableCache.ahead`): under `update` a family a growing pass enters short of
+executables gets one instantiated up to two calls before the call that needs it. GPT-2's forward graphs below 160
+tokens make 20 families, entered every few calls, and instantiating and uploading a chain on the worker takes longer
+than a call there (about 1.3 ms against 1 ms on the H200): predicting one call ahead, a call entering a family waited
+2-5 ms for it (scratch timeline of `graphs-memory`'s growing pass, not committed)."""
+
+FIRST_SEGMENT_NODES = 16
+"""Nodes in the first segment of a managed graph (`segment_sizes`): a switch exposes the update of this one, the
+GPU waits for it."""
+MAX_SEGMENT_NODES = 96
+"""Most nodes in one segment: each segment's executable takes driver memory of its own, so segments are no smaller
+than the overlap needs."""
+
+
+def segment_sizes(nodes: int) -> tuple[int, ...]:
+    """Node counts of a managed graph's segments (`ManagedGraph`): `FIRST_SEGMENT_NODES`, then each twice the one
+    before up to `MAX_SEGMENT_NODES`; a last piece under half the one before it joins that one. A GPT-2 forward graph
+    of 293 nodes runs as 16, 32, 64, 96 and 85 nodes: a switch's host work on segment k + 1 (about 1 us per node to
+    update, 50 us to launch) stays under the GPU's on segment k (3-6 us per node), and the GPU starts after a short
+    first update. In a scratch sweep on the H200 (not committed; GPT-2 graphs of one family switched at every call,
+    against dedicated executables) such doubling cost 1.064x at lengths 385-925 and 1.149x at 9-157, against
+    1.103x and 1.155x for six equal segments."""
+    sizes: list[int] = []
+    size = FIRST_SEGMENT_NODES
+    left = nodes
+    while left > 0:
+        sizes.append(min(size, left))
+        left -= sizes[-1]
+        size = min(2 * size, MAX_SEGMENT_NODES)
+    if len(sizes) >= 2 and 2 * sizes[-1] < sizes[-2]:
+        last = sizes.pop()
+        sizes[-1] += last
+    return tuple(sizes)
 
 
 class ManagedGraph:
-    """A captured graph under the executable cache, cut into segments (`graph_exec.split`) of about
-    `SEGMENT_NODES` nodes, each with an executable of its own: a switch updates a segment right before
-    launching it, so the host updates segment k + 1 while the GPU runs segment k (`CudaExecutables.launch`).
-    Graphs that cannot be cut (see `split`) are one segment: the captured graph itself. Holds the torch graph
-    (and its pool) alive; the segments are destroyed with this object."""
+    """A captured graph under the executable cache, cut into segments (`graph_exec.split`) of `sizes` nodes
+    (`segment_sizes`), each with an executable of its own: a switch updates a segment right before launching it,
+    so the host updates segment k + 1 while the GPU runs segment k (`CudaExecutables.launch`). Graphs that cannot
+    be cut (see `split`) are one segment: the captured graph itself. Holds the torch graph (and its pool) alive;
+    the segments are destroyed with this object."""
 
-    def __init__(self, graph: torch.cuda.CUDAGraph, segments: int) -> None:
+    def __init__(self, graph: torch.cuda.CUDAGraph, sizes: tuple[int, ...]) -> None:
         self.graph = graph
         raw = graph.raw_cuda_graph()
-        made = graph_exec.split(raw, segments) if segments >= 2 else None
+        made = graph_exec.split(raw, sizes)
         self.segments: tuple[int, ...] = tuple(made) if made else (raw,)
         if made:
             finalizer = weakref.finalize(self, _destroy_graphs, graph_exec.destroy_graph, tuple(made))

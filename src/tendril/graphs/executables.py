@@ -15,7 +15,7 @@ with one graph per sequence length spends most of its memory there. The captured
   edges match, e.g. one model at different lengths, whichever kernels cuBLAS picks: `graph_exec.Topology`) to
   the graph by `cudaGraphExecUpdate` instead of evicting and instantiating; where the family has no executable
   that can be updated (none, or only prefetches not yet taken), it evicts and instantiates as `lru` does.
-  Without a budget a family keeps one executable (and one more prefetched for the next call). With a
+  Without a budget a family keeps one executable (and more prefetched for predicted calls). With a
   `predict_next` it prefetches too, by updating where it cannot instantiate: see below. A call's switch is
   left to its launch (`launch`): the CUDA driver cuts graphs into segments and updates each right before
   launching it, so the host's update of one segment overlaps the GPU's run of the one before (an update of a
@@ -25,11 +25,15 @@ with one graph per sequence length spends most of its memory there. The captured
   a cuBLAS node ran one function with clusters (5, 1, 1) at one length and (2, 2, 1) at another, and CUDA
   accepted the update (`benchmarks/tools/graph_node_attributes.py`).
 - `auto` (the default): `dedicated` without a budget, `update` with one. On the H200 (`graphs-memory`, GPT-2
-  lengths 1..1024, 64 MiB budget) a call took 1.20x a dedicated executable's with lengths growing by one and
-  1.23x in random order (1.155x and 1.20x in an earlier run of the same code on a faster host), at 0.066 MiB of
-  driver memory per extra graph; before: 1.20x and 1.89x with families split by kernel function (184 of them
-  instead of 49) and whole-graph updates on the calling thread, 1.57x and 2.49x under `lru`. Wav2Vec2-base:
-  1.075x in random order (1.27x before).
+  lengths 1..1024, 64 MiB budget) a call took 1.16x a dedicated executable's with lengths growing by one and
+  1.21x in random order, at 0.065 MiB of driver memory per extra graph (runs of one code differ by up to 0.04);
+  before: 1.20x and 1.89x with families split by kernel function (184 of them instead of 49) and whole-graph
+  updates on the calling thread, 1.57x and 2.49x under `lru`. Wav2Vec2-base: 1.03x in random order (1.27x
+  before). What switching cannot avoid: an updated executable runs slower on the GPU than a fresh one, 1.065x
+  for a GPT-2 forward at 545 tokens updated from 529 (`benchmarks/tools/update_cost.py`); an upload after the
+  update, per-node `cuGraphExecKernelNodeSetParams` instead, or updating back to the graph it was instantiated
+  from do not help, an update to the same graph costs nothing. 64 MiB holds 55 of GPT-2's 1024 executables, so
+  a growing pass switches at nearly every call and pays that on top of the host's work.
 
 Every update is checked: CUDA refuses graphs whose topology or node kinds differ in ways the digest does
 not see. A refused update destroys that executable, moves the graph into a family of its own and
@@ -89,14 +93,15 @@ predicted key's from then on (pending like a prefetched instantiation; counted i
 CUDA accepted it, in `updates`); a refused update is found when it is taken. Where the family has no such
 executable, the prefetch is `lru`'s. At a full budget this turns the background instantiation, upload and
 destruction into an update and an upload, and a random order's miss into an update instead of an eviction
-and an instantiation (where the family has an executable to update). Measured (`graphs-memory`, as above):
-4052 of 4096 growing calls found their executable prefetched and 366 waited for it. With every executable
-resident (nothing switched) the cache's own cost per call is 1.02-1.04x
-(`benchmarks/tools/update_prefetch_cost.py`, before segments), so what is left is the switching itself. Growing
-lengths: segments raise the driver memory per node (4.4 KB against 2.6 KB learnt), so 64 MiB holds about 52
-executables for GPT-2's 49 families; a family entered by a growing pass then has one executable, the one just
-called, and its second length is prefetched by evicting another family's executable and instantiating (381
-instantiations in the 8 latency passes). Random lengths: nearly every call switches at launch.
+and an instantiation (where the family has an executable to update). Looking ahead (`ahead`, 3 calls
+in the CUDA backend): a later predicted graph whose family holds fewer executables than its run of calls needs (one,
+or two for two calls or more in a row, which alternate) is instantiated without evicting any of that family's, so a
+growing pass enters a family with its executables made up to two calls early; only the next call's graph is ever
+updated. Measured (`graphs-memory`, as above): 4050 of 4096 growing calls found their executable prefetched and 217
+waited for it (290 predicting one call ahead, in another run). With every executable resident (nothing switched)
+the cache's own cost per call is 1.02-1.04x (`benchmarks/tools/update_prefetch_cost.py`, before segments), so what
+is left is the switching itself: the updated executables' slower GPU time (above), the waits, and the host's work
+per call. Random lengths: nearly every call switches at launch.
 
 Limit of the accounting: executables recycle driver memory that destroyed ones freed (another callable's
 too), and such instantiations measure no growth; the learnt rate then falls and more executables fit the
@@ -116,7 +121,7 @@ import enum
 import math
 import time
 from collections import deque
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Collection, Hashable
 from concurrent.futures import Future
 from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass
@@ -197,7 +202,7 @@ class ExecutableDriver(Protocol):
         """Finish the background work and stop the background thread."""
 
 
-@dataclass
+@dataclass(eq=False)
 class _Executable:
     handle: Any
     """The driver's handle (the CUDA backend's is an `ExecutableChain`); None while its instantiation is
@@ -239,6 +244,7 @@ class ExecutableCache:
         budget: int | None,
         *,
         predict_next: PredictNext | None = None,
+        ahead: int = 1,
     ) -> None:
         if strategy is MemoryStrategy.AUTO or (strategy is MemoryStrategy.DEDICATED and budget is None):
             raise ValueError("resolve the strategy first: 'auto' is 'dedicated' (served by torch) or 'update'")
@@ -247,6 +253,11 @@ class ExecutableCache:
         self.budget = budget
         self.predict_next = predict_next if strategy in (MemoryStrategy.LRU, MemoryStrategy.UPDATE) else None
         """How the next call's key is predicted; None: no prefetching (and every driver call on the caller's thread)."""
+        if ahead < 1:
+            raise ValueError(f"ahead={ahead}: prefetching looks at least one call ahead")
+        self.ahead = ahead
+        """How many calls ahead `prefetch_next` predicts, each from the ones before (beyond the next call, only under
+        `update`: to instantiate early for a family short of executables)."""
         self.reserved_bytes = 0
         """Driver bytes of executables outside the cache (never evicted) that count against the budget."""
         self.over_budget = 0
@@ -398,25 +409,71 @@ class ExecutableCache:
         assert executable.handle is not None
         return executable, switch_to
 
-    def prefetch_next(self, stream: Any = None) -> Hashable | None:
-        """After a call's launch: predict the next call's key and, if its registered graph has no executable, start
-        giving it one in the background (never taking the executable just called): an instantiation where there
-        is room (made by evicting, under `lru`), or under `update` without room an update of one of its family's
-        executables; the executable is uploaded in `stream`. Returns the key prefetched, if any. The host time
-        spent here counts in that graph's `switch_ms`."""
-        if self.predict_next is None or len(self._calls) < 3:
-            return None
-        predicted = self.predict_next(*self._calls)
-        current = self._calls[-1]
-        if predicted is None or predicted == current or predicted not in self._sources or predicted in self._holding:
-            return None
-        source = self._sources[predicted]
+    def prefetch_next(self, stream: Any = None) -> list[Hashable]:
+        """After a call's launch: predict the keys of the next `ahead` calls and start giving their graphs executables
+        in the background, uploaded in `stream`, never taking the executable just called or one held for a predicted
+        call. The next call's graph, if it has no executable: an instantiation where there is room (made by evicting,
+        under `lru`), or under `update` without room an update of one of its family's executables. Under `update`,
+        also the first later predicted graph whose family holds fewer executables than its run needs (two for two
+        calls or more in a row, which then alternate: one runs while the other is updated), by an instantiation that
+        evicts none of that family's (`_short_of_executables`): a growing pass then enters a family with its
+        executables made calls ahead instead of waiting for an instantiation. Returns the keys prefetched; the host
+        time spent here counts in those graphs' `switch_ms`."""
+        predicted = self._predicted()
+        if not predicted:
+            return []
+        protected = {self._holding[key] for key in (self._calls[-1], *predicted) if key in self._holding}
+        started = []
+        nearest = predicted[0]
+        if nearest not in self._holding and self._prefetch_timed(nearest, protected, stream):
+            started.append(nearest)
+        if self.strategy is not MemoryStrategy.UPDATE:
+            return started
+        for index, key in enumerate(predicted[1:], start=1):
+            if key in self._holding or not self._short_of_executables(key, predicted[:index]):
+                continue
+            family = set(self._families.get(self._sources[key].family, ()))  # protected too: it instantiates
+            if self._prefetch_timed(key, protected | family, stream):
+                started.append(key)
+            break
+        return started
+
+    def _prefetch_timed(self, key: Hashable, protected: set[_Executable], stream: Any) -> bool:
+        """`_prefetch`, its host time counted in the graph's `switch_ms`; a prefetch started joins `protected`."""
+        source = self._sources[key]
         start = time.perf_counter()
         try:
-            started = self._prefetch(predicted, source, self._holding.get(current), stream)
+            made = self._prefetch(key, source, protected, stream)
         finally:
             source.memory.switch_ms += (time.perf_counter() - start) * 1e3
-        return predicted if started else None
+        if made:
+            protected.add(self._holding[key])
+        return made
+
+    def _short_of_executables(self, key: Hashable, nearer: list[Hashable]) -> bool:
+        """Whether `key`'s family holds fewer executables than the calls of it in a row up to `key` need (the call
+        just made and the `nearer` predicted ones included): one, or two where the run has two calls or more."""
+        family = self._sources[key].family
+        run = 1
+        for previous in reversed([self._calls[-1], *nearer]):
+            if self._sources[previous].family != family:
+                break
+            run += 1
+        return len(self._families.get(family, ())) < min(run, 2)
+
+    def _predicted(self) -> list[Hashable]:
+        """The registered keys of the next `ahead` calls, each predicted from the three calls before it (stops where
+        the prediction fails, names an unregistered graph or one called or predicted already); none before three
+        calls, or without `predict_next`."""
+        if self.predict_next is None or len(self._calls) < 3:
+            return []
+        keys = list(self._calls)
+        for _ in range(self.ahead):
+            key = self.predict_next(*keys[-3:])
+            if key is None or key not in self._sources or key in keys:
+                break
+            keys.append(key)
+        return keys[len(self._calls) :]
 
     def wait_idle(self) -> None:
         """Wait until the background work started so far has finished (errors stay for `acquire` to raise)."""
@@ -487,9 +544,9 @@ class ExecutableCache:
         executable.family = family
         self._families.setdefault(family, []).append(executable)
 
-    def _prefetch(self, key: Hashable, source: _Source, protected: _Executable | None, stream: Any) -> bool:
+    def _prefetch(self, key: Hashable, source: _Source, protected: set[_Executable], stream: Any) -> bool:
         """Start giving `key`'s graph an executable in the background, leaving `protected` (the executable just
-        called) alone; False when that is impossible within the budget."""
+        called, and those held for predicted calls) alone; False when that is impossible within the budget."""
         if self.strategy is MemoryStrategy.UPDATE and not self._has_room(source, protected):
             target = self._update_target(source.family, protected)
             if target is not None:
@@ -498,9 +555,9 @@ class ExecutableCache:
             self._clear_family(source.family, protected)
         needed = self.charge(source.nodes)
         if self.budget is not None:
-            floor = self.reserved_bytes + (self.charge(protected.nodes) if protected is not None else 0)
+            floor = self.reserved_bytes + sum(self.charge(e.nodes) for e in protected)
             if floor + needed > self.budget:
-                return False  # only by evicting the executable just called
+                return False  # only by evicting a protected executable
         self._make_room(needed, protected)
         future = self.driver.instantiate_async(source.graph, stream)
         self._admit(_Executable(None, source.family, source.nodes, key, self._clock, future))
@@ -517,26 +574,27 @@ class ExecutableCache:
         target.last_used = self._clock
         source.memory.prefetches += 1
 
-    def _has_room(self, source: _Source, protected: _Executable | None = None) -> bool:
+    def _has_room(self, source: _Source, protected: Collection[_Executable] = ()) -> bool:
         """Under `update`: whether `source`'s graph gets an executable of its own rather than an update. With a
-        budget, while one more fits; without, while its family has no executable other than `protected` (so a
-        family holds one executable, and one more prefetched for the next call)."""
+        budget, while one more fits; without, while its family has no executable outside `protected` (so a
+        family holds one executable, and one more prefetched for each predicted call: `ahead`)."""
         if self.budget is not None:
             return self.live_bytes + self.charge(source.nodes) <= self.budget
-        return all(e is protected for e in self._families.get(source.family, ()))
+        return all(e in protected for e in self._families.get(source.family, ()))
 
-    def _update_target(self, family: str, protected: _Executable | None = None) -> _Executable | None:
+    def _update_target(self, family: str, protected: Collection[_Executable] = ()) -> _Executable | None:
         """The family's least recently used executable that may be updated now: made (not pending), and not
         `protected`."""
-        candidates = [e for e in self._families.get(family, ()) if e.pending is None and e is not protected]
+        candidates = [e for e in self._families.get(family, ()) if e.pending is None and e not in protected]
         return min(candidates, key=lambda e: e.last_used, default=None)
 
-    def _clear_family(self, family: str, protected: _Executable | None = None) -> None:
-        """Without a budget, evict `family`'s executables other than `protected` (all pending: nothing could be
-        updated) so that an instantiation keeps it within two executables. With a budget, `_make_room` decides."""
+    def _clear_family(self, family: str, protected: Collection[_Executable] = ()) -> None:
+        """Without a budget, evict `family`'s executables outside `protected` (all pending: nothing could be
+        updated) so that an instantiation keeps it within `ahead` + 1 executables. With a budget, `_make_room`
+        decides."""
         if self.budget is not None:
             return
-        for executable in [e for e in self._families.get(family, ()) if e is not protected]:
+        for executable in [e for e in self._families.get(family, ()) if e not in protected]:
             self._evict(executable)
 
     def _replace_refused(self, key: Hashable, source: _Source, refused: _Executable) -> _Executable:
@@ -566,7 +624,7 @@ class ExecutableCache:
         source.memory.instantiations += 1
         executable = _Executable(handle, source.family, source.nodes, key, self._clock)
         self._admit(executable)
-        self._make_room(0, executable)  # what it measured may have raised every charge past the budget
+        self._make_room(0, {executable})  # what it measured may have raised every charge past the budget
         if self.budget is not None and self.live_bytes > self.budget:
             self.over_budget += 1
         return executable
@@ -608,13 +666,13 @@ class ExecutableCache:
         source.memory.updates += 1
         return True
 
-    def _make_room(self, needed: int, protected: _Executable | None = None) -> None:
+    def _make_room(self, needed: int, protected: Collection[_Executable] = ()) -> None:
         """Evict executables until `needed` more bytes fit the budget (or only `protected` is left), the least
         recently used first (a prefetch counts as used by the call that predicted it: a stale one ages out)."""
         if self.budget is None:
             return
         while self.live_bytes + needed > self.budget:
-            candidates = [e for e in self._live if e is not protected]
+            candidates = [e for e in self._live if e not in protected]
             if not candidates:
                 return
             self._evict(min(candidates, key=lambda e: e.last_used))
