@@ -85,23 +85,23 @@ ms to upload and 0.22 ms to destroy, about as long as the call itself (1.50 ms o
 short lengths); a second worker thread made it worse (the driver serialises the calls), and even the bare
 loop of that tool reached only 1.13x. Random orders (2.5x) are not helped at all.
 
-Prefetching under `update`. Without room (a full budget; without a budget, a family already holding an
-executable other than the one just called) the prefetch updates the least recently used executable of the
-predicted graph's family other than the one just called instead: on the background thread, after that
-executable's last launch, then uploads it in the predicting call's stream. The executable is the
-predicted key's from then on (pending like a prefetched instantiation; counted in `prefetches` and, once
-CUDA accepted it, in `updates`); a refused update is found when it is taken. Where the family has no such
-executable, the prefetch is `lru`'s. At a full budget this turns the background instantiation, upload and
-destruction into an update and an upload, and a random order's miss into an update instead of an eviction
-and an instantiation (where the family has an executable to update). Looking ahead (`ahead`, 3 calls
-in the CUDA backend): a later predicted graph whose family holds fewer executables than its run of calls needs (one,
-or two for two calls or more in a row, which alternate) is instantiated without evicting any of that family's, so a
-growing pass enters a family with its executables made up to two calls early; only the next call's graph is ever
-updated. Measured (`graphs-memory`, as above): 4050 of 4096 growing calls found their executable prefetched and 217
-waited for it (290 predicting one call ahead, in another run). With every executable resident (nothing switched)
-the cache's own cost per call is 1.02-1.04x (`benchmarks/tools/update_prefetch_cost.py`, before segments), so what
-is left is the switching itself: the updated executables' slower GPU time (above), the waits, and the host's work
-per call. Random lengths: nearly every call switches at launch.
+Prefetching under `update`. Without room (a full budget; without a budget, a family already holding an executable
+other than the one just called) the prefetch updates the least recently used executable of the predicted graph's
+family other than the one just called instead: on the background thread, after that executable's last launch, then
+uploads it in the predicting call's stream. The executable is the predicted key's from then on (pending like a
+prefetched instantiation; counted in `prefetches` and, once CUDA accepted it, in `updates`); a refused update is
+found when it is taken. Where the family has no such executable, the prefetch is `lru`'s. At a full budget this
+turns the background instantiation, upload and destruction into an update and an upload, and a random order's miss
+into an update instead of an eviction and an instantiation (where the family has an executable to update). Looking
+ahead (`ahead`, 3 calls in the CUDA backend): a later predicted graph whose family holds fewer executables than its
+run of calls needs (one, or two for two calls or more in a row, which alternate) is instantiated without evicting
+any of that family's, so a growing pass enters a family with its executables made up to two calls early; only the
+next call's graph is ever updated. Measured (`graphs-memory`, as above): 4050 of 4096 growing calls found their
+executable prefetched and 217 waited for it (366 predicting one call ahead, with six equal segments). With every
+executable resident (nothing switched) the cache's own cost per call is 1.02-1.04x
+(`benchmarks/tools/update_prefetch_cost.py`, before segments), so what is left is the switching itself: the updated
+executables' slower GPU time (above), the waits, and the host's work per call. Random lengths: nearly every call
+switches at launch.
 
 Limit of the accounting: executables recycle driver memory that destroyed ones freed (another callable's
 too), and such instantiations measure no growth; the learnt rate then falls and more executables fit the
