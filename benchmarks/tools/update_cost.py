@@ -98,8 +98,12 @@ def measure(low: int, high: int) -> dict[str, Any]:
     sizes = segment_sizes(graph_exec.topology(raw[a]).nodes)
     segments = {n: graph_exec.split(raw[n], sizes) or [raw[n]] for n in (a, b)}
     expected: dict[int, torch.Tensor] = {}
+    """Output of the first executable measured that runs each length (the reference of the later ones)."""
+    exact: dict[str, bool] = {}
 
-    def run(label: str, sources: list[int], targets: list[int] | None, runs: int, switch: Callable[..., None]) -> float:
+    def run(
+        label: str, sources: list[int], targets: list[int] | None, length: int, switch: Callable[..., None]
+    ) -> float:
         executables = [graph_exec.instantiate(s) for s in sources]
         for executable, source, target in zip(executables, sources, targets or sources, strict=True):
             switch(executable, source, target)
@@ -109,19 +113,19 @@ def measure(low: int, high: int) -> dict[str, Any]:
                 graph_exec.launch(executable, stream)
 
         with torch.inference_mode():
-            outputs[runs].fill_(float("nan"))
+            outputs[length].fill_(float("nan"))
         launch()
         torch.cuda.synchronize()
-        if runs in expected:
-            exact[label] = bool(torch.equal(outputs[runs], expected[runs]))
+        if length in expected:
+            exact[label] = bool(torch.equal(outputs[length], expected[length]))
         else:
-            expected[runs] = outputs[runs].clone()
+            expected[length] = outputs[length].clone()
         elapsed = gpu_ms(launch)
         for executable in executables:
             graph_exec.destroy(executable)
         return elapsed
 
-    def nothing(executable: int, source: int, target: int) -> None:
+    def upload_only(executable: int, source: int, target: int) -> None:
         graph_exec.upload(executable, stream)
 
     def update(executable: int, source: int, target: int) -> None:
@@ -137,16 +141,15 @@ def measure(low: int, high: int) -> dict[str, Any]:
     def set_params(executable: int, source: int, target: int) -> None:
         set_kernel_params(executable, source, target)
 
-    exact: dict[str, bool] = {}
     ms = {
-        "fresh": run("fresh", [raw[a]], None, a, nothing),
+        "fresh": run("fresh", [raw[a]], None, a, upload_only),
         "updated": run("updated", [raw[b]], [raw[a]], a, update),
         "updated_uploaded": run("updated_uploaded", [raw[b]], [raw[a]], a, update_upload),
         "identity_update": run("identity_update", [raw[a]], [raw[a]], a, update),
         "set_params": run("set_params", [raw[b]], [raw[a]], a, set_params),
-        "fresh_b": run("fresh_b", [raw[b]], None, b, nothing),
+        "fresh_b": run("fresh_b", [raw[b]], None, b, upload_only),
         "updated_and_back": run("updated_and_back", [raw[b]], None, b, there_and_back),
-        "segments_fresh": run("segments_fresh", segments[a], None, a, nothing),
+        "segments_fresh": run("segments_fresh", segments[a], None, a, upload_only),
         "segments_updated": run("segments_updated", segments[b], segments[a], a, update),
     }
     for made in segments.values():
