@@ -30,7 +30,9 @@ them, per extra graph.
 Latency: per-call wall time with a synchronisation after every call (as a generation loop reading
 its next token has), (c) against (b) (same dispatch, dedicated executables), in alternating passes:
 lengths growing by one per call, and a random order of the lengths. The overhead is the median over
-passes of total (c) time / total (b) time.
+passes of total (c) time / total (b) time. Where it arises: `latency_overhead_{growing,random}_len_LOW-HIGH`
+is the same ratio over one band of lengths (`length_bands`, from each length's median time over passes), and
+`extra` holds each length's median time under (b) and (c) (`ms_per_call_by_length`).
 """
 
 from __future__ import annotations
@@ -62,6 +64,8 @@ full run's (and the latency target's) does; a spread over 1..1024 would step by 
 RESERVE_BYTES = 8 << 30
 """Free device memory left when capturing (a) stops."""
 PASSES = 3
+BANDS = 5
+"""Bands of lengths the latency overhead is also reported for (`length_bands`): GPT-2's 1-64, 65-128, ..., 513-1024."""
 PREFETCH_STATS = ("prefetches", "prefetch_hits", "prefetch_waits", "prefetch_wasted")
 """`GraphMemory` counters of prefetching (see `tendril.graphs.executables`)."""
 SWITCH_STATS = ("instantiations", "updates", "update_failures", "evictions", "switch_ms", *PREFETCH_STATS)
@@ -106,6 +110,36 @@ def overhead(candidate_ms: Sequence[Sequence[float]], reference_ms: Sequence[Seq
     """Median over passes of total candidate time / total reference time (passes paired in order)."""
     ratios = [sum(c) / sum(r) for c, r in zip(candidate_ms, reference_ms, strict=True)]
     return statistics.median(ratios)
+
+
+def per_length_median(passes: Sequence[Sequence[float]], order: Sequence[int]) -> dict[int, float]:
+    """Each length's median call time over passes that each called the lengths in `order`."""
+    return {n: statistics.median(times[i] for times in passes) for i, n in enumerate(order)}
+
+
+def length_bands(lengths: Sequence[int], count: int = BANDS) -> list[tuple[int, int]]:
+    """Bands of lengths (inclusive bounds) ending at the longest / 2**(count - 1), ..., / 2, the longest: where
+    a switch hides behind a short call or a long one. Empty bands are left out."""
+    longest = max(lengths)
+    ends = [longest >> shift for shift in range(count - 1, -1, -1)]
+    bands, low = [], min(lengths)
+    for end in ends:
+        if any(low <= n <= end for n in lengths):
+            bands.append((low, end))
+        low = max(low, end + 1)
+    return bands
+
+
+def overhead_by_band(
+    candidate: dict[int, float], reference: dict[int, float], bands: Sequence[tuple[int, int]]
+) -> dict[str, float]:
+    """Per band, named "low-high": total candidate time / total reference time over the band's lengths."""
+    result = {}
+    for low, high in bands:
+        lengths = [n for n in candidate if low <= n <= high]
+        if lengths:
+            result[f"{low}-{high}"] = sum(candidate[n] for n in lengths) / sum(reference[n] for n in lengths)
+    return result
 
 
 def per_extra_graph(after_first: int, after_all: int, graphs: int) -> float:
@@ -301,9 +335,17 @@ def _measure_model(
     ctx.add_value(variant["c"], "topology_families", len(families))
     ctx.add_value(variant["c"], "nodes_per_graph_median", statistics.median(nodes))
     ctx.add_value(variant["c"], "host_MiB_per_graph_median", statistics.median(hosts) / MIB)
-    for name, ours, theirs in (("growing", growing_ours, growing_theirs), ("random", random_ours, random_theirs)):
+    by_length: dict[str, dict[str, dict[str, float]]] = {}
+    for name, order, ours, theirs in (
+        ("growing", lengths, growing_ours, growing_theirs),
+        ("random", shuffled, random_ours, random_theirs),
+    ):
         ctx.add_value(variant["c"], f"ms_per_call_{name}_median", statistics.median(x for p in ours for x in p))
         ctx.add_value(variant["b"], f"ms_per_call_{name}_median", statistics.median(x for p in theirs for x in p))
+        c_ms, b_ms = per_length_median(ours, order), per_length_median(theirs, order)
+        for band, ratio in overhead_by_band(c_ms, b_ms, length_bands(lengths)).items():
+            ctx.add_value(variant["c"], f"latency_overhead_{name}_len_{band}", ratio)
+        by_length[name] = {v: {str(n): ms[n] for n in lengths} for v, ms in (("b", b_ms), ("c", c_ms))}
     for what in SWITCH_STATS:
         ctx.add_value(variant["c"], f"latency_runs_{what}", after[what] - before[what])
     for what in PREFETCH_STATS:
@@ -322,6 +364,7 @@ def _measure_model(
         "separate_pool_bytes_measured": {str(n): b for n, b in measured.items()},
         "tendril_stats": stats_line,
         "families": sorted(f for f in families if f),
+        "ms_per_call_by_length": by_length,
     }
     return {
         "a": a_bytes,

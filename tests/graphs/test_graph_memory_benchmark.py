@@ -65,3 +65,22 @@ def test_switching_totals_include_the_prefetch_counters():
     assert set(case.PREFETCH_STATS) <= set(totals)
     assert totals["prefetches"] == 2 and totals["prefetch_hits"] == 1 and totals["prefetch_wasted"] == 1
     assert totals["instantiations"] == 3 and totals["switch_ms"] == 0.5
+
+
+def test_length_bands_halve_from_the_longest_and_cover_every_length():
+    assert case.length_bands(list(range(1, 1025))) == [(1, 64), (65, 128), (129, 256), (257, 512), (513, 1024)]
+    assert case.length_bands(list(range(1, 49))) == [(1, 3), (4, 6), (7, 12), (13, 24), (25, 48)]
+    audio = case.spread(16_000, 256_000, 64)
+    bands = case.length_bands(audio)
+    assert bands[0] == (16_000, 16_000) and bands[-1] == (128_001, 256_000)
+    assert all(sum(low <= n <= high for low, high in bands) == 1 for n in audio)
+    assert case.length_bands([100, 101], count=3) == [(100, 101)]  # the bands below the shortest are empty
+
+
+def test_overhead_by_band_sums_each_bands_lengths():
+    order = [3, 1, 2, 4]
+    candidate = case.per_length_median([[6.0, 1.0, 2.0, 8.0], [9.0, 3.0, 2.0, 8.0], [6.0, 2.0, 2.0, 4.0]], order)
+    assert candidate == {3: 6.0, 1: 2.0, 2: 2.0, 4: 8.0}
+    reference = {1: 1.0, 2: 1.0, 3: 4.0, 4: 4.0}
+    assert case.overhead_by_band(candidate, reference, [(1, 2), (3, 4)]) == {"1-2": 2.0, "3-4": 1.75}
+    assert case.overhead_by_band(candidate, reference, [(5, 9)]) == {}
