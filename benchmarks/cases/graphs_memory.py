@@ -18,7 +18,8 @@ lengths spread over 1-16 s. Each is graphed three ways, one after the other in o
   counts are reported as `latency_runs_prefetch_*` (all latency passes) and
   `latency_runs_{growing,random}_prefetch_*` (hits: calls that found their executable prefetched; waits: of
   those, calls that waited for it; wasted: prefetches evicted unused). `GRAPHS_MEMORY_STRATEGY=lru` runs (c)
-  under another `graph_memory_strategy` (default `auto`).
+  under another `graph_memory_strategy` (default `auto`), `GRAPHS_MEMORY_PREFETCH=fresh` (or `off`) with
+  `graph_memory_prefetch="fresh"` (or False).
 
 Memory is the device memory in use (cudaMemGetInfo after emptying the allocator's cache) after
 capturing all lengths, relative to before. Every length first runs once eagerly with the attention
@@ -220,12 +221,12 @@ def _tendril(
     examples: dict[int, torch.Tensor],
     device: torch.device,
     budget: str | None,
-    strategy: str = "auto",
+    options: dict[str, Any] | None = None,
 ) -> tuple[GraphedCallable, int, int, float]:
     """(b) or (c): capture every length (largest first). Returns the callable, device bytes after all graphs,
     bytes outside pool and placeholders from after the first graph to after all, capture ms per graph."""
     base = _device_used(device)
-    fast = graphed(model, max_graphs=len(examples), graph_memory_budget=budget, graph_memory_strategy=strategy)
+    fast = graphed(model, max_graphs=len(examples), graph_memory_budget=budget, **(options or {}))
     order = sorted(examples, reverse=True)
     start = time.perf_counter()
     fast.capture([(examples[order[0]],)], progress=False)
@@ -280,13 +281,13 @@ def _measure_model(
     examples: dict[int, torch.Tensor],
     passes: int,
     budget: str,
-    strategy: str,
+    options: dict[str, Any],
 ) -> dict[str, float]:
     device = ctx.device
     lengths = sorted(examples)
     with torch.inference_mode():
         _load_kernels(model, examples)
-        budgeted, c_bytes, c_extra, c_capture_ms = _tendril(model, examples, device, budget, strategy)
+        budgeted, c_bytes, c_extra, c_capture_ms = _tendril(model, examples, device, budget, options)
         dedicated, b_bytes, b_extra, b_capture_ms = _tendril(model, examples, device, None)
         before = _switching(budgeted)
         growing, growing_ours, growing_theirs = _latency(
@@ -375,6 +376,18 @@ def _measure_model(
     }
 
 
+def _options() -> dict[str, Any]:
+    """(c)'s options besides the budget: `graph_memory_strategy` from GRAPHS_MEMORY_STRATEGY (default "auto"), and
+    GRAPHS_MEMORY_PREFETCH=fresh or off for `graph_memory_prefetch="fresh"` or False (default: True)."""
+    options: dict[str, Any] = {"graph_memory_strategy": os.environ.get("GRAPHS_MEMORY_STRATEGY", "auto")}
+    prefetch = os.environ.get("GRAPHS_MEMORY_PREFETCH", "")
+    if prefetch not in ("", "fresh", "off"):
+        raise ValueError(f"GRAPHS_MEMORY_PREFETCH={prefetch!r}: expected fresh or off")
+    if prefetch:
+        options["graph_memory_prefetch"] = "fresh" if prefetch == "fresh" else False
+    return options
+
+
 def _switching(fast: GraphedCallable) -> dict[str, float]:
     memory = [r.memory for r in fast.stats.graphs.values()]
     return {what: sum(getattr(m, what) for m in memory) for what in SWITCH_STATS}
@@ -395,19 +408,20 @@ def run(ctx: Context) -> None:
     model = _gpt2(device)
     ids = {n: torch.randint(0, VOCAB, (1, n), device=device) for n in gpt2_lengths}
     budget = QUICK_BUDGET if ctx.quick else BUDGET
-    strategy = os.environ.get("GRAPHS_MEMORY_STRATEGY", "auto")
-    gpt2 = _measure_model(ctx, "GPT-2", model, ids, passes, budget, strategy)
+    options = _options()
+    gpt2 = _measure_model(ctx, "GPT-2", model, ids, passes, budget, options)
     del model, ids
     _device_used(device)
 
     seconds = spread(1 * SAMPLE_RATE, 16 * SAMPLE_RATE, 12 if ctx.quick else 64)
     encoder = _wav2vec2(device)
     audio = {n: torch.randn(1, n, device=device, dtype=torch.float16) for n in seconds}
-    wav = _measure_model(ctx, "Wav2Vec2-base", encoder, audio, passes, budget, strategy)
+    wav = _measure_model(ctx, "Wav2Vec2-base", encoder, audio, passes, budget, options)
     ctx.add_value("Wav2Vec2-base", "memory_ratio_vs_separate_pools", wav["a"] / wav["c"])
     ctx.add_value("Wav2Vec2-base", "latency_overhead_random_len", wav["random"])
 
-    ctx.note(f"(c) is tendril.graphed(model, graph_memory_budget={budget!r}, graph_memory_strategy={strategy!r})")
+    settings = "".join(f", {name}={value!r}" for name, value in options.items())
+    ctx.note(f"(c) is tendril.graphed(model, graph_memory_budget={budget!r}{settings})")
     ctx.note("latency: wall time per call with a synchronisation after each call; (b) is tendril without a budget")
     ctx.target("memory_ratio_vs_separate_pools", gpt2["a"] / gpt2["c"], Goal(">=", 36.43))
     ctx.target("driver_mib_per_extra_graph", gpt2["c_extra_per_graph"] / MIB, Goal("<=", 0.1))

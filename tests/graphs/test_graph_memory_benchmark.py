@@ -84,3 +84,17 @@ def test_overhead_by_band_sums_each_bands_lengths():
     reference = {1: 1.0, 2: 1.0, 3: 4.0, 4: 4.0}
     assert case.overhead_by_band(candidate, reference, [(1, 2), (3, 4)]) == {"1-2": 2.0, "3-4": 1.75}
     assert case.overhead_by_band(candidate, reference, [(5, 9)]) == {}
+
+
+def test_options_of_c_come_from_the_environment(monkeypatch):
+    monkeypatch.delenv("GRAPHS_MEMORY_STRATEGY", raising=False)
+    monkeypatch.delenv("GRAPHS_MEMORY_PREFETCH", raising=False)
+    assert case._options() == {"graph_memory_strategy": "auto"}
+    monkeypatch.setenv("GRAPHS_MEMORY_STRATEGY", "lru")
+    monkeypatch.setenv("GRAPHS_MEMORY_PREFETCH", "fresh")
+    assert case._options() == {"graph_memory_strategy": "lru", "graph_memory_prefetch": "fresh"}
+    monkeypatch.setenv("GRAPHS_MEMORY_PREFETCH", "off")
+    assert case._options()["graph_memory_prefetch"] is False
+    monkeypatch.setenv("GRAPHS_MEMORY_PREFETCH", "later")
+    with pytest.raises(ValueError, match="GRAPHS_MEMORY_PREFETCH"):
+        case._options()

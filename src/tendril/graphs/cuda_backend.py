@@ -78,7 +78,8 @@ class CudaBackend:
     (None: `tendril.settings.graph_memory_budget`, from TENDRIL_GRAPH_MEMORY_BUDGET);
     `graph_memory_strategy` is "auto", "dedicated", "lru" or "update" (`tendril.graphs.executables`);
     `graph_memory_prefetch=False` turns off prefetching the next call's executable under `lru` and `update` (to
-    measure without it, or to keep every driver call on the calling thread)."""
+    measure without it, or to keep every driver call on the calling thread); `"fresh"` prefetches by instantiation
+    only, `PREFETCH_FRESH_AHEAD` calls ahead (see "Fresh prefetching" in `tendril.graphs.executables`)."""
 
     def __init__(
         self,
@@ -86,14 +87,17 @@ class CudaBackend:
         *,
         graph_memory_budget: int | str | None = None,
         graph_memory_strategy: MemoryStrategy | str = MemoryStrategy.AUTO,
-        graph_memory_prefetch: bool = True,
+        graph_memory_prefetch: bool | str = True,
     ) -> None:
+        if graph_memory_prefetch not in PREFETCH_MODES:
+            raise ValueError(f"graph_memory_prefetch={graph_memory_prefetch!r}: expected True, False or 'fresh'")
         self.sdpa_backends = sdpa_backends
         if graph_memory_budget is None:
             graph_memory_budget = config.settings.graph_memory_budget
         self.graph_memory_budget = parse_bytes(graph_memory_budget)
         self.strategy = resolve_strategy(graph_memory_strategy, self.graph_memory_budget)
-        self.prefetch = graph_memory_prefetch
+        self.prefetch = graph_memory_prefetch is not False
+        self.fresh = graph_memory_prefetch == "fresh"
         self._pools: dict[torch.device, Any] = {}
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
         self._graphs_per_device: dict[torch.device, int] = {}
@@ -229,7 +233,8 @@ class CudaBackend:
                 self.strategy,
                 self.graph_memory_budget,
                 predict_next=next_in_step if self.prefetch else None,
-                ahead=PREFETCH_AHEAD,
+                ahead=PREFETCH_FRESH_AHEAD if self.fresh else PREFETCH_AHEAD,
+                fresh=self.fresh,
             )
             self._caches[device] = cache
             finalizer = weakref.finalize(self, cache.close)
@@ -272,6 +277,14 @@ tokens make 20 families, entered every few calls, and instantiating and uploadin
 than a call there: predicting one call ahead, the calls entering a family waited for it (a scratch timeline of
 `graphs-memory`'s growing pass, not committed). In `graphs-memory` the growing calls that waited for their prefetch
 went from 366 (one call ahead, six equal segments) to 217."""
+
+PREFETCH_FRESH_AHEAD = 24
+"""Calls ahead the cache instantiates under `graph_memory_prefetch="fresh"`: a queue of work that lets the background
+thread (one executable per call) run ahead where calls are longer than making one takes, to spend on calls that are
+shorter. `benchmarks/tools/switching_floor.py` compares 24 and 8 calls ahead in a bare loop."""
+
+PREFETCH_MODES = (True, False, "fresh")
+"""Values of `graph_memory_prefetch`."""
 
 FIRST_SEGMENT_NODES = 16
 """Nodes in the first segment of a managed graph (`segment_sizes`): a switch exposes the update of this one, the

@@ -103,6 +103,19 @@ executable resident (nothing switched) the cache's own cost per call is 1.02-1.0
 executables' slower GPU time (above), the waits, and the host's work per call. Random lengths: nearly every call
 switches at launch.
 
+Fresh prefetching (`fresh`; the CUDA backend's `graph_memory_prefetch="fresh"`). An executable that
+`cudaGraphExecUpdate` switched runs about 1.065x as long on the GPU as a freshly instantiated one, for as long as it
+lives (`update_cost.py`), so a growing pass that switches by update at every call cannot come closer to dedicated
+executables than that. With `fresh` prefetching never updates: the graphs of the next `ahead` predicted calls that
+have no executable are instantiated on the background thread, nearest first, each making room by evicting the least
+recently used executables other than the one just called and those held for predicted calls, until the budget holds
+no more. Calls that were not predicted switch as their strategy says (under `update`, by an update at launch). Whether
+it pays depends on the background thread keeping up: per call it must instantiate, upload and destroy an executable
+(about 1.3 ms of host time on the H200 for a GPT-2 forward graph, against 0.9 ms for the shortest calls), and the
+calls beside it slow down (a thread doing this without pause slowed dedicated calls by 5%).
+`benchmarks/tools/switching_floor.py` measures both ways of switching in a bare loop. Not yet measured on a GPU; `auto`
+does not choose it.
+
 Limit of the accounting: executables recycle driver memory that destroyed ones freed (another callable's
 too), and such instantiations measure no growth; the learnt rate then falls and more executables fit the
 budget than its bytes would hold fresh (seen in a first version of `update_prefetch_cost.py`, whose callables
@@ -245,6 +258,7 @@ class ExecutableCache:
         *,
         predict_next: PredictNext | None = None,
         ahead: int = 1,
+        fresh: bool = False,
     ) -> None:
         if strategy is MemoryStrategy.AUTO or (strategy is MemoryStrategy.DEDICATED and budget is None):
             raise ValueError("resolve the strategy first: 'auto' is 'dedicated' (served by torch) or 'update'")
@@ -257,7 +271,12 @@ class ExecutableCache:
             raise ValueError(f"ahead={ahead}: prefetching looks at least one call ahead")
         self.ahead = ahead
         """How many calls ahead `prefetch_next` predicts, each from the ones before (beyond the next call, only under
-        `update`: to instantiate early for a family short of executables)."""
+        `update`, to instantiate early for a family short of executables, or with `fresh`)."""
+        if fresh and self.predict_next is None:
+            raise ValueError("fresh prefetching needs a predictor (predict_next) and the strategy 'lru' or 'update'")
+        self.fresh = fresh
+        """Prefetch by instantiation only: every predicted call's graph gets an executable of its own, never one
+        updated in the background (see "Fresh prefetching" in the module docstring)."""
         self.reserved_bytes = 0
         """Driver bytes of executables outside the cache (never evicted) that count against the budget."""
         self.over_budget = 0
@@ -417,12 +436,16 @@ class ExecutableCache:
         also the first later predicted graph whose family holds fewer executables than its run needs (two for two
         calls or more in a row, which then alternate: one runs while the other is updated), by an instantiation that
         evicts none of that family's (`_short_of_executables`): a growing pass then enters a family with its
-        executables made calls ahead instead of waiting for an instantiation. Returns the keys prefetched; the host
-        time spent here counts in those graphs' `switch_ms`."""
+        executables made calls ahead instead of waiting for an instantiation. With `fresh`, every predicted graph
+        without an executable is instantiated instead, nearest first, as far as the budget allows
+        (`_prefetch_fresh`). Returns the keys prefetched; the host time spent here counts in those graphs'
+        `switch_ms`."""
         predicted = self._predicted()
         if not predicted:
             return []
         protected = {self._holding[key] for key in (self._calls[-1], *predicted) if key in self._holding}
+        if self.fresh:
+            return self._prefetch_fresh(predicted, protected, stream)
         started = []
         nearest = predicted[0]
         if nearest not in self._holding and self._prefetch_timed(nearest, protected, stream):
@@ -436,6 +459,18 @@ class ExecutableCache:
             if self._prefetch_timed(key, protected | family, stream):
                 started.append(key)
             break
+        return started
+
+    def _prefetch_fresh(self, predicted: list[Hashable], protected: set[_Executable], stream: Any) -> list[Hashable]:
+        """`fresh` prefetching: instantiate the predicted graphs without an executable, nearest first, until the budget
+        holds no more without evicting a protected executable (the one just called, those of predicted calls)."""
+        started = []
+        for key in predicted:
+            if key in self._holding:
+                continue
+            if not self._prefetch_timed(key, protected, stream):
+                break
+            started.append(key)
         return started
 
     def _prefetch_timed(self, key: Hashable, protected: set[_Executable], stream: Any) -> bool:
@@ -546,9 +581,10 @@ class ExecutableCache:
 
     def _prefetch(self, key: Hashable, source: _Source, protected: set[_Executable], stream: Any) -> bool:
         """Start giving `key`'s graph an executable in the background, leaving `protected` (the executable just
-        called, and those held for predicted calls) alone; False when that is impossible within the budget."""
+        called, and those held for predicted calls) alone; False when that is impossible within the budget. Under
+        `update` without room: an update of one of the family's executables, or with `fresh` an instantiation."""
         if self.strategy is MemoryStrategy.UPDATE and not self._has_room(source, protected):
-            target = self._update_target(source.family, protected)
+            target = None if self.fresh else self._update_target(source.family, protected)
             if target is not None:
                 self._switch_in_background(key, source, target, stream)
                 return True
@@ -589,8 +625,8 @@ class ExecutableCache:
         return min(candidates, key=lambda e: e.last_used, default=None)
 
     def _clear_family(self, family: str, protected: Collection[_Executable] = ()) -> None:
-        """Without a budget, evict `family`'s executables outside `protected` (all pending: nothing could be
-        updated) so that an instantiation keeps it within `ahead` + 1 executables. With a budget, `_make_room`
+        """Without a budget, evict `family`'s executables outside `protected` (all pending, or with `fresh` any: none
+        is updated) so that an instantiation keeps it within `ahead` + 1 executables. With a budget, `_make_room`
         decides."""
         if self.budget is not None:
             return
