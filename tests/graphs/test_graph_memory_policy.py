@@ -945,3 +945,44 @@ def test_fresh_prefetching_stops_where_only_protected_executables_could_make_roo
 def test_fresh_prefetching_needs_a_predictor():
     with pytest.raises(ValueError, match="predict"):
         ExecutableCache(FakeDriver(), MemoryStrategy.UPDATE, None, fresh=True)
+
+
+def _forecast_afresh(cache: ExecutableCache) -> list[Any]:
+    """What `_predicted` must return: each of the next `ahead` keys predicted from the three before it, stopping at
+    a failed prediction, an unregistered key or one called or predicted already."""
+    keys = list(cache._calls)
+    if len(keys) < 3:
+        return []
+    for _ in range(cache.ahead):
+        key = next_in_step(*keys[-3:])
+        if key is None or key not in cache._sources or key in keys:
+            break
+        keys.append(key)
+    return keys[3:]
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    segments=st.lists(
+        st.tuples(st.integers(1, 30), st.sampled_from([-2, -1, 1, 2]), st.integers(1, 12)), min_size=1, max_size=10
+    ),
+    ahead=st.sampled_from([1, 4, 24]),
+)
+def test_the_forecast_carried_from_call_to_call_equals_one_made_afresh(segments, ahead):
+    """`_predicted` extends the last forecast when a call came as forecast; whatever the calls, every forecast the
+    cache makes is what predicting every key again gives, also after a graph in the forecast is discarded."""
+    cache, driver, graphs, _ = _keyed_cache(range(1, 31), 6, strategy=MemoryStrategy.UPDATE, ahead=ahead, fresh=True)
+    carried = cache._predicted
+
+    def checked() -> list[Any]:
+        forecast = carried()
+        assert forecast == _forecast_afresh(cache)
+        return forecast
+
+    cache._predicted = checked  # type: ignore[method-assign]
+    for n in _runs(segments, 30):
+        _call(cache, driver, graphs, _ids(n))
+    forecast = cache._predicted()
+    if len(forecast) >= 2:
+        cache.discard(forecast[-1])
+        _call(cache, driver, graphs, forecast[0])

@@ -291,10 +291,15 @@ class ExecutableCache:
         self._measured_nodes = 0
         self._splits = 0
         self._charged: int | None = 0
-        """Sum of the live executables' charges; None when it must be recomputed (the live set or the rate
-        changed). Updates change neither, so the per-call path of a switch stays O(family)."""
+        """Sum of the live executables' charges, kept as executables come and go; None when it must be recomputed
+        (the learnt rate changed). Updates change neither, so the per-call path of a switch stays O(family)."""
         self._calls: deque[Hashable] = deque(maxlen=3)
         """Keys of the last calls, oldest first (what `predict_next` reads)."""
+        self._forecast: tuple[tuple[Hashable, ...], list[Hashable]] | None = None
+        """The last calls `_predicted` read and what it predicted from them: when the next call is the first key
+        predicted, the rest of the forecast stands (each key was predicted from the same three before it, and passed
+        checks that only lose the oldest call) and is extended from its end, so a growing pass predicts one key per
+        call, not `ahead`. Forgotten when graphs are registered or discarded."""
         self._destroying: list[Future[None]] = []
         """Background destructions not yet seen to complete (their errors are raised at the next `acquire`)."""
 
@@ -373,6 +378,7 @@ class ExecutableCache:
         memory.family = topology.digest
         memory.nodes = topology.nodes
         self._sources[key] = _Source(graph, topology.nodes, topology.digest, memory)
+        self._forecast = None
 
     def acquire(self, key: Hashable, *, call: bool = True) -> Any:
         """The handle of an executable that runs `key`'s graph at its next launch (instantiated, switched, taken
@@ -443,7 +449,8 @@ class ExecutableCache:
         predicted = self._predicted()
         if not predicted:
             return []
-        protected = {self._holding[key] for key in (self._calls[-1], *predicted) if key in self._holding}
+        held = (self._holding.get(key) for key in (self._calls[-1], *predicted))
+        protected = {executable for executable in held if executable is not None}
         if self.fresh:
             return self._prefetch_fresh(predicted, protected, stream)
         started = []
@@ -502,13 +509,20 @@ class ExecutableCache:
         calls, or without `predict_next`."""
         if self.predict_next is None or len(self._calls) < 3:
             return []
-        keys = list(self._calls)
-        for _ in range(self.ahead):
+        calls = tuple(self._calls)
+        keys = list(calls)
+        if self._forecast is not None:
+            before, forecast = self._forecast
+            if forecast and calls == (*before[1:], forecast[0]):
+                keys += forecast[1:]  # the call came as forecast: the rest stands, predicted from the same keys
+        while len(keys) < len(calls) + self.ahead:
             key = self.predict_next(*keys[-3:])
             if key is None or key not in self._sources or key in keys:
                 break
             keys.append(key)
-        return keys[len(self._calls) :]
+        forecast = keys[len(calls) :]
+        self._forecast = (calls, forecast)
+        return forecast
 
     def wait_idle(self) -> None:
         """Wait until the background work started so far has finished (errors stay for `acquire` to raise)."""
@@ -522,6 +536,7 @@ class ExecutableCache:
             self._evict(held)
         self._sources.pop(key, None)
         self._calls = deque((k for k in self._calls if k != key), maxlen=3)
+        self._forecast = None
 
     def close(self) -> None:
         """Destroy every executable (their running launches complete first) and stop the background thread.
@@ -669,13 +684,18 @@ class ExecutableCache:
         self._live.append(executable)
         self._families.setdefault(executable.family, []).append(executable)
         self._holding[executable.holder] = executable
-        self._charged = None
-        self._refresh_charges()
+        charge = self.charge(executable.nodes)
+        if self._charged is not None:
+            self._charged += charge
+        self._sources[executable.holder].memory.executable_bytes = charge
 
     def _learn(self, source: _Source, measured: int | None) -> None:
+        """Add a measurement to the learnt rate; every charge changes with it."""
         if measured is not None:
             self._measured_bytes += measured
             self._measured_nodes += source.nodes
+            self._charged = None
+            self._refresh_charges()
 
     def _take(self, executable: _Executable) -> bool:
         """Wait for a prefetch; True when the executable now runs its holder's graph. A refused background update
@@ -732,7 +752,8 @@ class ExecutableCache:
         family.remove(executable)
         if not family:
             del self._families[executable.family]
-        self._charged = None
+        if self._charged is not None:
+            self._charged -= self.charge(executable.nodes)  # the rate is the one the sum was made at
         del self._holding[executable.holder]
         self._sources[executable.holder].memory.executable_bytes = 0
 
