@@ -986,3 +986,24 @@ def test_the_forecast_carried_from_call_to_call_equals_one_made_afresh(segments,
     if len(forecast) >= 2:
         cache.discard(forecast[-1])
         _call(cache, driver, graphs, forecast[0])
+
+
+def test_a_fresh_run_longer_than_the_budget_leaves_the_executables_made_before_it():
+    """Four executables made on demand (one per family), then a growing run of 60 calls with `fresh` prefetching
+    through a budget of ten: the run's own executables make room for the next ones, so the four survive it and the
+    calls after the run switch them by update instead of instantiating."""
+    families = lambda n: f"F{n % 4}"  # noqa: E731
+    cache, driver, graphs, memories = _keyed_cache(
+        range(1, 101), 10, strategy=MemoryStrategy.UPDATE, ahead=4, fresh=True, families=families
+    )
+    before = [97, 90, 84, 75]  # one of each family, not stepping evenly: no prediction
+    for n in before:
+        _call(cache, driver, graphs, _ids(n))
+    survivors = {cache._holding[_ids(n)] for n in before}
+    for n in range(1, 61):
+        _call(cache, driver, graphs, _ids(n))
+    assert survivors <= set(cache._live), "the run flushed the executables made before it"
+    made = _total(memories, "instantiations")
+    for n in (81, 94, 67, 72):  # one of each family again
+        _call(cache, driver, graphs, _ids(n))
+    assert _total(memories, "instantiations") == made, "a call after the run instantiated instead of updating"

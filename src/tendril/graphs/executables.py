@@ -109,12 +109,14 @@ lives (`update_cost.py`), so a growing pass that switches by update at every cal
 executables than that. With `fresh` prefetching never updates: the graphs of the next `ahead` predicted calls that
 have no executable are instantiated on the background thread, nearest first, each making room by evicting the least
 recently used executables other than the one just called and those held for predicted calls, until the budget holds
-no more. Calls that were not predicted switch as their strategy says (under `update`, by an update at launch). Whether
-it pays depends on the background thread keeping up: per call it must instantiate, upload and destroy an executable
-(about 1.3 ms of host time on the H200 for a GPT-2 forward graph, against 0.9 ms for the shortest calls), and the
-calls beside it slow down (a thread doing this without pause slowed dedicated calls by 5%).
-`benchmarks/tools/switching_floor.py` measures both ways of switching in a bare loop. Not yet measured on a GPU; `auto`
-does not choose it.
+no more. The run's own executables, once past, make room first (`_make_room`): a run through more graphs than the
+budget holds would otherwise flush every executable, and the calls after it would find no executable of their family
+to update. Calls that were not predicted switch as their strategy says (under `update`, by an update at launch).
+Whether it pays depends on the background thread keeping up: per call it must instantiate, upload and destroy an
+executable (about 1.3 ms of host time on the H200 for a GPT-2 forward graph, against 0.9 ms for the shortest calls),
+and the calls beside it slow down (a thread doing this without pause slowed dedicated calls by 5%).
+`benchmarks/tools/switching_floor.py` measures both ways of switching in a bare loop. Not yet measured on a GPU;
+`auto` does not choose it.
 
 Limit of the accounting: executables recycle driver memory that destroyed ones freed (another callable's
 too), and such instantiations measure no growth; the learnt rate then falls and more executables fit the
@@ -229,6 +231,9 @@ class _Executable:
     """A prefetch no call has taken yet (it may still run): the instantiation of the holder's graph (its future
     gives the handle and the measured bytes) or, when `handle` is set, the update of this executable to that
     graph (its future gives the `UpdateOutcome`)."""
+    scan: bool = False
+    """Runs a call of a stepping run under `fresh` prefetching (made for it, or one of the calls the run was
+    predicted from): once past, the first to make room (see `ExecutableCache._make_room`)."""
 
     @property
     def updating(self) -> bool:
@@ -470,7 +475,11 @@ class ExecutableCache:
 
     def _prefetch_fresh(self, predicted: list[Hashable], protected: set[_Executable], stream: Any) -> list[Hashable]:
         """`fresh` prefetching: instantiate the predicted graphs without an executable, nearest first, until the budget
-        holds no more without evicting a protected executable (the one just called, those of predicted calls)."""
+        holds no more without evicting a protected executable (the one just called, those of predicted calls). The
+        executables of the calls the prediction was made from belong to the run too (`scan`)."""
+        for key in self._calls:
+            if key in self._holding:
+                self._holding[key].scan = True
         started = []
         for key in predicted:
             if key in self._holding:
@@ -611,7 +620,7 @@ class ExecutableCache:
                 return False  # only by evicting a protected executable
         self._make_room(needed, protected)
         future = self.driver.instantiate_async(source.graph, stream)
-        self._admit(_Executable(None, source.family, source.nodes, key, self._clock, future))
+        self._admit(_Executable(None, source.family, source.nodes, key, self._clock, future, scan=self.fresh))
         source.memory.instantiations += 1
         source.memory.prefetches += 1
         return True
@@ -662,6 +671,7 @@ class ExecutableCache:
         source.memory.family = source.family
 
     def _move_holder(self, executable: _Executable, key: Hashable) -> None:
+        executable.scan = False  # it serves a graph no run predicted now
         self._sources[executable.holder].memory.executable_bytes = 0
         del self._holding[executable.holder]
         executable.holder = key
@@ -724,14 +734,19 @@ class ExecutableCache:
 
     def _make_room(self, needed: int, protected: Collection[_Executable] = ()) -> None:
         """Evict executables until `needed` more bytes fit the budget (or only `protected` is left), the least
-        recently used first (a prefetch counts as used by the call that predicted it: a stale one ages out)."""
+        recently used first (a prefetch counts as used by the call that predicted it: a stale one ages out).
+
+        Executables `fresh` prefetching made for a stepping run (`scan`) go before all others: a run longer than the
+        budget would otherwise flush every executable made before it (a growing pass of GPT-2 over 1024 lengths,
+        one executable per call, through 55 executables), and the calls after it would find no executable of their
+        topology family to update but have to instantiate one on the calling thread."""
         if self.budget is None:
             return
         while self.live_bytes + needed > self.budget:
             candidates = [e for e in self._live if e not in protected]
             if not candidates:
                 return
-            self._evict(min(candidates, key=lambda e: e.last_used))
+            self._evict(min(candidates, key=lambda e: (not e.scan, e.last_used)))
 
     def _evict(self, executable: _Executable) -> None:
         memory = self._sources[executable.holder].memory
