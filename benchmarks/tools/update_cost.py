@@ -40,11 +40,11 @@ from tendril.graphs.cuda_backend import segment_sizes
 REPS = 25
 
 
-def gpu_ms(launch: Callable[[], None]) -> float:
-    """Median GPU time of `launch` on an idle stream (the first two launches left out)."""
+def gpu_ms(launch: Callable[[], None], reps: int = REPS) -> float:
+    """Median GPU time of `launch` on an idle stream over `reps` launches (two more before them left out)."""
     stream = torch.cuda.current_stream()
     times = []
-    for _ in range(REPS + 2):
+    for _ in range(reps + 2):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         torch.cuda.synchronize()
         start.record(stream)
@@ -55,19 +55,23 @@ def gpu_ms(launch: Callable[[], None]) -> float:
     return statistics.median(times[2:])
 
 
-def set_kernel_params(executable: int, source: int, target: int) -> None:
-    """Set every kernel node of `executable` (instantiated from `source`) to `target`'s parameters."""
+def kernel_nodes(raw: int) -> list[Any]:
+    """The kernel nodes of the graph `raw` in creation order, as driver-API handles."""
     from cuda.bindings import driver, runtime
 
-    def kernels(raw: int) -> list[Any]:
-        handle = runtime.cudaGraph_t(init_value=raw)
-        count = runtime.cudaGraphGetNodes(handle, 0)[-1]
-        nodes = list(runtime.cudaGraphGetNodes(handle, count)[1])[:count]
-        kernel = runtime.cudaGraphNodeType.cudaGraphNodeTypeKernel
-        return [driver.CUgraphNode(init_value=int(n)) for n in nodes if runtime.cudaGraphNodeGetType(n)[1] == kernel]
+    handle = runtime.cudaGraph_t(init_value=raw)
+    count = runtime.cudaGraphGetNodes(handle, 0)[-1]
+    nodes = list(runtime.cudaGraphGetNodes(handle, count)[1])[:count]
+    kernel = runtime.cudaGraphNodeType.cudaGraphNodeTypeKernel
+    return [driver.CUgraphNode(init_value=int(n)) for n in nodes if runtime.cudaGraphNodeGetType(n)[1] == kernel]
+
+
+def set_kernel_params(executable: int, source: int, target: int) -> None:
+    """Set every kernel node of `executable` (instantiated from `source`) to `target`'s parameters."""
+    from cuda.bindings import driver
 
     handle = driver.CUgraphExec(init_value=executable)
-    for node, model in zip(kernels(source), kernels(target), strict=True):
+    for node, model in zip(kernel_nodes(source), kernel_nodes(target), strict=True):
         params = check(driver.cuGraphKernelNodeGetParams(model), "cuGraphKernelNodeGetParams")
         check(driver.cuGraphExecKernelNodeSetParams(handle, node, params), "cuGraphExecKernelNodeSetParams")
 

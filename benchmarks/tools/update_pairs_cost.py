@@ -39,40 +39,21 @@ import torch
 from benchmarks.cases.graphs_memory import length_bands
 from benchmarks.results import machine
 from benchmarks.tools.instantiate_cost import capture_graphs
+from benchmarks.tools.update_cost import gpu_ms, kernel_nodes
 from tendril.cuda import graph_exec
 from tendril.graphs.cuda_backend import segment_sizes
 
 REPS = 9
 
 
-def gpu_ms(launch: Callable[[], None]) -> float:
-    """Median GPU time of `launch` on an idle stream (the first two launches left out)."""
-    stream = torch.cuda.current_stream()
-    times = []
-    for _ in range(REPS + 2):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda.synchronize()
-        start.record(stream)
-        launch()
-        end.record(stream)
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times[2:])
-
-
 def kernel_functions(raw: int) -> list[int]:
-    """The function of each kernel node of the graph `raw`, in creation order."""
-    from cuda.bindings import driver, runtime
+    """The function of each kernel node of the graph `raw`, in creation order (-1 where it cannot be read)."""
+    from cuda.bindings import driver
 
-    handle = runtime.cudaGraph_t(init_value=raw)
-    count = runtime.cudaGraphGetNodes(handle, 0)[-1]
-    nodes = list(runtime.cudaGraphGetNodes(handle, count)[1])[:count]
-    kernel = runtime.cudaGraphNodeType.cudaGraphNodeTypeKernel
     functions = []
-    for node in nodes:
-        if runtime.cudaGraphNodeGetType(node)[1] == kernel:
-            err, params = driver.cuGraphKernelNodeGetParams(driver.CUgraphNode(init_value=int(node)))
-            functions.append(int(params.func) if int(err) == 0 else -1)
+    for node in kernel_nodes(raw):
+        err, params = driver.cuGraphKernelNodeGetParams(node)
+        functions.append(int(params.func) if int(err) == 0 else -1)
     return functions
 
 
@@ -91,7 +72,7 @@ def measure_pair(raw: list[int], a: int, b: int, stream: int) -> dict[str, Any]:
 
     fresh = graph_exec.instantiate(raw[b - 1])
     graph_exec.upload(fresh, stream)
-    fresh_ms = gpu_ms(lambda: launch_all([fresh]))
+    fresh_ms = gpu_ms(lambda: launch_all([fresh]), REPS)
     graph_exec.destroy(fresh)
 
     executable = graph_exec.instantiate(raw[a - 1])
@@ -103,7 +84,7 @@ def measure_pair(raw: list[int], a: int, b: int, stream: int) -> dict[str, Any]:
         return {"a": a, "b": b, "refused": outcome.reason}
     first_launch_ms, _ = host_ms(lambda: launch_all([executable]))
     torch.cuda.synchronize()
-    updated_ms = gpu_ms(lambda: launch_all([executable]))
+    updated_ms = gpu_ms(lambda: launch_all([executable]), REPS)
     graph_exec.destroy(executable)
 
     sizes = segment_sizes(graph_exec.topology(raw[a - 1]).nodes)

@@ -358,6 +358,17 @@ def _first(x: torch.Tensor) -> torch.Tensor:
     return x[:1] * 3 + x.sum()
 
 
+def _grow_and_shrink(fast: Any, lengths: range) -> None:
+    """Call `fast` (graphing `_first`) at `lengths` growing, then shrinking, twice; each result checked against the
+    function, then poisoned (the next replay of its graph must overwrite it)."""
+    for _ in range(2):
+        for n in [*lengths, *reversed(lengths)]:
+            x = torch.randn(n)
+            got = fast(x)
+            torch.testing.assert_close(got, _first(x))
+            got.fill_(float("nan"))
+
+
 @pytest.mark.parametrize("prefetch", [True, False])
 def test_growing_lengths_are_prefetched_on_the_worker_thread(cuda: FakeCuda, prefetch: bool):
     fast = _graphed(_first, "2KiB", "auto", prefetch)  # executables of 10 nodes, charged 40 KiB: one fits
@@ -365,12 +376,7 @@ def test_growing_lengths_are_prefetched_on_the_worker_thread(cuda: FakeCuda, pre
     cache = next(iter(fast._backend.executable_caches().values()))
     cache.budget = 3 * cache.charge(10)  # room for the executable just called, a prefetch and one more
     cuda.launches.clear()
-    for _ in range(2):
-        for n in [*range(1, 31), *range(30, 0, -1)]:
-            x = torch.randn(n)
-            got = fast(x)
-            torch.testing.assert_close(got, _first(x))
-            got.fill_(float("nan"))
+    _grow_and_shrink(fast, range(1, 31))
     cache.wait_idle()
     assert len(cuda.executables) == cache.executables and cache.live_bytes <= cache.budget
     memory = [record.memory for record in fast.stats.graphs.values()]
@@ -442,12 +448,7 @@ def test_update_prefetches_by_updating_on_the_worker_thread(cuda: FakeCuda):
     cache.budget = 3 * cache.charge(10)  # room for the executable just called and two more
     cuda.running = True  # every launch is still running when the next prefetch is submitted
     made, updated = _memory_total(fast, "instantiations"), _memory_total(fast, "updates")
-    for _ in range(2):
-        for n in [*lengths, *reversed(lengths)]:
-            x = torch.randn(n)
-            got = fast(x)
-            torch.testing.assert_close(got, _first(x))
-            got.fill_(float("nan"))
+    _grow_and_shrink(fast, lengths)
     cache.wait_idle()
     assert _memory_total(fast, "instantiations") - made <= 2, "instantiated where it should have updated"
     assert _memory_total(fast, "updates") - updated >= 100 and _memory_total(fast, "update_failures") == 0
@@ -469,12 +470,7 @@ def test_fresh_prefetching_instantiates_ahead_on_the_worker_and_never_updates_th
     assert cache.fresh and cache.ahead == cuda_backend.PREFETCH_FRESH_AHEAD
     cache.budget = 5 * cache.charge(10)  # the executable just called and four predicted calls
     cuda.running = True  # every launch is still running when the next prefetch is submitted
-    for _ in range(2):
-        for n in [*lengths, *reversed(lengths)]:
-            x = torch.randn(n)
-            got = fast(x)
-            torch.testing.assert_close(got, _first(x))
-            got.fill_(float("nan"))
+    _grow_and_shrink(fast, lengths)
     cache.wait_idle()
     assert cache.prefetch_hits >= 100 and cache.prefetch_wasted <= 4
     assert not cuda.update_threads - {threading.current_thread().name}, "updated on the worker"
