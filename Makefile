@@ -37,17 +37,21 @@ gpu-test:
 gpu-demo:
 	PYTHONPATH=src $(PYTHON) -m tendril.cli demo
 
-# One device-lane session in a single call (machine start-up is paid once): the GPU tests, the quick demo,
-# then each benchmark in CASES. Logs and results go to the folder OUT, packed at the end into OUT.tgz (the
-# device lane returns a few files only): `make gpu-lane OUT=$$OUT/lane CASES="generation graphs-memory"`.
+# One device-lane session in a single call (machine start-up is paid once): the GPU tests (TESTS), the quick
+# demo, then each benchmark in CASES and each diagnostic in TOOLS (`benchmarks/tools`). Logs and results go to the
+# folder OUT, packed at the end into OUT.tgz (the device lane returns a few files only):
+# `make gpu-lane OUT=$$OUT/lane CASES="generation graphs-memory" TOOLS=switching_floor`.
 # Each step has its own time limit, so one that hangs cannot take the others' time.
 OUT ?= gpu-lane-out
+TESTS ?= tests
 CASES ?=
+TOOLS ?=
 gpu-lane:
 	mkdir -p $(OUT)/results
-	-PYTHONPATH=src:. timeout 300 $(PYTHON) -m pytest -m gpu -q -rf -p no:cacheprovider tests > $(OUT)/gpu-tests.txt 2>&1; tail -3 $(OUT)/gpu-tests.txt
+	-PYTHONPATH=src:. timeout 300 $(PYTHON) -m pytest -m gpu -q -rf -p no:cacheprovider $(TESTS) > $(OUT)/gpu-tests.txt 2>&1; tail -3 $(OUT)/gpu-tests.txt
 	-PYTHONPATH=src timeout 180 $(PYTHON) -m tendril.cli demo --quick > $(OUT)/demo.txt 2>&1; tail -3 $(OUT)/demo.txt
 	-for case in $(CASES); do PYTHONPATH=src:. timeout 420 $(PYTHON) -m benchmarks run $$case --out $(OUT)/results > $(OUT)/$$case.txt 2>&1; tail -3 $(OUT)/$$case.txt; done
+	-for tool in $(TOOLS); do PYTHONPATH=src:. timeout 420 $(PYTHON) -m benchmarks.tools.$$tool --out $(OUT)/results > $(OUT)/$$tool.txt 2>&1; tail -3 $(OUT)/$$tool.txt; done
 	tar czf $(OUT).tgz -C $(OUT) . && rm -rf $(OUT)
 
 clean:
