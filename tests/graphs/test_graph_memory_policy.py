@@ -992,9 +992,8 @@ def test_a_fresh_run_longer_than_the_budget_leaves_the_executables_made_before_i
     """Four executables made on demand (one per family), then a growing run of 60 calls with `fresh` prefetching
     through a budget of ten: the run's own executables make room for the next ones, so the four survive it and the
     calls after the run switch them by update instead of instantiating."""
-    families = lambda n: f"F{n % 4}"  # noqa: E731
     cache, driver, graphs, memories = _keyed_cache(
-        range(1, 101), 10, strategy=MemoryStrategy.UPDATE, ahead=4, fresh=True, families=families
+        range(1, 101), 10, strategy=MemoryStrategy.UPDATE, ahead=4, fresh=True, families=4
     )
     before = [97, 90, 84, 75]  # one of each family, not stepping evenly: no prediction
     for n in before:
