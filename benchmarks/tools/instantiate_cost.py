@@ -1,7 +1,8 @@
 """What making and dropping executables costs, and whether a background thread can do it while the GPU runs.
 
 A diagnostic behind the `graphs-memory` latency targets. GPT-2 fp16 (random weights) forward graphs at
-lengths 1..N (captured with `torch.cuda.graph`, one shared pool), then:
+lengths 1..N (captured with `torch.cuda.graph`, one shared pool, with the attention kernels tendril captures
+with; the committed results predate that and ran PyTorch's own choice), then:
 
 1. host time of `cudaGraphInstantiateWithFlags`, of the first launch after it, and of
    `cudaGraphExecDestroy`, per graph (medians);
@@ -32,17 +33,21 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.nn.attention import sdpa_kernel
 
 from benchmarks.cases import graphs_memory as case
 from tendril.cuda import graph_exec
+from tendril.graphs.capture import GRAPH_SDPA_BACKENDS
 
 
 def capture_graphs(count: int) -> tuple[list[torch.cuda.CUDAGraph], list[int]]:
+    """GPT-2 fp16 forward graphs at lengths 1..count (kept, not instantiated), largest first into one pool, with the
+    attention kernels tendril captures with; returns them and their raw handles in order of length."""
     device = torch.device("cuda")
     model = case._gpt2(device)
     ids = {n: torch.randint(0, case.VOCAB, (1, n), device=device) for n in range(1, count + 1)}
     graphs, pool = [], None
-    with torch.inference_mode():
+    with torch.inference_mode(), sdpa_kernel(list(GRAPH_SDPA_BACKENDS)):
         case._load_kernels(model, ids)
         for n in range(count, 0, -1):
             model(ids[n])
