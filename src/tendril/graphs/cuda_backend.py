@@ -21,9 +21,10 @@ background thread (under `update` without room, updates one of its family's inst
 (`cudaGraphUpload`) in the stream of the call that predicted it, so the next call neither instantiates (1.34 ms on
 the H200 for a GPT-2 forward) nor pays the first launch's upload (0.27 ms); evictions destroy in the background too
 (0.25 ms). Under `update` it looks `PREFETCH_AHEAD` calls ahead, to instantiate a family's executables before a
-growing pass enters it. Graphs that draw random numbers keep torch's dedicated executable, because torch's replay
-advances the generator's seed and offset before each launch (a plain launch would repeat the same numbers); they are
-counted against the budget.
+growing pass enters it; with `graph_memory_prefetch="fresh"`, `PREFETCH_FRESH_AHEAD` calls ahead, instantiating
+every predicted graph and updating none in the background. Graphs that draw random numbers keep torch's dedicated
+executable, because torch's replay advances the generator's seed and offset before each launch (a plain launch would
+repeat the same numbers); they are counted against the budget.
 
 Ordering of switches. All graphs of a callable share pool memory, placeholders and outputs, so a
 launch must not overlap the previous one. Launches on one stream are ordered by the stream; when a
