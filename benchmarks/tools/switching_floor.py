@@ -226,18 +226,15 @@ class UpdateAtLaunch:
                 self.current[families[n]] = (self.driver.instantiate(managed[n])[0], n)
 
     def run(self, order: list[int]) -> tuple[list[float], list[bool]]:
-        times = []
-        for n in order:
-            begin = time.perf_counter()
-            if n in self.pinned:
-                self.driver.launch(self.pinned[n], self.stream)
-            else:
-                chain, running = self.current[self.families[n]]
-                self.driver.launch(chain, self.stream, None if running == n else self.managed[n])
-                self.current[self.families[n]] = (chain, n)
-            torch.cuda.synchronize()
-            times.append((time.perf_counter() - begin) * 1e3)
-        return times, [False] * len(order)
+        return [timed_call(lambda n=n: self._launch(n)) for n in order], [False] * len(order)
+
+    def _launch(self, n: int) -> None:
+        if n in self.pinned:
+            self.driver.launch(self.pinned[n], self.stream)
+            return
+        chain, running = self.current[self.families[n]]
+        self.driver.launch(chain, self.stream, None if running == n else self.managed[n])
+        self.current[self.families[n]] = (chain, n)
 
     def details(self) -> dict[str, Any]:
         return {

@@ -481,6 +481,8 @@ def test_fresh_prefetching_instantiates_ahead_on_the_worker_and_never_updates_th
 def test_prefetch_modes_are_checked():
     with pytest.raises(ValueError, match="graph_memory_prefetch"):
         cuda_backend.CudaBackend(graph_memory_prefetch="later")
+    modes = [cuda_backend.CudaBackend(graph_memory_prefetch=mode) for mode in (True, False, 0, "fresh")]
+    assert [(b.prefetch, b.fresh) for b in modes] == [(True, False), (False, False), (False, False), (True, True)]
 
 
 def _memory_total(fast: Any, what: str) -> int:

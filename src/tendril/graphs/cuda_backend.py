@@ -97,7 +97,7 @@ class CudaBackend:
             graph_memory_budget = config.settings.graph_memory_budget
         self.graph_memory_budget = parse_bytes(graph_memory_budget)
         self.strategy = resolve_strategy(graph_memory_strategy, self.graph_memory_budget)
-        self.prefetch = graph_memory_prefetch is not False
+        self.prefetch = bool(graph_memory_prefetch)
         self.fresh = graph_memory_prefetch == "fresh"
         self._pools: dict[torch.device, Any] = {}
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
