@@ -18,8 +18,8 @@ lengths spread over 1-16 s. Each is graphed three ways, one after the other in o
   counts are reported as `latency_runs_prefetch_*` (all latency passes) and
   `latency_runs_{growing,random}_prefetch_*` (hits: calls that found their executable prefetched; waits: of
   those, calls that waited for it; wasted: prefetches evicted unused). `GRAPHS_MEMORY_STRATEGY=lru` runs (c)
-  under another `graph_memory_strategy` (default `auto`), `GRAPHS_MEMORY_PREFETCH=fresh` (or `off`) with
-  `graph_memory_prefetch="fresh"` (or False).
+  under another `graph_memory_strategy` (default `auto`), `GRAPHS_MEMORY_PREFETCH=off` with
+  `graph_memory_prefetch=False`.
 
 Memory is the device memory in use (cudaMemGetInfo after emptying the allocator's cache) after
 capturing all lengths, relative to before. Every length first runs once eagerly with the attention
@@ -378,13 +378,13 @@ def _measure_model(
 
 def _options() -> dict[str, Any]:
     """(c)'s options besides the budget: `graph_memory_strategy` from GRAPHS_MEMORY_STRATEGY (default "auto"), and
-    GRAPHS_MEMORY_PREFETCH=fresh or off for `graph_memory_prefetch="fresh"` or False (default: True)."""
+    GRAPHS_MEMORY_PREFETCH=off for `graph_memory_prefetch=False` (default: True)."""
     options: dict[str, Any] = {"graph_memory_strategy": os.environ.get("GRAPHS_MEMORY_STRATEGY", "auto")}
     prefetch = os.environ.get("GRAPHS_MEMORY_PREFETCH", "")
-    if prefetch not in ("", "fresh", "off"):
-        raise ValueError(f"GRAPHS_MEMORY_PREFETCH={prefetch!r}: expected fresh or off")
+    if prefetch not in ("", "off"):
+        raise ValueError(f"GRAPHS_MEMORY_PREFETCH={prefetch!r}: expected off")
     if prefetch:
-        options["graph_memory_prefetch"] = "fresh" if prefetch == "fresh" else False
+        options["graph_memory_prefetch"] = False
     return options
 
 

@@ -3,9 +3,8 @@
 What `ExecutableCache.launch` (acquire, and the switch decision) and `prefetch_next` (forecast, room, background
 submissions) cost in Python per call, for GPT-2-like keys at lengths 1..N in `FAMILIES_PER_LENGTH`-sized topology
 families under a budget of `--executables` executables: lengths growing by one per call, and a random order; under
-`update` with prefetching by update (`PREFETCH_AHEAD` calls ahead) and with `fresh` prefetching
-(`PREFETCH_FRESH_AHEAD`). On the H200 a call runs on the GPU for 0.9-3 ms while the host does this after the
-launch; it competes with the background thread for the interpreter.
+`update` with prefetching (`PREFETCH_AHEAD` calls ahead). On the H200 a call runs on the GPU for 0.9-3 ms while the
+host does this after the launch; it competes with the background thread for the interpreter.
 
     PYTHONPATH=src:. python3 -m benchmarks.tools.cache_host_cost --out OUT [--lengths 1024] [--executables 55]
 
@@ -27,7 +26,7 @@ import torch
 
 from benchmarks.results import machine
 from tendril.cuda.graph_exec import Topology, UpdateOutcome
-from tendril.graphs.cuda_backend import PREFETCH_AHEAD, PREFETCH_FRESH_AHEAD
+from tendril.graphs.cuda_backend import PREFETCH_AHEAD
 from tendril.graphs.executables import PRIOR_BYTES_PER_NODE, ExecutableCache, MemoryStrategy
 from tendril.graphs.key import GraphKey, TensorSpec, next_in_step
 from tendril.graphs.stats import GraphMemory
@@ -81,15 +80,14 @@ def _key(length: int) -> GraphKey:
     return GraphKey(("flat", 1, ()), (TensorSpec((1, length), torch.int64, torch.device("cuda", 0)),), ())
 
 
-def measure(lengths: int, executables: int, fresh: bool, order: list[int]) -> dict[str, float]:
+def measure(lengths: int, executables: int, order: list[int]) -> dict[str, float]:
     """Median over repeats of the mean microseconds per call of `launch` and of `prefetch_next`."""
     cache = ExecutableCache(
         NullDriver(),
         MemoryStrategy.UPDATE,
         executables * NODES * PRIOR_BYTES_PER_NODE,
         predict_next=next_in_step,
-        ahead=PREFETCH_FRESH_AHEAD if fresh else PREFETCH_AHEAD,
-        fresh=fresh,
+        ahead=PREFETCH_AHEAD,
     )
     keys = {n: _key(n) for n in range(1, lengths + 1)}
     for n, key in keys.items():
@@ -125,9 +123,8 @@ def main() -> None:
         "lengths": args.lengths,
         "executables": args.executables,
     }
-    for prefetch, fresh in (("update", False), ("fresh", True)):
-        for name, order in (("growing", growing), ("random", shuffled)):
-            result[f"{prefetch} {name}"] = measure(args.lengths, args.executables, fresh, order)
+    for name, order in (("growing", growing), ("random", shuffled)):
+        result[f"update {name}"] = measure(args.lengths, args.executables, order)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "cache_host_cost.json").write_text(json.dumps(result, indent=1) + "\n")
     print(json.dumps(result, indent=1))

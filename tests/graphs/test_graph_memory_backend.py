@@ -249,7 +249,7 @@ class CpuAsCuda(cuda_backend.CudaBackend):
         return device.type == "cpu"
 
 
-def _graphed(fn: Any, budget: str | None, strategy: str = "auto", prefetch: bool | str = True) -> Any:
+def _graphed(fn: Any, budget: str | None, strategy: str = "auto", prefetch: bool = True) -> Any:
     backend = CpuAsCuda(graph_memory_budget=budget, graph_memory_strategy=strategy, graph_memory_prefetch=prefetch)
     return graphed(fn, backend=backend, config=Config(), max_graphs=64)
 
@@ -457,32 +457,6 @@ def test_update_prefetches_by_updating_on_the_worker_thread(cuda: FakeCuda):
     assert {stream for _, stream in cuda.uploads} == {0} and len(cuda.uploads) >= 100
     assert cache.driver.background_waits >= 100
     assert len(cuda.executables) == cache.executables == 3 and cache.live_bytes <= cache.budget
-
-
-def test_fresh_prefetching_instantiates_ahead_on_the_worker_and_never_updates_there(cuda: FakeCuda):
-    """`graph_memory_prefetch="fresh"` under `update` at a full budget: growing and shrinking lengths find their
-    executables instantiated ahead on the worker (as many calls ahead as the budget holds besides the one running);
-    results equal the function's and no update runs on the worker."""
-    fast = _graphed(_first, "2KiB", "update", "fresh")
-    lengths = range(8, 38)
-    fast.capture([(torch.randn(n),) for n in lengths], progress=False)
-    cache = next(iter(fast._backend.executable_caches().values()))
-    assert cache.fresh and cache.ahead == cuda_backend.PREFETCH_FRESH_AHEAD
-    cache.budget = 5 * cache.charge(10)  # the executable just called and four predicted calls
-    cuda.running = True  # every launch is still running when the next prefetch is submitted
-    _grow_and_shrink(fast, lengths)
-    cache.wait_idle()
-    assert cache.prefetch_hits >= 100 and cache.prefetch_wasted <= 4
-    assert not cuda.update_threads - {threading.current_thread().name}, "updated on the worker"
-    assert any(name.startswith("tendril-executables") for name in cuda.threads)
-    assert len(cuda.executables) == cache.executables and cache.live_bytes <= cache.budget
-
-
-def test_prefetch_modes_are_checked():
-    with pytest.raises(ValueError, match="graph_memory_prefetch"):
-        cuda_backend.CudaBackend(graph_memory_prefetch="later")
-    modes = [cuda_backend.CudaBackend(graph_memory_prefetch=mode) for mode in (True, False, 0, "fresh")]
-    assert [(b.prefetch, b.fresh) for b in modes] == [(True, False), (False, False), (False, False), (True, True)]
 
 
 def _memory_total(fast: Any, what: str) -> int:

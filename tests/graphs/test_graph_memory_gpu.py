@@ -1,7 +1,7 @@
 """Graph memory on the GPU: budgeted executables give the results of dedicated ones, hold the budget, and
 switch an executable only in stream order (never disturbing a replay still running); prefetched executables
-(instantiated, or under `update` updated, and uploaded on the background thread; with `"fresh"` prefetching,
-instantiated many calls ahead) give the same results as dedicated ones."""
+(instantiated, or under `update` updated, and uploaded on the background thread) give the same results as
+dedicated ones."""
 
 from __future__ import annotations
 
@@ -327,37 +327,6 @@ def test_update_with_prefetching_equals_dedicated_executables():
     assert stepping[0] > 0, "no prefetch updated an executable in the background: the test exercised nothing"
     assert stepping[2] > 0, "no call found its executable prefetched"
     assert foreground_updates, "no miss of the random order updated an executable: the test exercised nothing"
-    assert cache.over_budget == 0 and cache.live_bytes <= cache.budget
-
-
-def test_fresh_prefetching_equals_dedicated_executables():
-    """`graph_memory_prefetch="fresh"` under `update` and a budget of a few executables: growing and shrinking
-    lengths find executables instantiated for them ahead on the background thread (never updated there); a random
-    order switches at launch; results equal dedicated executables' bit for bit."""
-    lengths = list(range(1, 41))
-    dedicated, budgeted, cache, largest = _captured_twice(
-        lengths, graph_memory_strategy="update", graph_memory_prefetch="fresh"
-    )
-    with torch.inference_mode():
-        assert cache.fresh and cache.budget >= 3 * largest, "the budget must hold two predicted calls ahead"
-        background_updates = _count_calls(cache.driver, "update_async")
-        made = sum(r.memory.instantiations for r in budgeted.stats.graphs.values())
-        for order in (lengths, lengths[::-1], lengths, lengths[::-1]):
-            for n in order:
-                _poisoned_equal(budgeted, dedicated, torch.randint(0, 1000, (1, n), device="cuda"))
-        stepping = (cache.prefetches, cache.prefetch_hits, cache.prefetch_waits, cache.prefetch_wasted)
-        rng = random.Random(8)
-        for _ in range(120):
-            _poisoned_equal(budgeted, dedicated, torch.randint(0, 1000, (1, rng.choice(lengths)), device="cuda"))
-        cache.wait_idle()
-    memory = [record.memory for record in budgeted.stats.graphs.values()]
-    print(
-        f"fresh: growing/shrinking {stepping[0]} prefetches, {stepping[1]} hits, {stepping[2]} waits, "
-        f"{stepping[3]} wasted; in all {sum(m.instantiations for m in memory) - made} instantiations after capture, "
-        f"{sum(m.updates for m in memory)} updates (at launch), {cache.executables} executables"
-    )
-    assert not background_updates, "fresh prefetching updated an executable in the background"
-    assert stepping[1] >= 100, "the growing and shrinking passes rarely found their executable prefetched"
     assert cache.over_budget == 0 and cache.live_bytes <= cache.budget
 
 

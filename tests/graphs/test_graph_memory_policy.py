@@ -387,8 +387,6 @@ def test_graphed_validates_memory_arguments_without_cuda():
         graphed(double, graph_memory_strategy="smart")
     with pytest.raises(ValueError, match="pass them to it"):
         graphed(double, backend=NullBackend(), graph_memory_budget="1MiB")
-    with pytest.raises(ValueError, match="pass them to it"):
-        graphed(double, backend=NullBackend(), graph_memory_prefetch="fresh")
     fast = graphed(double, graph_memory_budget="16MiB", graph_memory_strategy="update")
     x = torch.arange(4.0)
     if not torch.cuda.is_available():
@@ -458,13 +456,12 @@ def _keyed_cache(
     strategy: MemoryStrategy = MemoryStrategy.LRU,
     families: int | Callable[[int], str] = 1,
     ahead: int = 1,
-    fresh: bool = False,
 ) -> tuple[ExecutableCache, FakeDriver, dict[GraphKey, FakeGraph], dict[GraphKey, GraphMemory]]:
     """Graphs of lengths `lengths` keyed as GPT-2 calls, in `families` topology families (length modulo, or the
-    family each length is in); prefetching `ahead` calls ahead (by instantiation only with `fresh`)."""
+    family each length is in); prefetching `ahead` calls ahead."""
     driver = driver or FakeDriver()
     budget = None if budget_executables is None else budget_executables * nodes * PRIOR_BYTES_PER_NODE
-    cache = ExecutableCache(driver, strategy, budget, predict_next=next_in_step, ahead=ahead, fresh=fresh)
+    cache = ExecutableCache(driver, strategy, budget, predict_next=next_in_step, ahead=ahead)
     graphs, memories = {}, {}
     for n in lengths:
         family = families(n) if callable(families) else "gpt" if families == 1 else f"gpt{n % families}"
@@ -875,24 +872,17 @@ def _made(cache: ExecutableCache) -> int:
     refused=st.sets(st.integers(min_value=1, max_value=16), max_size=3),
     lazy=st.booleans(),
     ahead=st.sampled_from([1, 3]),
-    fresh=st.booleans(),
 )
 def test_update_with_prefetching_runs_the_requested_graph_within_budget(
-    budget_executables, families, segments, refused, lazy, ahead, fresh
+    budget_executables, families, segments, refused, lazy, ahead
 ):
-    """`update` with prefetching (by update, or `fresh`) under stepping runs mixed with jumps, refused updates
-    included: every call gets its own graph, never from the executable just called or one held for a nearer
-    predicted call; the charges stay within the budget; without a budget a family holds at most `ahead` + 1
-    executables; every prefetch is hit, wasted or still held; `fresh` never updates in the background."""
+    """`update` with prefetching under stepping runs mixed with jumps, refused updates included: every call gets
+    its own graph, never from the executable just called or one held for a nearer predicted call; the charges stay
+    within the budget; without a budget a family holds at most `ahead` + 1 executables; every prefetch is hit,
+    wasted or still held."""
     driver = FakeDriver(refuse={f"L{n}" for n in refused}, background="lazy" if lazy else "done")
     cache, driver, graphs, memories = _keyed_cache(
-        range(1, 17),
-        budget_executables,
-        driver,
-        strategy=MemoryStrategy.UPDATE,
-        families=families,
-        ahead=ahead,
-        fresh=fresh,
+        range(1, 17), budget_executables, driver, strategy=MemoryStrategy.UPDATE, families=families, ahead=ahead
     )
     for n in _runs(segments, 16):
         _call(cache, driver, graphs, _ids(n))
@@ -903,48 +893,6 @@ def test_update_with_prefetching_runs_the_requested_graph_within_budget(
             assert max(per_family.values()) <= ahead + 1, per_family
     assert cache.prefetches == cache.prefetch_hits + cache.prefetch_wasted + len(cache.pending_keys())
     assert _total(memories, "executable_bytes") == cache.live_bytes
-    if fresh:
-        assert "prefetch-update" not in {op for op, _ in driver.log}
-
-
-@pytest.mark.parametrize("fresh", [True, False])
-def test_fresh_prefetching_instantiates_every_predicted_call_and_never_updates(fresh):
-    """`fresh`: after each call of a growing run the next `ahead` calls hold executables instantiated for them, nearest
-    first, within the budget; nothing is updated in the background. The control: `update`'s own prefetching at a
-    full budget updates one executable of the family, for the next call only."""
-    cache, driver, graphs, memories = _keyed_cache(
-        range(1, 41), 8, strategy=MemoryStrategy.UPDATE, ahead=4, fresh=fresh
-    )
-    for n in range(1, 41):
-        _call(cache, driver, graphs, _ids(n))
-        if fresh and 3 <= n <= 36:
-            assert all(_ids(m) in cache._holding for m in range(n + 1, n + 5)), n
-    background = [(op, name) for op, name in driver.log if op.startswith("prefetch")]
-    if fresh:
-        assert background == [("prefetch", f"L{n}") for n in range(4, 41)]
-        assert cache.prefetch_hits == 37 and cache.prefetch_waits == 0 and cache.prefetch_wasted == 0
-    else:
-        assert ("prefetch-update", "L40") in background
-    assert cache.over_budget == 0 and _total(memories, "executable_bytes") == cache.live_bytes
-
-
-def test_fresh_prefetching_stops_where_only_protected_executables_could_make_room():
-    """A budget of three executables and four calls predicted: the one just called and the two nearest predicted
-    calls fill it; the farther calls wait for later calls instead of evicting them."""
-    cache, driver, graphs, _ = _keyed_cache(
-        range(1, 21), 3, FakeDriver(background="lazy"), strategy=MemoryStrategy.UPDATE, ahead=4, fresh=True
-    )
-    for n in range(1, 4):
-        _call(cache, driver, graphs, _ids(n))
-    assert cache.pending_keys() == [_ids(4), _ids(5)]
-    for n in range(4, 21):
-        _call(cache, driver, graphs, _ids(n))
-    assert cache.prefetch_wasted == 0 and cache.over_budget == 0 and cache.prefetch_hits == 17
-
-
-def test_fresh_prefetching_needs_a_predictor():
-    with pytest.raises(ValueError, match="predict"):
-        ExecutableCache(FakeDriver(), MemoryStrategy.UPDATE, None, fresh=True)
 
 
 def _forecast_afresh(cache: ExecutableCache) -> list[Any]:
@@ -971,7 +919,7 @@ def _forecast_afresh(cache: ExecutableCache) -> list[Any]:
 def test_the_forecast_carried_from_call_to_call_equals_one_made_afresh(segments, ahead):
     """`_predicted` extends the last forecast when a call came as forecast; whatever the calls, every forecast the
     cache makes is what predicting every key again gives, also after a graph in the forecast is discarded."""
-    cache, driver, graphs, _ = _keyed_cache(range(1, 31), 6, strategy=MemoryStrategy.UPDATE, ahead=ahead, fresh=True)
+    cache, driver, graphs, _ = _keyed_cache(range(1, 31), 6, strategy=MemoryStrategy.UPDATE, ahead=ahead)
     carried = cache._predicted
 
     def checked() -> list[Any]:
@@ -986,23 +934,3 @@ def test_the_forecast_carried_from_call_to_call_equals_one_made_afresh(segments,
     if len(forecast) >= 2:
         cache.discard(forecast[-1])
         _call(cache, driver, graphs, forecast[0])
-
-
-def test_a_fresh_run_longer_than_the_budget_leaves_the_executables_made_before_it():
-    """Four executables made on demand (one per family), then a growing run of 60 calls with `fresh` prefetching
-    through a budget of ten: the run's own executables make room for the next ones, so the four survive it and the
-    calls after the run switch them by update instead of instantiating."""
-    cache, driver, graphs, memories = _keyed_cache(
-        range(1, 101), 10, strategy=MemoryStrategy.UPDATE, ahead=4, fresh=True, families=4
-    )
-    before = [97, 90, 84, 75]  # one of each family, not stepping evenly: no prediction
-    for n in before:
-        _call(cache, driver, graphs, _ids(n))
-    survivors = {cache._holding[_ids(n)] for n in before}
-    for n in range(1, 61):
-        _call(cache, driver, graphs, _ids(n))
-    assert survivors <= set(cache._live), "the run flushed the executables made before it"
-    made = _total(memories, "instantiations")
-    for n in (81, 94, 67, 72):  # one of each family again
-        _call(cache, driver, graphs, _ids(n))
-    assert _total(memories, "instantiations") == made, "a call after the run instantiated instead of updating"

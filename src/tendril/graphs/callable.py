@@ -89,7 +89,7 @@ class GraphedCallable:
         name: str | None = None,
         graph_memory_budget: int | str | None = None,
         graph_memory_strategy: str = "auto",
-        graph_memory_prefetch: bool | str = True,
+        graph_memory_prefetch: bool = True,
     ) -> None:
         if max_graphs < 0:
             raise ValueError(f"max_graphs must be >= 0, got {max_graphs}")
@@ -107,7 +107,7 @@ class GraphedCallable:
                 graph_memory_strategy=graph_memory_strategy,
                 graph_memory_prefetch=graph_memory_prefetch,
             )
-        elif graph_memory_budget is not None or graph_memory_strategy != "auto" or graph_memory_prefetch is not True:
+        elif graph_memory_budget is not None or graph_memory_strategy != "auto" or not graph_memory_prefetch:
             raise ValueError(
                 "graph_memory_budget/graph_memory_strategy/graph_memory_prefetch configure the default CUDA backend; "
                 "with your own backend, pass them to it (CudaBackend(graph_memory_budget=..., ...))"
@@ -423,7 +423,7 @@ def graphed(
     config: Config | None = None,
     graph_memory_budget: int | str | None = None,
     graph_memory_strategy: str = "auto",
-    graph_memory_prefetch: bool | str = True,
+    graph_memory_prefetch: bool = True,
 ) -> GraphedCallable:
     """Run `fn` (an `nn.Module` or any function of tensors) as CUDA graphs keyed by its argument shapes.
 
@@ -441,9 +441,7 @@ def graphed(
     executable of the graph's topology family by `cudaGraphExecUpdate`; see `tendril.graphs.executables`).
     Under "lru" and "update" the executable of the call predicted next (lengths stepping by a constant amount, as
     in a generation loop) is made ahead on a background thread (instantiated, or under "update" at a full budget
-    switched); `graph_memory_prefetch=False` turns that off, and `"fresh"` makes the executables of the calls
-    predicted next by instantiation only, many calls ahead, never by update (not yet measured on a GPU; see
-    `tendril.graphs.executables`).
+    switched); `graph_memory_prefetch=False` turns that off.
     """
     return GraphedCallable(
         fn,

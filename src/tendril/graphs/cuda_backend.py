@@ -21,8 +21,7 @@ background thread (under `update` without room, updates one of its family's inst
 (`cudaGraphUpload`) in the stream of the call that predicted it, so the next call neither instantiates (1.34 ms on
 the H200 for a GPT-2 forward) nor pays the first launch's upload (0.27 ms); evictions destroy in the background too
 (0.25 ms). Under `update` it looks `PREFETCH_AHEAD` calls ahead, to instantiate a family's executables before a
-growing pass enters it; with `graph_memory_prefetch="fresh"`, `PREFETCH_FRESH_AHEAD` calls ahead, instantiating
-every predicted graph and updating none in the background. Graphs that draw random numbers keep torch's dedicated
+growing pass enters it. Graphs that draw random numbers keep torch's dedicated
 executable, because torch's replay advances the generator's seed and offset before each launch (a plain launch would
 repeat the same numbers); they are counted against the budget.
 
@@ -79,8 +78,7 @@ class CudaBackend:
     (None: `tendril.settings.graph_memory_budget`, from TENDRIL_GRAPH_MEMORY_BUDGET);
     `graph_memory_strategy` is "auto", "dedicated", "lru" or "update" (`tendril.graphs.executables`);
     `graph_memory_prefetch=False` turns off prefetching the next call's executable under `lru` and `update` (to
-    measure without it, or to keep every driver call on the calling thread); `"fresh"` prefetches by instantiation
-    only, `PREFETCH_FRESH_AHEAD` calls ahead (see "Fresh prefetching" in `tendril.graphs.executables`)."""
+    measure without it, or to keep every driver call on the calling thread)."""
 
     def __init__(
         self,
@@ -88,17 +86,14 @@ class CudaBackend:
         *,
         graph_memory_budget: int | str | None = None,
         graph_memory_strategy: MemoryStrategy | str = MemoryStrategy.AUTO,
-        graph_memory_prefetch: bool | str = True,
+        graph_memory_prefetch: bool = True,
     ) -> None:
-        if graph_memory_prefetch not in PREFETCH_MODES:
-            raise ValueError(f"graph_memory_prefetch={graph_memory_prefetch!r}: expected True, False or 'fresh'")
         self.sdpa_backends = sdpa_backends
         if graph_memory_budget is None:
             graph_memory_budget = config.settings.graph_memory_budget
         self.graph_memory_budget = parse_bytes(graph_memory_budget)
         self.strategy = resolve_strategy(graph_memory_strategy, self.graph_memory_budget)
         self.prefetch = bool(graph_memory_prefetch)
-        self.fresh = graph_memory_prefetch == "fresh"
         self._pools: dict[torch.device, Any] = {}
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
         self._graphs_per_device: dict[torch.device, int] = {}
@@ -234,8 +229,7 @@ class CudaBackend:
                 self.strategy,
                 self.graph_memory_budget,
                 predict_next=next_in_step if self.prefetch else None,
-                ahead=PREFETCH_FRESH_AHEAD if self.fresh else PREFETCH_AHEAD,
-                fresh=self.fresh,
+                ahead=PREFETCH_AHEAD,
             )
             self._caches[device] = cache
             finalizer = weakref.finalize(self, cache.close)
@@ -278,14 +272,6 @@ tokens make 20 families, entered every few calls, and instantiating and uploadin
 than a call there: predicting one call ahead, the calls entering a family waited for it (a scratch timeline of
 `graphs-memory`'s growing pass, not committed). In `graphs-memory` the growing calls that waited for their prefetch
 went from 366 (one call ahead, six equal segments) to 217."""
-
-PREFETCH_FRESH_AHEAD = 24
-"""Calls ahead the cache instantiates under `graph_memory_prefetch="fresh"`: a queue of work that lets the background
-thread (one executable per call) run ahead where calls are longer than making one takes, to spend on calls that are
-shorter. `benchmarks/tools/switching_floor.py` compares 24 and 8 calls ahead in a bare loop."""
-
-PREFETCH_MODES = (True, False, "fresh")
-"""Values of `graph_memory_prefetch`."""
 
 FIRST_SEGMENT_NODES = 16
 """Nodes in the first segment of a managed graph (`segment_sizes`): a switch exposes the update of this one, the

@@ -103,21 +103,6 @@ executable resident (nothing switched) the cache's own cost per call is 1.02-1.0
 executables' slower GPU time (above), the waits, and the host's work per call. Random lengths: nearly every call
 switches at launch.
 
-Fresh prefetching (`fresh`; the CUDA backend's `graph_memory_prefetch="fresh"`). An executable that
-`cudaGraphExecUpdate` switched runs about 1.065x as long on the GPU as a freshly instantiated one, for as long as it
-lives (`update_cost.py`), so a growing pass that switches by update at every call cannot come closer to dedicated
-executables than that. With `fresh` prefetching never updates: the graphs of the next `ahead` predicted calls that
-have no executable are instantiated on the background thread, nearest first, each making room by evicting the least
-recently used executables other than the one just called and those held for predicted calls, until the budget holds
-no more. The run's own executables, once past, make room first (`_make_room`): a run through more graphs than the
-budget holds would otherwise flush every executable, and the calls after it would find no executable of their family
-to update. Calls that were not predicted switch as their strategy says (under `update`, by an update at launch).
-Whether it pays depends on the background thread keeping up: per call it must instantiate, upload and destroy an
-executable (about 1.3 ms of host time on the H200 for a GPT-2 forward graph, against 0.9 ms for the shortest calls),
-and the calls beside it slow down (a thread doing this without pause slowed dedicated calls by 5%).
-`benchmarks/tools/switching_floor.py` measures both ways of switching in a bare loop. Not yet measured on a GPU;
-`auto` does not choose it.
-
 Limit of the accounting: executables recycle driver memory that destroyed ones freed (another callable's
 too), and such instantiations measure no growth; the learnt rate then falls and more executables fit the
 budget than its bytes would hold fresh (seen in a first version of `update_prefetch_cost.py`, whose callables
@@ -231,9 +216,6 @@ class _Executable:
     """A prefetch no call has taken yet (it may still run): the instantiation of the holder's graph (its future
     gives the handle and the measured bytes) or, when `handle` is set, the update of this executable to that
     graph (its future gives the `UpdateOutcome`)."""
-    scan: bool = False
-    """Runs a call of a stepping run under `fresh` prefetching (made for it, or one of the calls the run was
-    predicted from): once past, the first to make room (see `ExecutableCache._make_room`)."""
 
     @property
     def updating(self) -> bool:
@@ -263,7 +245,6 @@ class ExecutableCache:
         *,
         predict_next: PredictNext | None = None,
         ahead: int = 1,
-        fresh: bool = False,
     ) -> None:
         if strategy is MemoryStrategy.AUTO or (strategy is MemoryStrategy.DEDICATED and budget is None):
             raise ValueError("resolve the strategy first: 'auto' is 'dedicated' (served by torch) or 'update'")
@@ -276,12 +257,7 @@ class ExecutableCache:
             raise ValueError(f"ahead={ahead}: prefetching looks at least one call ahead")
         self.ahead = ahead
         """How many calls ahead `prefetch_next` predicts, each from the ones before (beyond the next call, only under
-        `update`, to instantiate early for a family short of executables, or with `fresh`)."""
-        if fresh and self.predict_next is None:
-            raise ValueError("fresh prefetching needs a predictor (predict_next) and the strategy 'lru' or 'update'")
-        self.fresh = fresh
-        """Prefetch by instantiation only: every predicted call's graph gets an executable of its own, never one
-        updated in the background (see "Fresh prefetching" in the module docstring)."""
+        `update`: to instantiate early for a family short of executables)."""
         self.reserved_bytes = 0
         """Driver bytes of executables outside the cache (never evicted) that count against the budget."""
         self.over_budget = 0
@@ -447,17 +423,13 @@ class ExecutableCache:
         also the first later predicted graph whose family holds fewer executables than its run needs (two for two
         calls or more in a row, which then alternate: one runs while the other is updated), by an instantiation that
         evicts none of that family's (`_short_of_executables`): a growing pass then enters a family with its
-        executables made calls ahead instead of waiting for an instantiation. With `fresh`, every predicted graph
-        without an executable is instantiated instead, nearest first, as far as the budget allows
-        (`_prefetch_fresh`). Returns the keys prefetched; the host time spent here counts in those graphs'
-        `switch_ms`."""
+        executables made calls ahead instead of waiting for an instantiation. Returns the keys prefetched; the host
+        time spent here counts in those graphs' `switch_ms`."""
         predicted = self._predicted()
         if not predicted:
             return []
         held = (self._holding.get(key) for key in (self._calls[-1], *predicted))
         protected = {executable for executable in held if executable is not None}
-        if self.fresh:
-            return self._prefetch_fresh(predicted, protected, stream)
         started = []
         nearest = predicted[0]
         if nearest not in self._holding and self._prefetch_timed(nearest, protected, stream):
@@ -471,22 +443,6 @@ class ExecutableCache:
             if self._prefetch_timed(key, protected | family, stream):
                 started.append(key)
             break
-        return started
-
-    def _prefetch_fresh(self, predicted: list[Hashable], protected: set[_Executable], stream: Any) -> list[Hashable]:
-        """`fresh` prefetching: instantiate the predicted graphs without an executable, nearest first, until the budget
-        holds no more without evicting a protected executable (the one just called, those of predicted calls). The
-        executables of the calls the prediction was made from belong to the run too (`scan`)."""
-        for key in self._calls:
-            if key in self._holding:
-                self._holding[key].scan = True
-        started = []
-        for key in predicted:
-            if key in self._holding:
-                continue
-            if not self._prefetch_timed(key, protected, stream):
-                break
-            started.append(key)
         return started
 
     def _prefetch_timed(self, key: Hashable, protected: set[_Executable], stream: Any) -> bool:
@@ -605,10 +561,9 @@ class ExecutableCache:
 
     def _prefetch(self, key: Hashable, source: _Source, protected: set[_Executable], stream: Any) -> bool:
         """Start giving `key`'s graph an executable in the background, leaving `protected` (the executable just
-        called, and those held for predicted calls) alone; False when that is impossible within the budget. Under
-        `update` without room: an update of one of the family's executables, or with `fresh` an instantiation."""
+        called, and those held for predicted calls) alone; False when that is impossible within the budget."""
         if self.strategy is MemoryStrategy.UPDATE and not self._has_room(source, protected):
-            target = None if self.fresh else self._update_target(source.family, protected)
+            target = self._update_target(source.family, protected)
             if target is not None:
                 self._switch_in_background(key, source, target, stream)
                 return True
@@ -620,7 +575,7 @@ class ExecutableCache:
                 return False  # only by evicting a protected executable
         self._make_room(needed, protected)
         future = self.driver.instantiate_async(source.graph, stream)
-        self._admit(_Executable(None, source.family, source.nodes, key, self._clock, future, scan=self.fresh))
+        self._admit(_Executable(None, source.family, source.nodes, key, self._clock, future))
         source.memory.instantiations += 1
         source.memory.prefetches += 1
         return True
@@ -649,8 +604,8 @@ class ExecutableCache:
         return min(candidates, key=lambda e: e.last_used, default=None)
 
     def _clear_family(self, family: str, protected: Collection[_Executable] = ()) -> None:
-        """Without a budget, evict `family`'s executables outside `protected` (all pending, or with `fresh` any: none
-        is updated) so that an instantiation keeps it within `ahead` + 1 executables. With a budget, `_make_room`
+        """Without a budget, evict `family`'s executables outside `protected` (all pending: nothing could be
+        updated) so that an instantiation keeps it within `ahead` + 1 executables. With a budget, `_make_room`
         decides."""
         if self.budget is not None:
             return
@@ -671,7 +626,6 @@ class ExecutableCache:
         source.memory.family = source.family
 
     def _move_holder(self, executable: _Executable, key: Hashable) -> None:
-        executable.scan = False  # it serves a graph no run predicted now
         self._sources[executable.holder].memory.executable_bytes = 0
         del self._holding[executable.holder]
         executable.holder = key
@@ -734,19 +688,14 @@ class ExecutableCache:
 
     def _make_room(self, needed: int, protected: Collection[_Executable] = ()) -> None:
         """Evict executables until `needed` more bytes fit the budget (or only `protected` is left), the least
-        recently used first (a prefetch counts as used by the call that predicted it: a stale one ages out).
-
-        Executables `fresh` prefetching made for a stepping run (`scan`) go before all others: a run longer than the
-        budget would otherwise flush every executable made before it (a growing pass of GPT-2 over 1024 lengths,
-        one executable per call, through 55 executables), and the calls after it would find no executable of their
-        topology family to update but have to instantiate one on the calling thread."""
+        recently used first (a prefetch counts as used by the call that predicted it: a stale one ages out)."""
         if self.budget is None:
             return
         while self.live_bytes + needed > self.budget:
             candidates = [e for e in self._live if e not in protected]
             if not candidates:
                 return
-            self._evict(min(candidates, key=lambda e: (not e.scan, e.last_used)))
+            self._evict(min(candidates, key=lambda e: e.last_used))
 
     def _evict(self, executable: _Executable) -> None:
         memory = self._sources[executable.holder].memory
