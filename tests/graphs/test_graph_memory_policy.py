@@ -11,6 +11,7 @@ must be alive, and the charges (pending prefetches included) must stay within th
 
 from __future__ import annotations
 
+import random
 import threading
 import time
 from collections import Counter
@@ -770,6 +771,45 @@ def test_update_at_a_full_budget_without_an_executable_of_the_family_evicts_as_l
         _acquire(cache, driver, graphs, name)
     assert cache.holder_keys() == ["b1", "c1"] and memories["a1"].evictions == 1
     assert [op for op, _ in driver.log] == ["instantiate", "instantiate", "destroy", "instantiate"]
+
+
+def test_update_evicts_an_executable_its_family_can_spare_before_a_familys_last():
+    """b1 is the least recently used, but the last of its family; a1 and a2 are both family A's: a miss in family C
+    evicts a1 (A keeps a2 to update), not b1. `lru` evicts b1."""
+    for strategy, evicted in ((MemoryStrategy.UPDATE, "a1"), (MemoryStrategy.LRU, "b1")):
+        graphs = _graphs(("b1", 100, "B"), ("a1", 100, "A"), ("a2", 100, "A"), ("c1", 100, "C"))
+        cache, driver, memories = _cache(strategy, 3 * 100 * PRIOR_BYTES_PER_NODE, list(graphs.values()))
+        for name in ("b1", "a1", "a2", "c1"):
+            _acquire(cache, driver, graphs, name)
+        assert memories[evicted].evictions == 1 and _total(memories, "evictions") == 1, strategy
+
+
+def test_a_family_keeps_its_last_executable_while_others_have_spares():
+    """The `graphs-memory` sequence with its counts (1024 lengths in 49 families, 20 of them below 160 tokens, 55
+    executables): capture from the largest, four growing passes, then random passes. Every family keeps an
+    executable through the growing passes, so the random calls only update (0 instantiations). Pure
+    least-recently-used eviction left 28 families covered, and every random pass instantiated (46, then 13 each)."""
+    bounds = [round(160 * i / 20) for i in range(1, 21)] + [160 + round(864 * i / 29) for i in range(1, 30)]
+    cache, driver, graphs, memories = _keyed_cache(
+        range(1, 1025),
+        55,
+        strategy=MemoryStrategy.UPDATE,
+        ahead=3,
+        families=lambda n: f"f{next(i for i, bound in enumerate(bounds) if n <= bound)}",
+    )
+    for n in range(1024, 0, -1):
+        _call(cache, driver, graphs, _ids(n))
+    for _ in range(4):
+        for n in range(1, 1025):
+            _call(cache, driver, graphs, _ids(n))
+    assert len({cache.family(key) for key in cache.holder_keys()}) == 49
+    order = list(range(1, 1025))
+    random.Random(0).shuffle(order)
+    made = _total(memories, "instantiations")
+    for n in order * 2:
+        _call(cache, driver, graphs, _ids(n))
+    assert _total(memories, "instantiations") == made
+    assert cache.over_budget == 0 and _total(memories, "executable_bytes") == cache.live_bytes
 
 
 def test_update_prefetches_at_a_full_budget_by_updating_an_executable_of_the_family():

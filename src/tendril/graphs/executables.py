@@ -25,15 +25,11 @@ with one graph per sequence length spends most of its memory there. The captured
   a cuBLAS node ran one function with clusters (5, 1, 1) at one length and (2, 2, 1) at another, and CUDA
   accepted the update (`benchmarks/tools/graph_node_attributes.py`).
 - `auto` (the default): `dedicated` without a budget, `update` with one. On the H200 (`graphs-memory`, GPT-2
-  lengths 1..1024, 64 MiB budget) a call took 1.16x a dedicated executable's with lengths growing by one and
-  1.21x in random order, at 0.065 MiB of driver memory per extra graph (runs of one code differ by up to 0.04);
-  before: 1.20x and 1.89x with families split by kernel function (184 of them instead of 49) and whole-graph
-  updates on the calling thread, 1.57x and 2.49x under `lru`. Wav2Vec2-base: 1.03x in random order (1.27x
-  before). What switching cannot avoid: an updated executable runs slower on the GPU than a fresh one, 1.065x
-  for a GPT-2 forward at 545 tokens updated from 529 (`benchmarks/tools/update_cost.py`); an upload after the
-  update, per-node `cuGraphExecKernelNodeSetParams` instead, or updating back to the graph it was instantiated
-  from do not help, an update to the same graph costs nothing. 64 MiB holds 55 of GPT-2's 1024 executables, so
-  a growing pass switches at nearly every call and pays that on top of the host's work.
+  lengths 1..1024, 64 MiB budget) a call took 1.16-1.21x a dedicated executable's with lengths growing by one and
+  1.21-1.23x in random order (three runs of one policy on different hosts), at 0.065 MiB of driver memory per
+  extra graph; before: 1.20x and 1.89x with families split by kernel function (184 of them instead of 49) and
+  whole-graph updates on the calling thread, 1.57x and 2.49x under `lru`. Wav2Vec2-base: 1.03-1.05x in random
+  order (1.27x before). See "What limits the latency" below.
 
 Every update is checked: CUDA refuses graphs whose topology or node kinds differ in ways the digest does
 not see. A refused update destroys that executable, moves the graph into a family of its own and
@@ -103,11 +99,36 @@ executable resident (nothing switched) the cache's own cost per call is 1.02-1.0
 executables' slower GPU time (above), the waits, and the host's work per call. Random lengths: nearly every call
 switches at launch.
 
+What limits the latency (H200, driver 580, GPT-2 lengths 1..1024; a switch is unavoidable at nearly every call,
+since 64 MiB holds 55 of the 1024 executables):
+- An updated executable runs slower on the GPU than a fresh one: 1.03-1.08x, the most at short lengths
+  (`benchmarks/tools/update_pairs_cost.py`, 96 pairs of consecutive lengths of one family). It is the same whether
+  or not the update swaps kernel functions (1.037x and 1.042x), and the update's host time is too (0.41 and 0.40
+  ms per whole graph). An upload after the update, per-node `cuGraphExecKernelNodeSetParams`, or updating back to
+  the graph it was instantiated from do not help (`update_cost.py`).
+- A call that switches spends about 0.7-1.0 ms of host time in `launch` (updating and uploading each segment before
+  launching it) against 0.05-0.12 ms for a dedicated executable's whole call (`executable_footprint.py`). Short
+  calls (0.7-1 ms of GPU time) are host-bound on it.
+- Bare loops without this cache's dispatch (`benchmarks/tools/switching_floor.py`, 90 MiB) reach 1.10x growing and
+  1.15x random with one executable per family switched at launch, and 1.09x and 1.11x with the 156 shortest lengths
+  kept for good (the tool counted 0.44 MiB per segmented executable; at the 1.2 MiB this cache's executables take,
+  `executable_footprint.py`, those would not fit). Executables instantiated fresh on a worker for every call (24 or
+  8 calls ahead) reach 1.09x at best, and still 1.05x at lengths 513-1024, where two thirds of the time goes (the
+  worker's contention alone cost nothing there). Instantiating segmented executables there (what a `fresh`
+  prefetching mode of this cache did, since removed) cannot keep up: about 2 ms of worker time per call, and
+  `graphs-memory` went to 1.80x growing.
+So the targets of 1.05x growing and 1.15x random are below what any of these ways of switching reached at the driver
+memory `graphs-memory` allows (0.1 MiB per extra graph, about 85 of tendril's executables).
+
 Limit of the accounting: executables recycle driver memory that destroyed ones freed (another callable's
 too), and such instantiations measure no growth; the learnt rate then falls and more executables fit the
 budget than its bytes would hold fresh (seen in a first version of `update_prefetch_cost.py`, whose callables
 followed each other in one process: 256 GPT-2 executables fit a 16 MiB budget). An instantiation that measures
-more than the learnt rate raises every charge; the least recently used are then evicted until they fit.
+more than the learnt rate raises every charge; the least recently used are then evicted until they fit. The
+driver never gives executable memory back to the device: destroying every executable freed nothing that
+cudaMemGetInfo sees, and a churn through all 1024 GPT-2 graphs keeping 55 alive took none beyond it
+(`executable_footprint.py`). The device's footprint is therefore the high-water mark of the live executables,
+which the budget bounds, plus any brief excess while destructions are queued.
 
 Ordering. CUDA applies updates to later launches only and frees a destroyed executable after its running
 launch completes (`tendril.cuda.graph_exec`); the CUDA driver of this policy still waits for an
@@ -688,14 +709,26 @@ class ExecutableCache:
 
     def _make_room(self, needed: int, protected: Collection[_Executable] = ()) -> None:
         """Evict executables until `needed` more bytes fit the budget (or only `protected` is left), the least
-        recently used first (a prefetch counts as used by the call that predicted it: a stale one ages out)."""
+        recently used first (a prefetch counts as used by the call that predicted it: a stale one ages out). Under
+        `update`, a family's last executable goes only once no family has one to spare (`_eviction_order`)."""
         if self.budget is None:
             return
         while self.live_bytes + needed > self.budget:
             candidates = [e for e in self._live if e not in protected]
             if not candidates:
                 return
-            self._evict(min(candidates, key=lambda e: e.last_used))
+            self._evict(min(candidates, key=self._eviction_order))
+
+    def _eviction_order(self, executable: _Executable) -> tuple[bool, int]:
+        """Sort key of eviction candidates. Under `update` a miss in a family that keeps an executable switches it by
+        an update, but one in a family without must instantiate on the calling thread (about 1.6 ms with the upload
+        for a GPT-2 forward, against the update's 0.4 ms), so executables of families that keep another go first.
+        Pure least-recently-used order let a growing pass over GPT-2's 1024 lengths (55 executables, 49 families)
+        leave 28 families with executables; the random calls after it then instantiated 46 times in their first
+        pass and 13 in each later one, every instantiation evicting another family's last executable (a CPU
+        simulation with the case's counts: `test_a_family_keeps_its_last_executable_while_others_have_spares`)."""
+        last_of_family = self.strategy is MemoryStrategy.UPDATE and len(self._families[executable.family]) == 1
+        return last_of_family, executable.last_used
 
     def _evict(self, executable: _Executable) -> None:
         memory = self._sources[executable.holder].memory
