@@ -14,7 +14,8 @@ with one graph per sequence length spends most of its memory there. The captured
   used executable of the graph's topology family (graphs whose node types, kernel launch configurations and
   edges match, e.g. one model at different lengths, whichever kernels cuBLAS picks: `graph_exec.Topology`) to
   the graph by `cudaGraphExecUpdate` instead of evicting and instantiating; where the family has no executable
-  that can be updated (none, or only prefetches not yet taken), it evicts and instantiates as `lru` does.
+  that can be updated (none, or only prefetches not yet taken), it evicts and instantiates as `lru` does,
+  except that a family's last executable is evicted only once no family has one to spare (`_eviction_order`).
   Without a budget a family keeps one executable (and more prefetched for predicted calls). With a
   `predict_next` it prefetches too, by updating where it cannot instantiate: see below. A call's switch is
   left to its launch (`launch`): the CUDA driver cuts graphs into segments and updates each right before
@@ -25,10 +26,11 @@ with one graph per sequence length spends most of its memory there. The captured
   a cuBLAS node ran one function with clusters (5, 1, 1) at one length and (2, 2, 1) at another, and CUDA
   accepted the update (`benchmarks/tools/graph_node_attributes.py`).
 - `auto` (the default): `dedicated` without a budget, `update` with one. On the H200 (`graphs-memory`, GPT-2
-  lengths 1..1024, 64 MiB budget) a call took 1.16-1.21x a dedicated executable's with lengths growing by one and
-  1.21-1.23x in random order (three runs of one policy on different hosts), at 0.065 MiB of driver memory per
-  extra graph; before: 1.20x and 1.89x with families split by kernel function (184 of them instead of 49) and
-  whole-graph updates on the calling thread, 1.57x and 2.49x under `lru`. Wav2Vec2-base: 1.03-1.05x in random
+  lengths 1..1024, 64 MiB budget) a call took 1.15x a dedicated executable's with lengths growing by one and
+  1.13x / 1.20x in random order (two runs on different hosts: switching calls are host-bound), at 0.066 MiB of
+  driver memory per extra graph; before a family kept its last executable (`_eviction_order`) 1.16-1.21x and
+  1.21-1.23x (three runs), with families split by kernel function (184 of them instead of 49) and whole-graph
+  updates on the calling thread 1.20x and 1.89x, under `lru` 1.57x and 2.49x. Wav2Vec2-base: 1.03x in random
   order (1.27x before). See "What limits the latency" below.
 
 Every update is checked: CUDA refuses graphs whose topology or node kinds differ in ways the digest does
@@ -117,8 +119,10 @@ since 64 MiB holds 55 of the 1024 executables):
   worker's contention alone cost nothing there). Instantiating segmented executables there (what a `fresh`
   prefetching mode of this cache did, since removed) cannot keep up: about 2 ms of worker time per call, and
   `graphs-memory` went to 1.80x growing.
-So the targets of 1.05x growing and 1.15x random are below what any of these ways of switching reached at the driver
-memory `graphs-memory` allows (0.1 MiB per extra graph, about 85 of tendril's executables).
+So `graphs-memory`'s growing target (1.05x) is below what any of these ways of switching reached at the driver memory
+its other target allows (0.1 MiB per extra graph, about 85 of this cache's executables): two thirds of the time is
+spent at lengths 513-1024, where updated executables ran 1.03x slower on the GPU alone and fresh ones 1.05x. Random
+orders (target 1.15x) depend on the host's speed through the switching call's host time.
 
 Limit of the accounting: executables recycle driver memory that destroyed ones freed (another callable's
 too), and such instantiations measure no growth; the learnt rate then falls and more executables fit the
