@@ -94,8 +94,9 @@ into an update instead of an eviction and an instantiation (where the family has
 ahead (`ahead`, 3 calls in the CUDA backend): a later predicted graph whose family holds fewer executables than its
 run of calls needs (one, or two for two calls or more in a row, which alternate) is instantiated without evicting
 any of that family's, so a growing pass enters a family with its executables made up to two calls early; only the
-next call's graph is ever updated. Measured (`graphs-memory`, as above): 4050 of 4096 growing calls found their
-executable prefetched and 217 waited for it (366 predicting one call ahead, with six equal segments). With every
+next call's graph is ever updated. Measured (`graphs-memory`, as above): 4016 of 4096 growing calls found their
+executable prefetched and 144 waited for it (217 before a family kept its last executable, 366 predicting one call
+ahead with six equal segments). With every
 executable resident (nothing switched) the cache's own cost per call is 1.02-1.04x
 (`benchmarks/tools/update_prefetch_cost.py`, before segments), so what is left is the switching itself: the updated
 executables' slower GPU time (above), the waits, and the host's work per call. Random lengths: nearly every call
