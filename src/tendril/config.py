@@ -9,6 +9,8 @@ settings it needs from it (or from an explicit `Config` passed in), so tests can
 | TENDRIL_NO_GRAPHS | disable_graphs | run every graphed callable eagerly (for bisecting a wrong answer) |
 | TENDRIL_CACHE_DIR | cache_dir    | where compiled helper kernels are cached on disk                   |
 | TENDRIL_GRAPH_MEMORY_BUDGET | graph_memory_budget | default device-memory budget of graph executables ("256MiB") |
+| TENDRIL_PDL       | pdl          | launch decode kernels with programmatic dependent launch (default on; 0 turns it off) |
+| TRITON_INTERPRET  | triton_interpret | Triton runs kernels in its CPU interpreter (Triton's own variable, read here too) |
 """
 
 from __future__ import annotations
@@ -48,6 +50,10 @@ class Config:
     graph_memory_budget: str | None = None
     """Budget for the driver memory of graph executables when a graphed callable names none ("256MiB"); it also
     applies to the graphs `tendril.generate` builds. None: one executable per graph, no bound."""
+    pdl: bool = True
+    """Launch the fused decode kernels with programmatic dependent launch where the GPU supports it."""
+    triton_interpret: bool = False
+    """Triton kernels run in Triton's interpreter (on CPU tensors), so CPU paths that bypass Triton must not."""
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Config:
@@ -58,6 +64,8 @@ class Config:
             disable_graphs=_flag(env, "TENDRIL_NO_GRAPHS"),
             cache_dir=Path(cache) if cache else _default_cache_dir(),
             graph_memory_budget=env.get("TENDRIL_GRAPH_MEMORY_BUDGET", "").strip() or None,
+            pdl=_flag(env, "TENDRIL_PDL") if env.get("TENDRIL_PDL", "").strip() else True,
+            triton_interpret=_flag(env, "TRITON_INTERPRET"),
         )
 
 
