@@ -9,7 +9,8 @@ serves every length up to it.
 Dispatch policy, in order (plain Python, tested without a GPU through `NullBackend`):
 
 1. no CUDA, or `TENDRIL_NO_GRAPHS` -> eager (`Fallback.NO_CUDA`, `GRAPHS_DISABLED`);
-2. grad mode on and an argument requiring grad -> eager (`REQUIRES_GRAD`; graphs are for inference);
+2. grad mode on and an argument, or a parameter or buffer of the callable's modules, requiring grad -> eager
+   (`REQUIRES_GRAD`; a graph records no autograd, see `trainable`);
 3. the call's key has a graph -> replay it;
 4. the key cannot be graphed -> eager: `UNKEYABLE` (unhashable argument), `CPU_TENSOR`,
    `MIXED_DEVICES`, or the reason its capture failed before (a failed key is never retried);
@@ -45,6 +46,7 @@ from tendril.graphs.key import Flattened, GraphKey, Unkeyable, flatten_call, key
 from tendril.graphs.memory import PlaceholderArena
 from tendril.graphs.outputs import Generation, clone_outputs, guard_outputs
 from tendril.graphs.stats import Fallback, GraphRecord, GraphStats
+from tendril.graphs.trainable import GradPolicy
 
 DEFAULT_MAX_GRAPHS = 64
 _KEY_CACHE_SIZE = 4096
@@ -129,6 +131,7 @@ class GraphedCallable:
         self._generation = Generation()
         self._keys: dict[Any, tuple[GraphKey | Unkeyable, list[int]]] = {}
         self._warned: set[Fallback] = set()
+        self._grad = GradPolicy(fn)
         self._positions = parameter_positions(fn) if buckets is not None else {}
         unavailable = backend.unavailable()
         if config.disable_graphs:
@@ -156,8 +159,10 @@ class GraphedCallable:
         self.stats.calls += 1
         if self._unavailable is not None:
             return self._eager(args, kwargs, *self._unavailable)
-        if torch.is_grad_enabled() and _any_requires_grad(args, kwargs):
-            return self._eager(args, kwargs, Fallback.REQUIRES_GRAD, "call under torch.no_grad()/inference_mode()")
+        needs_autograd = self._grad.needs_autograd(args, kwargs)
+        if needs_autograd is not None:
+            detail = f"{needs_autograd}; call under torch.no_grad()/inference_mode() to graph it"
+            return self._eager(args, kwargs, Fallback.REQUIRES_GRAD, detail)
         padded = self.buckets.pad(args, kwargs, self._positions) if self.buckets is not None else None
         flat = flatten_call(padded.args, padded.kwargs) if padded is not None else flatten_call(args, kwargs)
         key, indices = self._key(flat)
@@ -463,12 +468,6 @@ def _no_grad(fn: Callable[..., Any]) -> Callable[..., Any]:
             return fn(*args, **kwargs)
 
     return run
-
-
-def _any_requires_grad(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
-    from torch.utils import _pytree as pytree
-
-    return any(isinstance(leaf, torch.Tensor) and leaf.requires_grad for leaf in pytree.tree_leaves((args, kwargs)))
 
 
 def _as_call(example: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
