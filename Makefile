@@ -38,9 +38,10 @@ gpu-demo:
 	PYTHONPATH=src $(PYTHON) -m tendril.cli demo
 
 # One device-lane session in a single call (machine start-up is paid once): the GPU tests (TESTS), the quick
-# demo, then each benchmark in CASES and each diagnostic in TOOLS (`benchmarks/tools`). Logs and results go to the
-# folder OUT, packed at the end into OUT.tgz (the device lane returns a few files only):
-# `make gpu-lane OUT=$$OUT/lane CASES="generation graphs-memory" TOOLS=switching_floor`.
+# demo, then each benchmark in CASES and each profiler in TOOLS (`benchmarks/tools/README.md`). Logs and results
+# go to the folder OUT, packed at the end into OUT.tgz (the device lane returns a few files only); record what a
+# session found in benchmarks/results/RUNLOG.md:
+# `make gpu-lane OUT=$$OUT/lane CASES="generation graphs-memory" TOOLS=profile_generation`.
 # Each step has its own time limit, so one that hangs cannot take the others' time.
 OUT ?= gpu-lane-out
 TESTS ?= tests

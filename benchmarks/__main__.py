@@ -1,4 +1,4 @@
-"""Command line of the benchmark runner; see `benchmarks/__init__.py`."""
+"""Command line of the benchmark runner (`list`, `run`, `plot`); see `benchmarks/__init__.py`."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 from rich.console import Console
 
-from benchmarks import registry, results
+from benchmarks import plots, registry, results
 
 RESULTS_DIR = Path(__file__).parent / "results"
 
@@ -36,6 +36,20 @@ def run_case(name: str, quick: bool, out_dir: Path, command: str, device: str | 
     return result
 
 
+def plot_case(name: str, results_dir: Path, console: Console) -> bool:
+    """Draw `results_dir/name.png` from `name.json`; False (with one line saying why) when it cannot."""
+    if not plots.available():
+        console.print(plots.INSTALL_HINT, markup=False)
+        return False
+    json_path = results_dir / f"{name}.json"
+    if not json_path.exists():
+        raise SystemExit(f"no results file {json_path}")
+    png_path = plots.plot_file(json_path)
+    done = f"wrote {png_path}" if png_path else f"no plot for {name!r}; plots exist for {', '.join(plots.PLOTS)}"
+    console.print(done, markup=False)
+    return png_path is not None
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(prog="python -m benchmarks")
@@ -46,15 +60,22 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--quick", action="store_true", help="fewer sizes and repetitions")
     run.add_argument("--out", type=Path, default=RESULTS_DIR, help=f"output folder (default {RESULTS_DIR})")
     run.add_argument("--device", help="torch device (default: cuda if available, else cpu)")
+    plot = commands.add_parser("plot", help="draw NAME.png from NAME.json (needs matplotlib)")
+    plot.add_argument("name", help="a results file's name without .json, e.g. graphs-memory")
+    plot.add_argument("--results", type=Path, default=RESULTS_DIR, help=f"its folder (default {RESULTS_DIR})")
     args = parser.parse_args(argv)
     console = Console()
     if args.command == "list":
         for case in sorted(registry.discover().values(), key=lambda c: c.name):
             console.print(f"{case.name:28s} {'GPU' if case.needs_gpu else 'any'}  {case.description}", soft_wrap=True)
         return 0
+    if args.command == "plot":
+        return 0 if plot_case(args.name, args.results, console) else 1
     command = "python -m benchmarks " + shlex.join(argv)
     result = run_case(args.name, args.quick, args.out, command, args.device)
     console.print(results.markdown(result))
+    if result["case"] in plots.PLOTS:
+        plot_case(args.name, args.out, console)
     return 0
 
 
