@@ -24,10 +24,10 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from tendril.graphs.alias import LaneKey
 
 from tendril.cuda.graph_exec import Topology, UpdateOutcome
 from tendril.cuda.runtime import CudaError
-from tendril.graphs.alias import LaneKey
 from tendril.graphs.backend import NullBackend
 from tendril.graphs.callable import graphed
 from tendril.graphs.executables import (
