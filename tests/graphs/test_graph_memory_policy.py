@@ -24,7 +24,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from tendril.graphs.alias import LaneKey
+from tendril.graphs.zero_copy.lanes import LaneKey
 
 from tendril.cuda.graph_exec import Topology, UpdateOutcome
 from tendril.cuda.runtime import CudaError

@@ -117,7 +117,9 @@ class InputPlacement:
         """The function to capture for `key`, called with `args`/`kwargs` (which hold the placeholders)."""
         return fn
 
-    def captured(self, key: GraphKey, indices: Sequence[int], placeholders: Sequence[torch.Tensor], outputs: Any) -> Any:
+    def captured(
+        self, key: GraphKey, indices: Sequence[int], placeholders: Sequence[torch.Tensor], outputs: Any
+    ) -> Any:
         """The outputs a new graph's calls return, given what its capture returned."""
         return outputs
 
