@@ -7,10 +7,10 @@ consecutive steps each):
 
 - (a) `plain`: the host reorders the cache and the call copies it into the graph's placeholders;
 - (b) `auto`: the same loop under `fast.zero_copy()`: the reordering `index_select`s write straight
-  into the placeholders (`tendril.graphs.alias`);
+  into the placeholders (`tendril.graphs.zero_copy`);
 - (c) `carried`: the reordering moves into the step (it takes the beam indices) and tokens, positions,
   scores, beam indices and the cache are declared loop-carried (`fast.carry`): each graph writes
-  them where the next call reads them (`tendril.graphs.carry`).
+  them where the next call reads them (`tendril.graphs.zero_copy.carry`).
 
 The loop never synchronises with the host (no early stopping), so the GPU sets the pace unless the
 host falls behind (`host_ms_per_step` is the host's own time per step: the function mode of (b) costs
@@ -237,7 +237,7 @@ def _timed_rep(
     steady_bytes.append((variant.fast.stats.input_bytes_copied - copied_after_first) / (STEPS - 1))
 
 
-def _device_rep(variant: Variant, start: State, times: list[float], sleep_cycles: int = SLEEP_CYCLES) -> None:
+def device_rep(variant: Variant, start: State, times: list[float], sleep_cycles: int = SLEEP_CYCLES) -> None:
     """Per-step device time: the steps are enqueued behind a GPU sleep, so the GPU never waits for the host."""
     events = [torch.cuda.Event(enable_timing=True) for _ in range(STEPS + 1)]
     state = start.clone()
@@ -308,10 +308,10 @@ def host_waits_us(operations: Sequence[tuple[str, float, float]]) -> float:
     return sum(gap for gap in gaps if gap >= HOST_WAIT_US)
 
 
-def _copies_in_loop(plain: Variant, start: State, spans: list[float], waits: list[float]) -> None:
+def copies_in_loop(plain: Variant, start: State, spans: list[float], waits: list[float]) -> None:
     """`copy_ms`: the span of (a)'s staging copies in its own loop behind a GPU sleep (steps after the first);
     appends to `waits` how long the GPU waited for the host in that loop (it should not have)."""
-    operations = _traced(lambda: _device_rep(plain, start, [], TRACED_SLEEP_CYCLES))
+    operations = _traced(lambda: device_rep(plain, start, [], TRACED_SLEEP_CYCLES))
     spans.extend(staging_spans_ms(operations, len(start.past))[1:])
     waits.append(host_waits_us(operations))
 
@@ -409,9 +409,9 @@ def run(ctx: Context) -> None:
             }
             for rep in range(device_reps):
                 for variant in variants:
-                    _device_rep(variant, start, device_times[variant.name])
+                    device_rep(variant, start, device_times[variant.name])
                 if rep < copy_reps:
-                    _copies_in_loop(variants[0], start, copies, waits)
+                    copies_in_loop(variants[0], start, copies, waits)
                     _copies_staged(plain, start, brackets, staged)
                     _bracketed_copies(plain, start, untraced, SLEEP_CYCLES)
             copy_ms = statistics.median(copies)

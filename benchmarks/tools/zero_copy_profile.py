@@ -7,7 +7,7 @@ length, (a) `plain` and (b) `auto`, each warmed up as the case does, then profil
 both variants and the difference, largest first, so a kernel that got slower under zero-copy shows up
 directly. The device time per step of both variants is also measured over `--device-reps` interleaved
 repetitions behind a GPU sleep (the case's `device_ms_per_step`), with its spread, and the case's copy
-time (`copy_ms`, `graphs_zero_copy._copies_in_loop`) beside the timeline's copy span, in one process (in
+time (`copy_ms`, `graphs_zero_copy.copies_in_loop`) beside the timeline's copy span, in one process (in
 separate runs the two read 138 and 162-171 us at L=512).
 
     PYTHONPATH=src:. python3 -m benchmarks.tools.zero_copy_profile --out OUT [--length 512] [--host-profile]
@@ -30,8 +30,8 @@ import torch
 
 from benchmarks.cases import graphs_zero_copy as case
 from benchmarks.tools.profile_generation import GAP_LIMIT_US, kernel_profile
-from tendril.graphs.callable import graphed
-from tendril.graphs.cuda_backend import CudaBackend
+from tendril import graphed
+from tendril.graphs import CudaBackend
 
 
 def main() -> None:
@@ -65,9 +65,9 @@ def main() -> None:
         case_waits: list[float] = []
         for rep in range(args.device_reps):
             for variant in variants:
-                case._device_rep(variant, start, device_times[variant.name])
+                case.device_rep(variant, start, device_times[variant.name])
             if rep < 5:  # the case's own copy-time measure, in this process beside the timeline's
-                case._copies_in_loop(variants[0], start, case_copies, case_waits)
+                case.copies_in_loop(variants[0], start, case_copies, case_waits)
         report["case_copy_us"] = statistics.median(case_copies) * 1e3
         report["case_copy_host_wait_us"] = max(case_waits)
         for variant in variants:

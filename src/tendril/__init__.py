@@ -21,6 +21,8 @@ _LAZY: dict[str, str] = {
     "graphed": "tendril.graphs.callable",
     "GraphedCallable": "tendril.graphs.callable",
     "GraphFallbackWarning": "tendril.graphs.callable",
+    "GraphOptions": "tendril.graphs.options",
+    "GraphMemoryPolicy": "tendril.graphs.options",
     "sequence_buckets": "tendril.graphs.buckets",
     "pow2_sizes": "tendril.graphs.buckets",
     "Buckets": "tendril.graphs.buckets",

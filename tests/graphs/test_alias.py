@@ -1,4 +1,4 @@
-"""Zero-copy inputs (`tendril.graphs.alias`) through the null backend on the CPU: what is learned, what is
+"""Zero-copy inputs (`tendril.graphs.zero_copy`) through the null backend on the CPU: what is learned, what is
 redirected, what falls back and why, and that every answer equals eager however the program misbehaves."""
 
 import contextlib
@@ -11,12 +11,15 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from tendril.config import Config
-from tendril.graphs.alias import REDIRECT_LANES, LaneKey, Lanes, empty_at, lane_of, out_form, partner, signature
 from tendril.graphs.backend import NullBackend
 from tendril.graphs.callable import GraphedCallable, graphed
+from tendril.graphs.inputs import InputPlacement
 from tendril.graphs.key import GraphKey, TensorSpec, flatten_call, key_of, step_between
 from tendril.graphs.memory import PlaceholderArena
 from tendril.graphs.stats import GraphStats, Misprediction
+from tendril.graphs.zero_copy.lanes import REDIRECT_LANES, LaneKey, Lanes, empty_at, lane_of, partner
+from tendril.graphs.zero_copy.ops import out_form, signature
+from tendril.graphs.zero_copy.plugin import ZeroCopy
 
 aten = torch.ops.aten
 
@@ -162,7 +165,7 @@ def test_a_producer_that_outgrows_its_lane_sizes_the_buffer_for_its_output_once(
             torch.testing.assert_close(fast(y), y * 2)
         x = torch.randn(40, 3)
         beam = torch.arange(40).flip(0)
-        reallocations = dict(fast._lanes.generations)
+        reallocations = dict(fast._zero_copy.lanes.generations)
         for step in range(6):
             if step == 2:  # the too-large output was copied (and relinked) once; then both lanes fit
                 copied = fast.stats.input_bytes_copied
@@ -170,7 +173,7 @@ def test_a_producer_that_outgrows_its_lane_sizes_the_buffer_for_its_output_once(
             torch.testing.assert_close(fast(y), y * 2)
     assert fast.stats.input_bytes_copied == copied
     assert fast.stats.mispredictions[Misprediction.TOO_LARGE] == 1
-    assert sum(fast._lanes.generations.values()) - sum(reallocations.values()) == 2  # each lane once
+    assert sum(fast._zero_copy.lanes.generations.values()) - sum(reallocations.values()) == 2  # each lane once
     assert set(fast.stats.mispredictions) == {Misprediction.TOO_LARGE}
 
 
@@ -377,7 +380,31 @@ def test_redirected_outputs_are_the_same_kind_of_tensor_as_eager_ones_and_free_t
             torch.testing.assert_close(fast(y), y * 2)
             x = y + 1
     assert fast.stats.redirects >= 3 and Misprediction.REFERENCED not in fast.stats.mispredictions
-    aliases = list(fast._lanes.aliases.values())
+    aliases = list(fast._zero_copy.lanes.aliases.values())
     assert aliases and all(len(alias.templates) == 1 for alias in aliases)
     del x, y
     assert not any(alias.referenced() for alias in aliases)
+
+
+def test_a_callable_without_zero_copy_never_makes_the_plug_in():
+    fast = make(lambda x: x * 2)
+    x = torch.arange(4.0)
+    fast(x)
+    fast.capture([(torch.zeros(8),)], progress=False)
+    (placeholder,), _ = fast.inputs_for(x)
+    placeholder.copy_(x)
+    torch.testing.assert_close(fast(placeholder), x * 2)
+    assert fast._zero_copy is None and type(fast._inputs) is InputPlacement
+    with fast.zero_copy():
+        assert isinstance(fast._zero_copy, ZeroCopy) and fast._inputs is fast._zero_copy
+    assert fast.stats.input_copies_avoided == 1
+
+
+def test_the_plug_in_pins_positions_whose_placeholder_graphs_captured_before_it_return():
+    """A graph returning a view of its placeholder keeps that position from redirects, whether it was captured
+    before the plug-in existed or after."""
+    arena = PlaceholderArena()
+    placeholder = arena.placeholder(1, TensorSpec((4,), torch.float32, torch.device("cpu")))
+    other = torch.zeros(4)
+    zero_copy = ZeroCopy(arena, GraphStats(), [([1], [placeholder], (other, placeholder[1:]))])
+    assert zero_copy.lanes.pinned == {1}

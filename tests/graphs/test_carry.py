@@ -1,4 +1,4 @@
-"""Loop-carried state (`tendril.graphs.carry`) through the null backend on the CPU."""
+"""Loop-carried state (`tendril.graphs.zero_copy.carry`) through the null backend on the CPU."""
 
 import pytest
 import torch
@@ -53,7 +53,7 @@ def test_carried_loop_equals_eager_and_copies_only_the_first_call():
 def test_carried_outputs_are_written_where_the_next_call_reads():
     fast = carried()
     loop(fast, 3)
-    for key, bindings in fast._carry.bindings.items():
+    for key, bindings in fast._zero_copy.carry.bindings.items():
         cache = [binding for binding in bindings if binding.position in (1, 2)]
         assert all(binding.producer is not None and "cat" in str(binding.producer.op) for binding in cache), key
 

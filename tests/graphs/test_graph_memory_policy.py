@@ -27,7 +27,6 @@ from hypothesis import strategies as st
 
 from tendril.cuda.graph_exec import Topology, UpdateOutcome
 from tendril.cuda.runtime import CudaError
-from tendril.graphs.alias import LaneKey
 from tendril.graphs.backend import NullBackend
 from tendril.graphs.callable import graphed
 from tendril.graphs.executables import (
@@ -39,6 +38,7 @@ from tendril.graphs.executables import (
 from tendril.graphs.key import GraphKey, TensorSpec, next_in_step, step_between
 from tendril.graphs.memory import parse_bytes
 from tendril.graphs.stats import GraphMemory, GraphRecord, GraphStats
+from tendril.graphs.zero_copy.lanes import LaneKey
 
 KIB = 1 << 10
 

@@ -7,11 +7,14 @@ import pytest
 import torch
 
 from tendril.config import Config
-from tendril.graphs import alias
-from tendril.graphs.alias import ZeroCopyMode, out_call
 from tendril.graphs.backend import NullBackend
 from tendril.graphs.callable import graphed
 from tendril.graphs.stats import Misprediction
+from tendril.graphs.zero_copy import ops
+from tendril.graphs.zero_copy.lanes import partner
+from tendril.graphs.zero_copy.mode import ZeroCopyMode
+from tendril.graphs.zero_copy.ops import out_call
+from tendril.graphs.zero_copy.predictor import _PRUNE_MIN, CONFIRMATIONS, Link
 
 
 def make(fn):
@@ -40,7 +43,7 @@ def test_a_binding_that_rejects_the_arguments_unlinks_its_producer_and_the_answe
     def rejects(*args, **kwargs):
         raise TypeError("index_select() received an invalid combination of arguments")
 
-    alias._OUT_CALLS[func] = rejects  # a binding refusing the arguments before anything runs
+    ops._OUT_CALLS[func] = rejects  # a binding refusing the arguments before anything runs
     try:
         fast = make(lambda x: x * 2)
         x = torch.randn(6, 3)
@@ -53,7 +56,7 @@ def test_a_binding_that_rejects_the_arguments_unlinks_its_producer_and_the_answe
         assert fast.stats.redirects == 0
         assert "its out= form raised index_select()" in fast.stats.misprediction_details[Misprediction.NO_OUT_FORM]
     finally:
-        alias._OUT_CALLS.pop(func, None)
+        ops._OUT_CALLS.pop(func, None)
 
 
 def test_an_out_form_that_raises_unlinks_its_producer_instead_of_growing_the_buffer():
@@ -62,7 +65,7 @@ def test_an_out_form_that_raises_unlinks_its_producer_instead_of_growing_the_buf
     def refuse(*args, **kwargs):
         raise RuntimeError("out= refused for this test")
 
-    alias._OUT_CALLS[func] = refuse
+    ops._OUT_CALLS[func] = refuse
     try:
         fast = make(lambda x: x + 1)
         x = torch.randn(8)
@@ -70,18 +73,18 @@ def test_an_out_form_that_raises_unlinks_its_producer_instead_of_growing_the_buf
             for _ in range(8):
                 y = x * 3
                 torch.testing.assert_close(fast(y), y + 1)
-        buffers = [b for arena in fast._lanes.arenas.values() for b in arena.buffers.values()]
+        buffers = [b for arena in fast._zero_copy.lanes.arenas.values() for b in arena.buffers.values()]
         assert all(b.numel() <= 2 * 8 for b in buffers)  # never grown past the first sizing
         assert "out= form raised" in fast.stats.misprediction_details[Misprediction.NO_OUT_FORM]
     finally:
-        alias._OUT_CALLS.pop(func, None)
+        ops._OUT_CALLS.pop(func, None)
 
 
 def test_a_reused_tensor_id_never_selects_another_tensors_producer():
     """Records are keyed by id(tensor) and checked through a weak reference: a tensor that dies and whose
     id is taken by a tensor from elsewhere must not be learned as produced by the dead one's op."""
     fast = make(lambda x: x + 1)
-    predictor = fast._predictor
+    predictor = fast._plug_in().predictor
     with fast.zero_copy():
         dead = torch.zeros(4) * 2  # recorded as produced by mul
         key = id(dead)
@@ -98,20 +101,20 @@ def test_a_reused_tensor_id_never_selects_another_tensors_producer():
 
 def test_produced_records_are_pruned_when_their_tensors_die():
     fast = make(lambda x: x + 1)
-    predictor = fast._predictor
+    predictor = fast._plug_in().predictor
     kept = []
     with fast.zero_copy():
-        for index in range(3 * alias._PRUNE_MIN):
+        for index in range(3 * _PRUNE_MIN):
             y = torch.full((2,), float(index))
             if index % 3 == 0:
                 kept.append(y + 0)
-    assert len(predictor.produced) < 2 * alias._PRUNE_MIN + len(kept)
+    assert len(predictor.produced) < 2 * _PRUNE_MIN + len(kept)
     assert all(predictor.produced[id(t)].ref() is t for t in kept)  # live outputs keep their records
 
 
 def test_occurrence_counting_separates_overloads_and_resets_at_every_call():
     fast = make(lambda a, b: a - b)
-    predictor = fast._predictor
+    predictor = fast._plug_in().predictor
     x = torch.randn(5)
     results, expected = [], []
     with fast.zero_copy():
@@ -250,10 +253,10 @@ def test_a_link_serves_its_own_function_only():
     fast = make(lambda x: x * 2)
     with fast.zero_copy():
         x, _ = warmed_reorder_loop(fast)
-    impostor = alias.Link(
-        torch.Tensor.sub, torch.sub, 0, alias.signature((x, 1), {}), x.dtype, x.device, x.numel(), alias.CONFIRMATIONS
+    impostor = Link(
+        torch.Tensor.sub, torch.sub, 0, ops.signature((x, 1), {}), x.dtype, x.device, x.numel(), CONFIRMATIONS
     )
-    fast._predictor.links[(id(torch.Tensor.add), 0)] = impostor  # sub's link where add's first run looks
+    fast._zero_copy.predictor.links[(id(torch.Tensor.add), 0)] = impostor  # sub's link where add's first run looks
     expected = x + 1
     redirects = fast.stats.redirects
     with fast.zero_copy():
@@ -268,10 +271,10 @@ def test_a_slot_buffer_reallocated_elsewhere_is_never_written_through_a_stale_ca
     one the call's graph reads. Through the stale record the call would find its argument in the old buffer and
     copy it (`MOVED`)."""
     fast = make(lambda x: x * 2)
-    lanes = fast._lanes
+    lanes = fast._plug_in().lanes
     with fast.zero_copy():
         x, beam = warmed_reorder_loop(fast)
-        cached = dict(enumerate(next(iter(fast._predictor.links.values())).aliases))  # lane -> slot record
+        cached = dict(enumerate(next(iter(fast._zero_copy.predictor.links.values())).aliases))  # lane -> slot record
         assert all(cached[lane] is not None for lane in (1, 2))
         for lane in (1, 2):
             lanes.buffer(lane, 0, torch.float32, CPU, 1000)  # reallocated: every graph of the lane is outgrown
@@ -291,7 +294,7 @@ def test_a_link_never_reuses_a_slot_record_smaller_than_its_output_needs():
     """The cached record is reused only while it holds twice the link's output (what `Lanes.redirect_alias`
     asks); a link that learned of a larger output grows the slot before its redirect, never after a failure."""
     fast = make(lambda x: x * 2)
-    predictor = fast._predictor
+    predictor = fast._plug_in().predictor
     with fast.zero_copy():
         x, beam = warmed_reorder_loop(fast)
         link = next(iter(predictor.links.values()))
@@ -301,7 +304,8 @@ def test_a_link_never_reuses_a_slot_record_smaller_than_its_output_needs():
             torch.testing.assert_close(fast(y), y * 2)
             x = y + 1
         assert all(alias is None or alias.capacity >= 1000 for alias in link.aliases)
-        assert all(fast._lanes.arena(lane).buffers[(0, torch.float32, CPU)].numel() >= 1000 for lane in (1, 2))
+        lanes = fast._zero_copy.lanes
+        assert all(lanes.arena(lane).buffers[(0, torch.float32, CPU)].numel() >= 1000 for lane in (1, 2))
     assert Misprediction.TOO_LARGE not in fast.stats.mispredictions
 
 
@@ -320,7 +324,7 @@ def test_slot_records_count_their_templates_under_both_inference_modes():
                     x = y + 1
     assert Misprediction.REFERENCED not in fast.stats.mispredictions
     assert fast.stats.redirects >= 12
-    aliases = list(fast._lanes.aliases.values())
+    aliases = list(fast._zero_copy.lanes.aliases.values())
     assert aliases and all(len(alias.templates) == 2 for alias in aliases)
     del x, y
     assert not any(alias.referenced() for alias in aliases)
@@ -345,8 +349,8 @@ def test_a_producer_reading_its_target_slot_through_another_storage_is_not_redir
     with fast.zero_copy():
         for step in range(8):
             if step >= 4:
-                lane = alias.partner(fast._lanes.last_lane)
-                buffer = fast._lanes.arena(lane).buffers[(0, torch.float32, CPU)]
+                lane = partner(fast._zero_copy.lanes.last_lane)
+                buffer = fast._zero_copy.lanes.arena(lane).buffers[(0, torch.float32, CPU)]
                 inside = buffer[: x.numel()].view(4, 3)
                 inside.copy_(x)
                 x = inside
@@ -376,7 +380,7 @@ def test_survey_describes_arguments_as_signature_did_and_gives_pointers_of_plain
     parameter = torch.nn.Parameter(torch.randn(3, 2))
 
     def described(args, kwargs):  # the definition `survey` inlines
-        return (*map(alias._describe, args), *kwargs, *map(alias._describe, kwargs.values()))
+        return (*map(ops.describe, args), *kwargs, *map(ops.describe, kwargs.values()))
 
     cases = [
         ((a, 0, index), {}),
@@ -388,8 +392,8 @@ def test_survey_describes_arguments_as_signature_did_and_gives_pointers_of_plain
         ((torch.tensor(2.0), a), {}),
     ]
     for args, kwargs in cases:
-        assert alias.signature(args, kwargs) == described(args, kwargs), args
-    assert alias.survey((a, 0, index), {})[1] == [a.data_ptr(), index.data_ptr()]
+        assert ops.signature(args, kwargs) == described(args, kwargs), args
+    assert ops.survey((a, 0, index), {})[1] == [a.data_ptr(), index.data_ptr()]
     for args, kwargs in cases[2:6]:  # a subclass, a list, keywords, a sparse tensor: walked by `reads_range`
-        assert alias.survey(args, kwargs)[1] is None, args
-    assert alias.signature((parameter,), {}) == alias.signature((parameter.detach(),), {})
+        assert ops.survey(args, kwargs)[1] is None, args
+    assert ops.signature((parameter,), {}) == ops.signature((parameter.detach(),), {})

@@ -6,9 +6,9 @@ import contextlib
 import pytest
 import torch
 
-from tendril.graphs.alias import LaneKey
 from tendril.graphs.callable import graphed
 from tendril.graphs.stats import Misprediction
+from tendril.graphs.zero_copy.lanes import LaneKey
 from tests.graphs import test_alias, test_carry
 
 pytestmark = pytest.mark.gpu
@@ -38,7 +38,8 @@ def test_redirected_tensors_are_the_placeholders_the_graph_reads():
             x = outputs[-1]
     for y_seen, out in zip(inputs, outputs, strict=True):
         torch.testing.assert_close(out, y_seen * 2)
-    lane_buffers = {buffer.data_ptr() for arena in fast._lanes.arenas.values() for buffer in arena.buffers.values()}
+    arenas = fast._zero_copy.lanes.arenas.values()
+    lane_buffers = {buffer.data_ptr() for arena in arenas for buffer in arena.buffers.values()}
     assert y.data_ptr() in lane_buffers
     assert fast.stats.input_bytes_copied == 2 * 1024 * 4  # the two calls that learned and confirmed the producer
 

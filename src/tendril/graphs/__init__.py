@@ -22,10 +22,12 @@ _LAZY: dict[str, str] = {
     "StaleOutputError": "tendril.graphs.outputs",
     "NullBackend": "tendril.graphs.backend",
     "CudaBackend": "tendril.graphs.cuda_backend",
-    "MemoryStrategy": "tendril.graphs.executables",
+    "GraphOptions": "tendril.graphs.options",
+    "GraphMemoryPolicy": "tendril.graphs.options",
+    "MemoryStrategy": "tendril.graphs.options",
     "GraphMemory": "tendril.graphs.stats",
     "Misprediction": "tendril.graphs.stats",
-    "LaneKey": "tendril.graphs.alias",
+    "LaneKey": "tendril.graphs.zero_copy.lanes",
 }
 
 __all__ = list(_LAZY)

@@ -25,6 +25,10 @@ callable (`GraphFallbackWarning`). Eager fallbacks call the original function on
 Output lifetime (see `outputs`): returned tensors live in graph memory shared by all of the
 callable's graphs and are overwritten by its next call. Clone what you keep, pass
 `clone_outputs=True`, or set `TENDRIL_DEBUG=1` to have stale uses raise `StaleOutputError`.
+
+Inputs (see `inputs`): a call copies its tensors into its graph's placeholders. `zero_copy()` and
+`carry(...)` plug in `tendril.graphs.zero_copy`, which places inputs so that nothing needs copying; a
+callable that uses neither never creates it, and its calls check for it once.
 """
 
 from __future__ import annotations
@@ -33,22 +37,24 @@ import contextlib
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from tendril.config import Config
-from tendril.graphs.alias import Lanes, Staging, ZeroCopyMode, ZeroCopyPredictor, lane_of, stage_inputs
 from tendril.graphs.backend import Backend, Captured, CaptureFailed
-from tendril.graphs.buckets import Buckets, parameter_positions
-from tendril.graphs.carry import CarryPlan
+from tendril.graphs.buckets import Buckets, PaddedCall, parameter_positions
+from tendril.graphs.inputs import InputPlacement, Staging
 from tendril.graphs.key import Flattened, GraphKey, Unkeyable, flatten_call, key_of
 from tendril.graphs.memory import PlaceholderArena
+from tendril.graphs.options import DEFAULT_MAX_GRAPHS, GraphMemoryPolicy, GraphOptions
 from tendril.graphs.outputs import Generation, clone_outputs, guard_outputs
 from tendril.graphs.stats import Fallback, GraphRecord, GraphStats
 from tendril.graphs.trainable import GradPolicy
 
-DEFAULT_MAX_GRAPHS = 64
+if TYPE_CHECKING:
+    from tendril.graphs.zero_copy.plugin import ZeroCopy
+
 _KEY_CACHE_SIZE = 4096
 """Distinct call fingerprints remembered by `GraphedCallable._key` (cleared when full)."""
 
@@ -81,22 +87,14 @@ class GraphedCallable:
     def __init__(
         self,
         fn: Callable[..., Any],
+        options: GraphOptions,
         *,
-        buckets: Buckets | None = None,
-        max_graphs: int = DEFAULT_MAX_GRAPHS,
-        clone_outputs: bool = False,
-        warmup: int = 1,
         backend: Backend | None = None,
         config: Config | None = None,
         name: str | None = None,
-        graph_memory_budget: int | str | None = None,
-        graph_memory_strategy: str = "auto",
-        graph_memory_prefetch: bool = True,
     ) -> None:
-        if max_graphs < 0:
-            raise ValueError(f"max_graphs must be >= 0, got {max_graphs}")
-        if warmup < 0:
-            raise ValueError(f"warmup must be >= 0, got {warmup}")
+        """`backend` defaults to `CudaBackend(memory=options.memory)`; a memory policy other than the default
+        configures that backend, so it cannot come with another backend (`ValueError`: pass it there)."""
         if config is None:
             from tendril.config import settings
 
@@ -104,56 +102,44 @@ class GraphedCallable:
         if backend is None:
             from tendril.graphs.cuda_backend import CudaBackend
 
-            backend = CudaBackend(
-                graph_memory_budget=graph_memory_budget,
-                graph_memory_strategy=graph_memory_strategy,
-                graph_memory_prefetch=graph_memory_prefetch,
-            )
-        elif graph_memory_budget is not None or graph_memory_strategy != "auto" or not graph_memory_prefetch:
+            backend = CudaBackend(memory=options.memory)
+        elif options.memory != GraphMemoryPolicy():
             raise ValueError(
-                "graph_memory_budget/graph_memory_strategy/graph_memory_prefetch configure the default CUDA backend; "
-                "with your own backend, pass them to it (CudaBackend(graph_memory_budget=..., ...))"
+                "memory= configures the default CUDA backend; with your own backend, pass the policy to it "
+                "(CudaBackend(memory=...))"
             )
         self.fn = fn
-        self.buckets = buckets
-        self.max_graphs = max_graphs
-        self.clone_outputs = clone_outputs
-        self.warmup = warmup
+        self.options = options
         self.config = config
         self.name = name or getattr(fn, "__qualname__", None) or type(fn).__name__
         self.stats = GraphStats()
         self._backend = backend
         self._entries: dict[GraphKey, _Entry] = {}
         self._arena = PlaceholderArena()
-        self._lanes = Lanes(self._arena)
-        self._predictor = ZeroCopyPredictor(self._lanes, self.stats)
-        self._carry = CarryPlan(self._lanes, self.stats)
+        self._inputs = InputPlacement(self._arena, self.stats)
+        self._zero_copy: ZeroCopy | None = None
+        """The zero-copy plug-in, made by the first `zero_copy()` or `carry(...)` (`_plug_in`)."""
         self._generation = Generation()
         self._keys: dict[Any, tuple[GraphKey | Unkeyable, list[int]]] = {}
         self._warned: set[Fallback] = set()
         self._grad = GradPolicy(fn)
-        self._positions = parameter_positions(fn) if buckets is not None else {}
+        self._positions = parameter_positions(fn) if options.buckets is not None else {}
         unavailable = backend.unavailable()
         if config.disable_graphs:
             unavailable = (Fallback.GRAPHS_DISABLED, "TENDRIL_NO_GRAPHS is set")
         self._unavailable = unavailable
 
     def __repr__(self) -> str:
-        return f"GraphedCallable({self.name}, graphs={len(self._entries)}/{self.max_graphs})"
+        return f"GraphedCallable({self.name}, graphs={len(self._entries)}/{self.options.max_graphs})"
 
     def keys(self) -> list[GraphKey]:
         """Keys with a captured graph, in capture order."""
         return list(self._entries)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        predictor = self._predictor
-        if not predictor.active:
+        if self._zero_copy is None:
             return self._call(args, kwargs)
-        lifted = predictor.enter_call()
-        try:
-            return self._call(args, kwargs)
-        finally:
-            predictor.exit_call(lifted)
+        return self._zero_copy.call(self._call, args, kwargs)
 
     def _call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         self.stats.calls += 1
@@ -163,11 +149,10 @@ class GraphedCallable:
         if needs_autograd is not None:
             detail = f"{needs_autograd}; call under torch.no_grad()/inference_mode() to graph it"
             return self._eager(args, kwargs, Fallback.REQUIRES_GRAD, detail)
-        padded = self.buckets.pad(args, kwargs, self._positions) if self.buckets is not None else None
+        padded = self._pad(args, kwargs)
         flat = flatten_call(padded.args, padded.kwargs) if padded is not None else flatten_call(args, kwargs)
         key, indices = self._key(flat)
-        if self._lanes.active and isinstance(key, GraphKey):
-            key = self._lanes.key_for(key, flat, indices, self.stats)
+        key = self._inputs.key_for(key, flat, indices)
         entry = self._entries.get(key) if isinstance(key, GraphKey) else None
         if entry is None:
             admitted = self._admit(key, flat)
@@ -179,7 +164,7 @@ class GraphedCallable:
         outputs = self._replay(entry, flat)
         if padded is not None:
             outputs = padded.restore(outputs)
-        if self.clone_outputs:
+        if self.options.clone_outputs:
             return clone_outputs(outputs)
         if self.config.debug:
             return guard_outputs(outputs, self._generation, self.name)
@@ -195,7 +180,7 @@ class GraphedCallable:
         pending: dict[GraphKey, Flattened] = {}
         for example in examples:
             args, kwargs = _as_call(example)
-            padded = self.buckets.pad(args, kwargs, self._positions) if self.buckets is not None else None
+            padded = self._pad(args, kwargs)
             if padded is not None:
                 args, kwargs = padded.args, padded.kwargs
             flat = flatten_call(args, kwargs)
@@ -225,7 +210,7 @@ class GraphedCallable:
 
         Writing inputs straight into them and calling `fast(*args, **kwargs)` with them skips the copy.
         """
-        padded = self.buckets.pad(args, kwargs, self._positions) if self.buckets is not None else None
+        padded = self._pad(args, kwargs)
         if padded is not None:
             args, kwargs = padded.args, padded.kwargs
         flat = flatten_call(args, kwargs)
@@ -258,16 +243,10 @@ class GraphedCallable:
 
         Learned from the copies calls make, verified at every call, and counted in `stats` (bytes copied,
         copies avoided, redirects, mispredictions); a wrong prediction costs a copy, never a wrong
-        result (see `tendril.graphs.alias`).
+        result (see `tendril.graphs.zero_copy`).
         """
-        self._lanes.active = True
-        self._predictor.active += 1
-        try:
-            with ZeroCopyMode(self._predictor):
-                yield
-        finally:
-            self._predictor.active -= 1
-            self._predictor.end_interval(count=False)
+        with self._plug_in().block():
+            yield
 
     def carry(self, output: int | str | tuple[int | str, ...], input: int | str) -> GraphedCallable:
         """Declare loop-carried state: the tensors at `output` of call t are the argument `input` of call t+1.
@@ -275,7 +254,7 @@ class GraphedCallable:
         `output` indexes the function's result (an index or key, or a tuple of them for nested results);
         `input` is a positional index or a keyword name; both sides may be containers of tensors (a KV
         cache), matched leaf by leaf. Graphs then write those outputs straight into the next call's
-        placeholders (double-buffered, see `tendril.graphs.carry`), so passing them back copies nothing.
+        placeholders (double-buffered, see `tendril.graphs.zero_copy.carry`), so passing them back copies nothing.
         Declare carries before the first call; returns the callable.
         """
         if self._entries:
@@ -283,8 +262,22 @@ class GraphedCallable:
                 f"{self.name}: declare carry(...) before the first call or capture (graphs already captured "
                 "would not write the carried outputs where the next call reads them)"
             )
-        self._carry.declare(output, input)
+        self._plug_in().carry.declare(output, input)
         return self
+
+    def _plug_in(self) -> ZeroCopy:
+        """The zero-copy plug-in, made on first use; from then on it places every call's inputs."""
+        if self._zero_copy is None:
+            from tendril.graphs.zero_copy.plugin import ZeroCopy
+
+            captured = [(e.leaf_indices, e.placeholders, e.captured.outputs) for e in self._entries.values()]
+            self._zero_copy = ZeroCopy(self._arena, self.stats, captured)
+            self._inputs = self._zero_copy
+        return self._zero_copy
+
+    def _pad(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> PaddedCall | None:
+        buckets = self.options.buckets
+        return buckets.pad(args, kwargs, self._positions) if buckets is not None else None
 
     def _key(self, flat: Flattened) -> tuple[GraphKey | Unkeyable, list[int]]:
         """`key_of(flat)` and its tensor leaf indices, through a cache keyed by a cheap fingerprint.
@@ -328,8 +321,8 @@ class GraphedCallable:
             return Fallback.CPU_TENSOR, f"tensor arguments on {', '.join(refused)}"
         if len(devices) > 1:
             return Fallback.MIXED_DEVICES, f"tensor arguments on {', '.join(sorted(map(str, devices)))}"
-        if len(self._entries) >= self.max_graphs:
-            return Fallback.LIMIT, f"{len(self._entries)} graphs captured, max_graphs={self.max_graphs}"
+        if len(self._entries) >= self.options.max_graphs:
+            return Fallback.LIMIT, f"{len(self._entries)} graphs captured, max_graphs={self.options.max_graphs}"
         return None
 
     def _admit(self, key: GraphKey | Unkeyable, flat: Flattened) -> _Entry | tuple[Fallback, str]:
@@ -338,22 +331,15 @@ class GraphedCallable:
             return refusal
         assert isinstance(key, GraphKey)
         indices = flat.tensor_indices()
-        lane = lane_of(key)
-        placeholders = [
-            self._lanes.placeholder(lane, index, spec, flat.leaves[index])
-            for index, spec in zip(indices, key.tensors, strict=True)
-        ]
-        key = self._lanes.current(key)  # a placeholder that outgrew its lane buffer reallocated it
+        key, placeholders = self._inputs.placeholders(key, flat, indices)
         leaves = list(flat.leaves)
         for index, placeholder in zip(indices, placeholders, strict=True):
             leaves[index] = placeholder
         args, kwargs = flat.unflatten(leaves)
         versions = [placeholder._version for placeholder in placeholders]
-        fn = _no_grad(self.fn)
-        if self._carry.carries:
-            fn = self._carry.prepare(fn, args, kwargs, key, indices, placeholders)
+        fn = self._inputs.wrap(_no_grad(self.fn), args, kwargs, key, indices, placeholders)
         try:
-            captured = self._backend.capture(fn, args, kwargs, key, self.warmup)
+            captured = self._backend.capture(fn, args, kwargs, key, self.options.warmup)
         except CaptureFailed as failure:
             self.stats.failed_keys[key] = failure.reason
             self._sync_memory_stats()
@@ -368,8 +354,7 @@ class GraphedCallable:
         )
         if captured.memory is not None:
             record.memory = captured.memory
-        captured.outputs = self._carry.rebind(key, captured.outputs)
-        self._lanes.pin_aliased_outputs(indices, placeholders, captured.outputs)
+        captured.outputs = self._inputs.captured(key, indices, placeholders, captured.outputs)
         entry = _Entry(key, indices, placeholders, captured, record, Staging.of(indices, placeholders))
         self._entries[key] = entry
         self.stats.graphs[key] = record
@@ -381,10 +366,7 @@ class GraphedCallable:
     def _replay(self, entry: _Entry, flat: Flattened) -> Any:
         if entry.captured.before_inputs is not None:
             entry.captured.before_inputs()
-        predictor = self._predictor if self._predictor.active else None
-        stage_inputs(entry.staging, flat.leaves, self.stats, predictor)
-        if self._carry.carries:
-            self.stats.input_bytes_copied += self._carry.in_graph_bytes.get(entry.key, 0)
+        self._inputs.stage(entry.staging, entry.key, flat.leaves)
         self._generation.value += 1
         entry.captured.replay()
         entry.record.replays += 1
@@ -424,11 +406,9 @@ def graphed(
     max_graphs: int = DEFAULT_MAX_GRAPHS,
     clone_outputs: bool = False,
     warmup: int = 1,
+    memory: GraphMemoryPolicy | int | str | None = None,
     backend: Backend | None = None,
     config: Config | None = None,
-    graph_memory_budget: int | str | None = None,
-    graph_memory_strategy: str = "auto",
-    graph_memory_prefetch: bool = True,
 ) -> GraphedCallable:
     """Run `fn` (an `nn.Module` or any function of tensors) as CUDA graphs keyed by its argument shapes.
 
@@ -438,28 +418,14 @@ def graphed(
     runs precede each capture. `backend` defaults to CUDA (`NullBackend` simulates it for tests).
     Without CUDA every call runs eagerly, with one warning.
 
-    `graph_memory_budget` ("256MiB", or bytes) bounds the device memory the driver holds for the graphs'
-    executables; under it, captured graphs stay on the host and executables are instantiated on demand and
-    evicted least recently used first, with results identical to one executable per graph.
-    `graph_memory_strategy` overrides the choice: "auto" (dedicated executables without a budget, "update"
-    with one), "dedicated", "lru" or "update" (as "lru" until the budget is full, then a miss switches an
-    executable of the graph's topology family by `cudaGraphExecUpdate`; see `tendril.graphs.executables`).
-    Under "lru" and "update" the executable of the call predicted next (lengths stepping by a constant amount, as
-    in a generation loop) is made ahead on a background thread (instantiated, or under "update" at a full budget
-    switched); `graph_memory_prefetch=False` turns that off.
+    `memory` bounds the device memory the driver holds for the graphs' executables: a budget ("256MiB", or
+    bytes) or a `GraphMemoryPolicy` (budget, strategy, prefetching; see `tendril.graphs.options` and
+    `tendril.graphs.executables`). Under a budget, captured graphs stay on the host and executables are made
+    on demand, with results identical to one executable per graph. It configures the default backend, so it
+    cannot be combined with `backend=` (`ValueError`).
     """
-    return GraphedCallable(
-        fn,
-        buckets=buckets,
-        max_graphs=max_graphs,
-        clone_outputs=clone_outputs,
-        warmup=warmup,
-        backend=backend,
-        config=config,
-        graph_memory_budget=graph_memory_budget,
-        graph_memory_strategy=graph_memory_strategy,
-        graph_memory_prefetch=graph_memory_prefetch,
-    )
+    options = GraphOptions(buckets, max_graphs, clone_outputs, warmup, GraphMemoryPolicy.of(memory))
+    return GraphedCallable(fn, options, backend=backend, config=config)
 
 
 def _no_grad(fn: Callable[..., Any]) -> Callable[..., Any]:

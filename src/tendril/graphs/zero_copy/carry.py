@@ -6,7 +6,7 @@ are fed back as the argument `input` (a position or a keyword name) of the next 
 
 Each graph is captured so that the op producing a carried output writes it, through its `out=` form,
 straight into the placeholder buffer that the *next* call reads, in the lane beside the one this
-graph reads (`alias.partner`): a graph reading lane 1 writes its carried outputs into lane 2, whose
+graph reads (`lanes.partner`): a graph reading lane 1 writes its carried outputs into lane 2, whose
 graphs write back into lane 1 (double buffering). So replay t+1 never writes a buffer it reads, and
 the outputs of call t stay intact until replay t+2, longer than the lifetime `outputs.py` promises.
 The producers are found by running the function once before capture under a recording dispatch mode
@@ -16,7 +16,7 @@ no host launch, but its bytes are counted as copied (`Misprediction.CARRY_COPY`)
 
 A call whose carried argument is not in a lane buffer (the first call, a fresh tensor) copies it as
 usual. Carries are declared before the first capture, and the positions they feed are never targets
-of automatic redirects (`alias.Lanes.carried`).
+of automatic redirects (`lanes.Lanes.carried`).
 """
 
 from __future__ import annotations
@@ -31,19 +31,10 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.weak import WeakIdKeyDictionary
 
-from tendril.graphs.alias import (
-    Lanes,
-    ProducerKey,
-    empty_at,
-    lane_of,
-    memory_range,
-    out_form,
-    overlaps,
-    partner,
-    signature,
-)
 from tendril.graphs.key import GraphKey
 from tendril.graphs.stats import GraphStats, Misprediction
+from tendril.graphs.zero_copy.lanes import Lanes, empty_at, lane_of, memory_range, overlaps, partner
+from tendril.graphs.zero_copy.ops import ProducerKey, out_form, signature
 
 OutputPath = tuple[int | str, ...]
 
@@ -124,7 +115,6 @@ class CarryPlan:
     def declare(self, output: int | str | OutputPath, input: int | str) -> None:
         path: OutputPath = output if isinstance(output, tuple) else (output,)
         self.carries.append(Carry(path, input))
-        self.lanes.active = True
 
     def prepare(
         self,
