@@ -340,7 +340,7 @@ def test_a_graph_that_cannot_be_instantiated_runs_eagerly(cuda: FakeCuda):
         torch.testing.assert_close(fast(x, 2.0), _scale(x, 2.0))
     assert fast.stats.fallbacks[Fallback.CAPTURE_ERROR] == 1 and not fast.stats.graphs
     cache = next(iter(fast._backend.executable_caches().values()))
-    assert cache.executables == 0 and not cache._sources
+    assert cache.executables == 0 and not cache.table.sources
 
 
 def test_the_default_budget_comes_from_the_settings(monkeypatch):
@@ -374,18 +374,18 @@ def test_growing_lengths_are_prefetched_on_the_worker_thread(cuda: FakeCuda, pre
     fast = _graphed(_first, "2KiB", "auto", prefetch)  # executables of 10 nodes, charged 40 KiB: one fits
     fast.capture([(torch.randn(n),) for n in range(1, 31)], progress=False)
     cache = next(iter(fast._backend.executable_caches().values()))
-    cache.budget = 3 * cache.charge(10)  # room for the executable just called, a prefetch and one more
+    cache.accounting.budget = 3 * cache.accounting.charge(10)  # room for the executable just called, a prefetch and one more
     cuda.launches.clear()
     _grow_and_shrink(fast, range(1, 31))
     cache.wait_idle()
-    assert len(cuda.executables) == cache.executables and cache.live_bytes <= cache.budget
+    assert len(cuda.executables) == cache.executables and cache.live_bytes <= cache.accounting.budget
     memory = [record.memory for record in fast.stats.graphs.values()]
     if not prefetch:
-        assert cache.prefetches == 0 and not cuda.uploads
+        assert cache.prefetcher.prefetches == 0 and not cuda.uploads
         assert all(name == threading.current_thread().name for name in cuda.threads)
         return
-    assert cache.prefetch_hits >= 100, f"{cache.prefetch_hits} hits in 120 calls stepping by one"
-    assert sum(m.prefetches for m in memory) == cache.prefetches
+    assert cache.prefetcher.hits >= 100, f"{cache.prefetcher.hits} hits in 120 calls stepping by one"
+    assert sum(m.prefetches for m in memory) == cache.prefetcher.prefetches
     (worker,) = cuda.threads - {threading.current_thread().name}
     assert worker.startswith("tendril-executables") and worker in cuda.relaxed_threads
     assert {stream for _, stream in cuda.uploads} == {0}  # uploaded on the stream of the predicting call
@@ -397,7 +397,7 @@ def test_background_destructions_wait_for_the_last_launch(cuda: FakeCuda):
     fast = _graphed(_first, "2KiB", "lru")
     fast.capture([(torch.randn(n),) for n in range(1, 9)], progress=False)
     cache = next(iter(fast._backend.executable_caches().values()))
-    cache.budget = 2 * cache.charge(10)
+    cache.accounting.budget = 2 * cache.accounting.charge(10)
     cuda.running = True  # every launch is still running when its executable is evicted
     for n in range(1, 9):
         x = torch.randn(n)
@@ -445,18 +445,18 @@ def test_update_prefetches_by_updating_on_the_worker_thread(cuda: FakeCuda):
     lengths = range(8, 38)  # not 7: it refuses updates
     fast.capture([(torch.randn(n),) for n in lengths], progress=False)
     cache = next(iter(fast._backend.executable_caches().values()))
-    cache.budget = 3 * cache.charge(10)  # room for the executable just called and two more
+    cache.accounting.budget = 3 * cache.accounting.charge(10)  # room for the executable just called and two more
     cuda.running = True  # every launch is still running when the next prefetch is submitted
     made, updated = _memory_total(fast, "instantiations"), _memory_total(fast, "updates")
     _grow_and_shrink(fast, lengths)
     cache.wait_idle()
     assert _memory_total(fast, "instantiations") - made <= 2, "instantiated where it should have updated"
     assert _memory_total(fast, "updates") - updated >= 100 and _memory_total(fast, "update_failures") == 0
-    assert cache.prefetch_hits >= 100
+    assert cache.prefetcher.hits >= 100
     assert any(name.startswith("tendril-executables") for name in cuda.update_threads)
     assert {stream for _, stream in cuda.uploads} == {0} and len(cuda.uploads) >= 100
     assert cache.driver.background_waits >= 100
-    assert len(cuda.executables) == cache.executables == 3 and cache.live_bytes <= cache.budget
+    assert len(cuda.executables) == cache.executables == 3 and cache.live_bytes <= cache.accounting.budget
 
 
 def _memory_total(fast: Any, what: str) -> int:
@@ -490,7 +490,7 @@ def test_segmented_graphs_switch_segment_by_segment_at_launch(cuda: FakeCuda, mo
     x = torch.randn(4)
     for factor in (2.0, 3.0, 2.0):
         torch.testing.assert_close(fast(x, factor), _scale(x, factor))
-    (chain,) = [e.handle for e in next(iter(fast._backend.executable_caches().values()))._live]
+    (chain,) = [e.handle for e in next(iter(fast._backend.executable_caches().values())).table.live]
     first, second = chain.segments
     assert cuda.log[-4:] == [("update", first), ("launch", first), ("update", second), ("launch", second)]
     memory = [record.memory for record in fast.stats.graphs.values()]

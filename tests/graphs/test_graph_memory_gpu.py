@@ -97,9 +97,9 @@ def test_the_budget_holds_in_device_memory():
     print(
         f"48 graphs under {budget / MIB:.0f} MiB: device {used / MIB:.1f} MiB, pool {stats.pool_bytes / MIB:.1f} MiB, "
         f"outside the pool {first / MIB:.1f} MiB after the first graph, +{growth / MIB:.1f} MiB after all; "
-        f"{cache.executables} executables charged {cache.live_bytes / MIB:.2f} MiB at {cache.bytes_per_node:.0f} B/node"
+        f"{cache.executables} executables charged {cache.live_bytes / MIB:.2f} MiB at {cache.accounting.bytes_per_node:.0f} B/node"
     )
-    assert cache.over_budget == 0 and cache.live_bytes <= budget
+    assert cache.accounting.over_budget == 0 and cache.live_bytes <= budget
     assert growth <= budget + 4 * MIB, "executables (and kept graphs) use more device memory than the budget"
 
 
@@ -258,7 +258,7 @@ def _captured_twice(lengths: list[int], **options):
         dedicated.capture(examples, progress=False)
         budgeted.capture(examples, progress=False)
     (cache,) = budgeted._backend.executable_caches().values()  # type: ignore[attr-defined]
-    largest = cache.charge(max(r.memory.nodes or 0 for r in budgeted.stats.graphs.values()))
+    largest = cache.accounting.charge(max(r.memory.nodes or 0 for r in budgeted.stats.graphs.values()))
     return dedicated, budgeted, cache, largest
 
 
@@ -269,31 +269,31 @@ def test_prefetched_executables_equal_dedicated_ones():
     lengths = list(range(1, 41))
     dedicated, budgeted, cache, largest = _captured_twice(lengths)
     with torch.inference_mode():
-        assert cache.budget >= 2 * largest, "the budget must hold the executable called and a prefetch"
+        assert cache.accounting.budget >= 2 * largest, "the budget must hold the executable called and a prefetch"
         hits = []
         for order in (lengths, lengths[::-1], lengths, lengths[::-1]):
-            before = cache.prefetch_hits
+            before = cache.prefetcher.hits
             for n in order:
                 _poisoned_equal(budgeted, dedicated, torch.randint(0, 1000, (1, n), device="cuda"))
-            hits.append(cache.prefetch_hits - before)
-        growing = (cache.prefetches, cache.prefetch_hits, cache.prefetch_waits, cache.prefetch_wasted)
+            hits.append(cache.prefetcher.hits - before)
+        growing = (cache.prefetcher.prefetches, cache.prefetcher.hits, cache.prefetcher.waits, cache.prefetcher.wasted)
         rng = random.Random(4)
         for _ in range(120):
             _poisoned_equal(budgeted, dedicated, torch.randint(0, 1000, (1, rng.choice(lengths)), device="cuda"))
         cache.wait_idle()
     print(
         f"prefetch hits per pass {hits}; growing/shrinking: {growing[0]} prefetches, {growing[1]} hits, "
-        f"{growing[2]} waits, {growing[3]} wasted; after the random order: {cache.prefetches} prefetches, "
-        f"{cache.prefetch_wasted} wasted; {cache.executables} executables, {cache.live_bytes / MIB:.2f} MiB charged; "
+        f"{growing[2]} waits, {growing[3]} wasted; after the random order: {cache.prefetcher.prefetches} prefetches, "
+        f"{cache.prefetcher.wasted} wasted; {cache.executables} executables, {cache.live_bytes / MIB:.2f} MiB charged; "
         f"background destroys that waited for a launch: {cache.driver.background_waits}"
     )
     assert hits[0] > 0, "the growing pass never found a prefetched executable"
     # a pass starts on the lengths the previous one left held (no prefetch needed), then steps into the others
     nodes = max(r.memory.nodes or 0 for r in budgeted.stats.graphs.values())
-    held = max(cache.budget // largest, cache.budget // cache.charge(nodes))  # the learnt rate moved meanwhile
+    held = max(cache.accounting.budget // largest, cache.accounting.budget // cache.accounting.charge(nodes))  # the learnt rate moved meanwhile
     assert min(hits) >= len(lengths) - held - 3, f"prefetch hits per pass {hits}: expected all but the first calls"
-    assert cache.over_budget == 0 and cache.live_bytes <= cache.budget
-    assert cache.prefetches - growing[0] <= 12, "random order prefetched more than a handful"
+    assert cache.accounting.over_budget == 0 and cache.live_bytes <= cache.accounting.budget
+    assert cache.prefetcher.prefetches - growing[0] <= 12, "random order prefetched more than a handful"
 
 
 def test_update_with_prefetching_equals_dedicated_executables():
@@ -304,12 +304,12 @@ def test_update_with_prefetching_equals_dedicated_executables():
     lengths = list(range(1, 41))
     dedicated, budgeted, cache, largest = _captured_twice(lengths, graph_memory_strategy="update")
     with torch.inference_mode():
-        assert cache.budget < len(lengths) * largest, "a budget that holds every executable never updates"
+        assert cache.accounting.budget < len(lengths) * largest, "a budget that holds every executable never updates"
         background_updates = _count_calls(cache.driver, "update_async")
         for order in (lengths, lengths[::-1], lengths, lengths[::-1]):
             for n in order:
                 _poisoned_equal(budgeted, dedicated, torch.randint(0, 1000, (1, n), device="cuda"))
-        stepping = (len(background_updates), cache.prefetches, cache.prefetch_hits, cache.prefetch_waits)
+        stepping = (len(background_updates), cache.prefetcher.prefetches, cache.prefetcher.hits, cache.prefetcher.waits)
         launches = _count_calls(cache.driver, "launch")
         rng = random.Random(6)
         for _ in range(120):
@@ -327,7 +327,7 @@ def test_update_with_prefetching_equals_dedicated_executables():
     assert stepping[0] > 0, "no prefetch updated an executable in the background: the test exercised nothing"
     assert stepping[2] > 0, "no call found its executable prefetched"
     assert foreground_updates, "no miss of the random order updated an executable: the test exercised nothing"
-    assert cache.over_budget == 0 and cache.live_bytes <= cache.budget
+    assert cache.accounting.over_budget == 0 and cache.live_bytes <= cache.accounting.budget
 
 
 def _count_calls(driver, method: str) -> list[tuple]:
@@ -354,8 +354,8 @@ def test_background_destruction_waits_for_a_running_launch():
     with torch.inference_mode():
         budgeted.capture([(x,) for x in reversed(xs)], progress=False)
         (cache,) = budgeted._backend.executable_caches().values()  # type: ignore[attr-defined]
-        charge = cache.charge(max(r.memory.nodes or 0 for r in budgeted.stats.graphs.values()))
-        cache.budget = 5 * charge // 2  # two executables (with room for the learnt rate to move), never three
+        charge = cache.accounting.charge(max(r.memory.nodes or 0 for r in budgeted.stats.graphs.values()))
+        cache.accounting.budget = 5 * charge // 2  # two executables (with room for the learnt rate to move), never three
         cache.reserve(0)  # evicts down to the two executables acquired last at capture (lengths 2 and 1)
         cache.wait_idle()
         torch.cuda.synchronize()
@@ -364,5 +364,5 @@ def test_background_destruction_waits_for_a_running_launch():
         for x, got in zip(xs, results, strict=True):
             torch.testing.assert_close(got, x * 2 + 1)
         cache.wait_idle()
-    assert cache.prefetch_hits >= 8 and cache.executables <= 2
+    assert cache.prefetcher.hits >= 8 and cache.executables <= 2
     assert cache.driver.background_waits > 0, "no background destruction found its launch still running"

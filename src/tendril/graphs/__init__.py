@@ -22,7 +22,7 @@ _LAZY: dict[str, str] = {
     "StaleOutputError": "tendril.graphs.outputs",
     "NullBackend": "tendril.graphs.backend",
     "CudaBackend": "tendril.graphs.cuda_backend",
-    "MemoryStrategy": "tendril.graphs.executables",
+    "MemoryStrategy": "tendril.graphs.options",
     "GraphMemory": "tendril.graphs.stats",
     "Misprediction": "tendril.graphs.stats",
     "LaneKey": "tendril.graphs.alias",
