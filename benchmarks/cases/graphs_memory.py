@@ -311,7 +311,8 @@ def _measure_model(
         nodes = [r.memory.nodes or 0 for r in records]
         hosts = [r.memory.host_bytes or 0 for r in records]
         cache = next(iter(budgeted._backend.executable_caches().values()))
-        executables = {"alive": cache.executables, "charged": cache.live_bytes, "per_node": cache.accounting.bytes_per_node}
+        per_node = cache.accounting.bytes_per_node
+        executables = {"alive": cache.executables, "charged": cache.live_bytes, "per_node": per_node}
         stats_line = budgeted.stats.table().splitlines()[0]
         del budgeted, dedicated, got, expected, cache
         _device_used(device)
