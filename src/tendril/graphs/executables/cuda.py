@@ -127,7 +127,7 @@ class CudaExecutables:
         """Launch the segments in `stream`; with `switch_to`, first update each segment to that graph's, right
         before launching it. A refused segment is destroyed and instantiated from `switch_to`'s, so the launch
         runs `switch_to` whatever CUDA answers; the outcome names the first refusal. On the calling thread, with
-        this driver's device current (`_ManagedReplay` makes it so)."""
+        this driver's device current (`ManagedReplay` makes it so)."""
         outcome = UpdateOutcome(True)
         if switch_to is not None:
             self._settle(executable)
