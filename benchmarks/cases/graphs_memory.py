@@ -10,16 +10,16 @@ lengths spread over 1-16 s. Each is graphed three ways, one after the other in o
   the captured lengths (reported in the notes and in `extra`);
 - (b) one graph per length in one shared pool with a dedicated executable each: `tendril.graphed`
   without a budget (shared pool, outputs released to it, the dedicated strategy);
-- (c) `tendril.graphed(..., graph_memory_budget=BUDGET)`: the same graphs, executables made on demand under
+- (c) `tendril.graphed(..., memory=GraphMemoryPolicy(budget=BUDGET))`: the same graphs, executables made on demand under
   the budget by the automatic strategy (`update`: instantiated while the budget has room, then a miss switches
   the least recently used executable of the graph's topology family by `cudaGraphExecUpdate`, or evicts and
   instantiates where the family has none). When the last calls stepped the length by a constant amount the
   next length's executable is made ahead (instantiated or updated, and uploaded) on a background thread; its
   counts are reported as `latency_runs_prefetch_*` (all latency passes) and
   `latency_runs_{growing,random}_prefetch_*` (hits: calls that found their executable prefetched; waits: of
-  those, calls that waited for it; wasted: prefetches evicted unused). `GRAPHS_MEMORY_STRATEGY=lru` runs (c)
-  under another `graph_memory_strategy` (default `auto`), `GRAPHS_MEMORY_PREFETCH=off` with
-  `graph_memory_prefetch=False`.
+  those, calls that waited for it; wasted: prefetches evicted unused). `GRAPHS_MEMORY_STRATEGY=update` runs (c)
+  under another `GraphMemoryPolicy.strategy` (default `auto`), `GRAPHS_MEMORY_PREFETCH=off` with
+  `prefetch=False`.
 
 Memory is the device memory in use (cudaMemGetInfo after emptying the allocator's cache) after
 capturing all lengths, relative to before. Every length first runs once eagerly with the attention
@@ -52,6 +52,7 @@ from torch.nn.attention import sdpa_kernel
 from benchmarks.registry import Context, Goal, register
 from tendril.graphs.callable import GraphedCallable, graphed
 from tendril.graphs.capture import GRAPH_SDPA_BACKENDS
+from tendril.graphs.options import GraphMemoryPolicy
 
 MIB = 1 << 20
 VOCAB = 50257
@@ -226,7 +227,8 @@ def _tendril(
     """(b) or (c): capture every length (largest first). Returns the callable, device bytes after all graphs,
     bytes outside pool and placeholders from after the first graph to after all, capture ms per graph."""
     base = _device_used(device)
-    fast = graphed(model, max_graphs=len(examples), graph_memory_budget=budget, **(options or {}))
+    memory = GraphMemoryPolicy(budget=budget, **(options or {}))  # type: ignore[arg-type]  # "64MiB" is parsed
+    fast = graphed(model, max_graphs=len(examples), memory=memory)
     order = sorted(examples, reverse=True)
     start = time.perf_counter()
     fast.capture([(examples[order[0]],)], progress=False)
@@ -309,7 +311,8 @@ def _measure_model(
         nodes = [r.memory.nodes or 0 for r in records]
         hosts = [r.memory.host_bytes or 0 for r in records]
         cache = next(iter(budgeted._backend.executable_caches().values()))
-        executables = {"alive": cache.executables, "charged": cache.live_bytes, "per_node": cache.bytes_per_node}
+        per_node = cache.accounting.bytes_per_node
+        executables = {"alive": cache.executables, "charged": cache.live_bytes, "per_node": per_node}
         stats_line = budgeted.stats.table().splitlines()[0]
         del budgeted, dedicated, got, expected, cache
         _device_used(device)
@@ -377,14 +380,14 @@ def _measure_model(
 
 
 def _options() -> dict[str, Any]:
-    """(c)'s options besides the budget: `graph_memory_strategy` from GRAPHS_MEMORY_STRATEGY (default "auto"), and
-    GRAPHS_MEMORY_PREFETCH=off for `graph_memory_prefetch=False` (default: True)."""
-    options: dict[str, Any] = {"graph_memory_strategy": os.environ.get("GRAPHS_MEMORY_STRATEGY", "auto")}
+    """(c)'s `GraphMemoryPolicy` fields besides the budget: `strategy` from GRAPHS_MEMORY_STRATEGY (default "auto"),
+    and GRAPHS_MEMORY_PREFETCH=off for `prefetch=False` (default: True)."""
+    options: dict[str, Any] = {"strategy": os.environ.get("GRAPHS_MEMORY_STRATEGY", "auto")}
     prefetch = os.environ.get("GRAPHS_MEMORY_PREFETCH", "")
     if prefetch not in ("", "off"):
         raise ValueError(f"GRAPHS_MEMORY_PREFETCH={prefetch!r}: expected off")
     if prefetch:
-        options["graph_memory_prefetch"] = False
+        options["prefetch"] = False
     return options
 
 
@@ -421,7 +424,7 @@ def run(ctx: Context) -> None:
     ctx.add_value("Wav2Vec2-base", "latency_overhead_random_len", wav["random"])
 
     settings = "".join(f", {name}={value!r}" for name, value in options.items())
-    ctx.note(f"(c) is tendril.graphed(model, graph_memory_budget={budget!r}{settings})")
+    ctx.note(f"(c) is tendril.graphed(model, memory=GraphMemoryPolicy(budget={budget!r}{settings}))")
     ctx.note("latency: wall time per call with a synchronisation after each call; (b) is tendril without a budget")
     ctx.target("memory_ratio_vs_separate_pools", gpt2["a"] / gpt2["c"], Goal(">=", 36.43))
     ctx.target("driver_mib_per_extra_graph", gpt2["c_extra_per_graph"] / MIB, Goal("<=", 0.1))

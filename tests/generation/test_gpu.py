@@ -118,6 +118,6 @@ def test_generation_graphs_follow_the_default_graph_memory_budget(num_beams, mon
         got = generate(model, ids, mask, max_new_tokens=NEW, eos_token_id=[], pad_token_id=0, num_beams=num_beams)
         assert torch.equal(got, expected)
     (runner,) = graphed_runners(model)
-    assert runner._backend.graph_memory_budget == 1024  # smaller than one executable: every switch counts
+    assert runner._backend.memory.budget == 1024  # smaller than one executable: every switch counts
     memory = [record.memory for record in runner.stats.graphs.values()]
     assert len(memory) == 2 and sum(m.instantiations + m.updates for m in memory) >= 3, memory

@@ -28,6 +28,8 @@ from tendril.cuda.graph_exec import Topology, UpdateOutcome
 from tendril.graphs import cuda_backend
 from tendril.graphs.callable import graphed
 from tendril.graphs.capture import CapturedGraph
+from tendril.graphs.executables import cuda as executables_cuda
+from tendril.graphs.options import GraphMemoryPolicy, MemoryStrategy
 from tendril.graphs.stats import Fallback
 
 
@@ -87,6 +89,8 @@ class FakeCuda:
         self.fail_upload = False
         self.running = False
         """Whether recorded events report their launch as still running."""
+        self.family_per_shape = False
+        """Whether every input shape makes a topology family of its own (else one per rank)."""
         self.synchronized = 0
         self.generator = FakeGenerator()
         self.streams = {0: FakeStream(0)}
@@ -177,7 +181,8 @@ class FakeGraph:
         cuda.graphs[self.raw] = self
         self.outputs = pytree.tree_map_only(torch.Tensor, torch.clone, fn(*args, **kwargs))
         first = next(leaf for leaf in pytree.tree_leaves(args) if isinstance(leaf, torch.Tensor))
-        self.topology = Topology(10 * first.dim(), f"rank{first.dim()}")
+        family = f"shape{tuple(first.shape)}" if cuda.family_per_shape else f"rank{first.dim()}"
+        self.topology = Topology(10 * first.dim(), family)
         self.refuse_updates = first.shape[0] == 7
         self.torch_instantiated = False
 
@@ -212,22 +217,20 @@ def cuda(monkeypatch: pytest.MonkeyPatch) -> FakeCuda:
         return CapturedGraph(graph, graph.outputs, 1.0, 0, 0, {"warmup": 0.5, "record": 0.5})  # type: ignore[arg-type]
 
     monkeypatch.setattr(cuda_backend, "capture", capture)
-    monkeypatch.setattr(
-        cuda_backend,
-        "graph_exec",
-        SimpleNamespace(
-            instantiate=fake.instantiate,
-            upload=fake.upload,
-            relax_capture_mode=fake.relax_capture_mode,
-            update=fake.update,
-            launch=fake.launch,
-            destroy=fake.destroy,
-            topology=fake.topology,
-            split=fake.split,
-            destroy_graph=fake.destroy_graph,
-        ),
+    graph_exec = SimpleNamespace(
+        instantiate=fake.instantiate,
+        upload=fake.upload,
+        relax_capture_mode=fake.relax_capture_mode,
+        update=fake.update,
+        launch=fake.launch,
+        destroy=fake.destroy,
+        topology=fake.topology,
+        split=fake.split,
+        destroy_graph=fake.destroy_graph,
     )
-    monkeypatch.setattr(cuda_backend, "device_free_bytes", lambda device: 1 << 40)
+    for module in (cuda_backend, executables_cuda):
+        monkeypatch.setattr(module, "graph_exec", graph_exec)
+        monkeypatch.setattr(module, "device_free_bytes", lambda device: 1 << 40)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
@@ -250,7 +253,8 @@ class CpuAsCuda(cuda_backend.CudaBackend):
 
 
 def _graphed(fn: Any, budget: str | None, strategy: str = "auto", prefetch: bool = True) -> Any:
-    backend = CpuAsCuda(graph_memory_budget=budget, graph_memory_strategy=strategy, graph_memory_prefetch=prefetch)
+    policy = GraphMemoryPolicy(budget=budget, strategy=strategy, prefetch=prefetch)  # type: ignore[arg-type]
+    backend = CpuAsCuda(memory=policy)
     return graphed(fn, backend=backend, config=Config(), max_graphs=64)
 
 
@@ -258,7 +262,7 @@ def _scale(x: torch.Tensor, factor: float) -> torch.Tensor:
     return x * factor + 1
 
 
-@pytest.mark.parametrize("strategy", ["auto", "lru", "update"])
+@pytest.mark.parametrize("strategy", ["auto", "update"])
 def test_random_call_orders_match_the_function(cuda: FakeCuda, strategy: str):
     fast = _graphed(_scale, "2KiB", strategy)  # at most a few executables: switching all the time
     rng = random.Random(0)
@@ -271,14 +275,13 @@ def test_random_call_orders_match_the_function(cuda: FakeCuda, strategy: str):
         got.fill_(float("nan"))
     memory = [record.memory for record in fast.stats.graphs.values()]
     assert fast.stats.captures == 10 and not fast.stats.fallbacks
-    assert all(m.strategy == ("update" if strategy == "auto" else strategy) for m in memory)
+    assert all(m.strategy == "update" for m in memory)
     assert sum(m.instantiations + m.updates for m in memory) > 10, "no switching happened"
     cache = next(iter(fast._backend.executable_caches().values()))
     cache.wait_idle()  # background destructions may still be queued
     assert len(cuda.executables) == cache.executables
-    if strategy == "update":
-        assert sum(m.updates for m in memory) > 0
-        assert sum(m.update_failures for m in memory) > 0  # shape (7,) refuses updates: counted, re-instantiated
+    assert sum(m.updates for m in memory) > 0
+    assert sum(m.update_failures for m in memory) > 0  # shape (7,) refuses updates: counted, re-instantiated
 
 
 def test_without_a_budget_graphs_stay_dedicated_and_torch_replays_them(cuda: FakeCuda):
@@ -333,22 +336,27 @@ def test_graphs_drawing_random_numbers_keep_torchs_replay(cuda: FakeCuda):
 
 
 def test_a_graph_that_cannot_be_instantiated_runs_eagerly(cuda: FakeCuda):
-    fast = _graphed(_scale, "1MiB", "lru")
+    fast = _graphed(_scale, "1MiB", "update")
     cuda.fail_instantiate = True
     x = torch.randn(4)
     with pytest.warns(UserWarning, match="capturing raised an error"):
         torch.testing.assert_close(fast(x, 2.0), _scale(x, 2.0))
     assert fast.stats.fallbacks[Fallback.CAPTURE_ERROR] == 1 and not fast.stats.graphs
     cache = next(iter(fast._backend.executable_caches().values()))
-    assert cache.executables == 0 and not cache._sources
+    assert cache.executables == 0 and not cache.table.sources
 
 
 def test_the_default_budget_comes_from_the_settings(monkeypatch):
     from tendril import config
 
     monkeypatch.setattr(config, "settings", Config(graph_memory_budget="3MiB"))
-    assert cuda_backend.CudaBackend().graph_memory_budget == 3 << 20
-    assert cuda_backend.CudaBackend(graph_memory_budget="1KiB").graph_memory_budget == 1024
+    assert cuda_backend.CudaBackend().memory.budget == 3 << 20
+    assert cuda_backend.CudaBackend().strategy is MemoryStrategy.UPDATE
+    assert cuda_backend.CudaBackend(memory=GraphMemoryPolicy(budget=1024)).memory.budget == 1024
+    given = GraphMemoryPolicy(strategy=MemoryStrategy.UPDATE, prefetch=False)
+    assert cuda_backend.CudaBackend(memory=given).memory == GraphMemoryPolicy(3 << 20, MemoryStrategy.UPDATE, False)
+    dedicated = GraphMemoryPolicy(strategy=MemoryStrategy.DEDICATED)
+    assert cuda_backend.CudaBackend(memory=dedicated).memory.budget is None  # dedicated holds no budget
     monkeypatch.setattr(config, "settings", Config(graph_memory_budget="lots"))
     with pytest.raises(ValueError, match="'lots' as a memory size"):
         cuda_backend.CudaBackend()
@@ -374,18 +382,20 @@ def test_growing_lengths_are_prefetched_on_the_worker_thread(cuda: FakeCuda, pre
     fast = _graphed(_first, "2KiB", "auto", prefetch)  # executables of 10 nodes, charged 40 KiB: one fits
     fast.capture([(torch.randn(n),) for n in range(1, 31)], progress=False)
     cache = next(iter(fast._backend.executable_caches().values()))
-    cache.budget = 3 * cache.charge(10)  # room for the executable just called, a prefetch and one more
+    cache.accounting.budget = 3 * cache.accounting.charge(
+        10
+    )  # room for the executable just called, a prefetch and one more
     cuda.launches.clear()
     _grow_and_shrink(fast, range(1, 31))
     cache.wait_idle()
-    assert len(cuda.executables) == cache.executables and cache.live_bytes <= cache.budget
+    assert len(cuda.executables) == cache.executables and cache.live_bytes <= cache.accounting.budget
     memory = [record.memory for record in fast.stats.graphs.values()]
     if not prefetch:
-        assert cache.prefetches == 0 and not cuda.uploads
+        assert cache.prefetcher.prefetches == 0 and not cuda.uploads
         assert all(name == threading.current_thread().name for name in cuda.threads)
         return
-    assert cache.prefetch_hits >= 100, f"{cache.prefetch_hits} hits in 120 calls stepping by one"
-    assert sum(m.prefetches for m in memory) == cache.prefetches
+    assert cache.prefetcher.hits >= 100, f"{cache.prefetcher.hits} hits in 120 calls stepping by one"
+    assert sum(m.prefetches for m in memory) == cache.prefetcher.prefetches
     (worker,) = cuda.threads - {threading.current_thread().name}
     assert worker.startswith("tendril-executables") and worker in cuda.relaxed_threads
     assert {stream for _, stream in cuda.uploads} == {0}  # uploaded on the stream of the predicting call
@@ -394,10 +404,11 @@ def test_growing_lengths_are_prefetched_on_the_worker_thread(cuda: FakeCuda, pre
 
 
 def test_background_destructions_wait_for_the_last_launch(cuda: FakeCuda):
-    fast = _graphed(_first, "2KiB", "lru")
+    cuda.family_per_shape = True  # nothing to update: every miss and prefetch instantiates, evicting
+    fast = _graphed(_first, "2KiB", "update")
     fast.capture([(torch.randn(n),) for n in range(1, 9)], progress=False)
     cache = next(iter(fast._backend.executable_caches().values()))
-    cache.budget = 2 * cache.charge(10)
+    cache.accounting.budget = 2 * cache.accounting.charge(10)
     cuda.running = True  # every launch is still running when its executable is evicted
     for n in range(1, 9):
         x = torch.randn(n)
@@ -411,11 +422,11 @@ def test_background_destructions_wait_for_the_last_launch(cuda: FakeCuda):
 def test_a_background_update_waits_for_the_last_launch_then_uploads(cuda: FakeCuda):
     """`CudaExecutables.update_async` on the worker: waits for the executable's last launch, updates it and
     uploads it in the stream given; a refused update uploads nothing; a failed upload destroys the executable."""
-    driver = cuda_backend.CudaExecutables(torch.device("cuda", 0))
+    driver = executables_cuda.CudaExecutables(torch.device("cuda", 0))
     x = torch.randn(3)
     doubling, tripling, refusing = (FakeGraph(cuda, _scale, (t, f), {}) for t, f in ((x, 2.0), (x, 3.0), (x[:0], 4.0)))
     refusing.refuse_updates = True
-    whole = (cuda_backend.ManagedGraph(g, (g.topology.nodes,)) for g in (doubling, tripling, refusing))
+    whole = (executables_cuda.ManagedGraph(g, (g.topology.nodes,)) for g in (doubling, tripling, refusing))
     doubling, tripling, refusing = whole
     chain, _ = driver.instantiate(doubling)
     (handle,) = chain.segments
@@ -445,18 +456,18 @@ def test_update_prefetches_by_updating_on_the_worker_thread(cuda: FakeCuda):
     lengths = range(8, 38)  # not 7: it refuses updates
     fast.capture([(torch.randn(n),) for n in lengths], progress=False)
     cache = next(iter(fast._backend.executable_caches().values()))
-    cache.budget = 3 * cache.charge(10)  # room for the executable just called and two more
+    cache.accounting.budget = 3 * cache.accounting.charge(10)  # room for the executable just called and two more
     cuda.running = True  # every launch is still running when the next prefetch is submitted
     made, updated = _memory_total(fast, "instantiations"), _memory_total(fast, "updates")
     _grow_and_shrink(fast, lengths)
     cache.wait_idle()
     assert _memory_total(fast, "instantiations") - made <= 2, "instantiated where it should have updated"
     assert _memory_total(fast, "updates") - updated >= 100 and _memory_total(fast, "update_failures") == 0
-    assert cache.prefetch_hits >= 100
+    assert cache.prefetcher.hits >= 100
     assert any(name.startswith("tendril-executables") for name in cuda.update_threads)
     assert {stream for _, stream in cuda.uploads} == {0} and len(cuda.uploads) >= 100
     assert cache.driver.background_waits >= 100
-    assert len(cuda.executables) == cache.executables == 3 and cache.live_bytes <= cache.budget
+    assert len(cuda.executables) == cache.executables == 3 and cache.live_bytes <= cache.accounting.budget
 
 
 def _memory_total(fast: Any, what: str) -> int:
@@ -464,15 +475,15 @@ def _memory_total(fast: Any, what: str) -> int:
 
 
 def test_segment_sizes_of_a_gpt2_forward_graph():
-    assert cuda_backend.segment_sizes(293) == (16, 32, 64, 96, 85)
-    assert cuda_backend.segment_sizes(20) == (20,)  # a last piece of 4 joins the first 16
-    assert cuda_backend.segment_sizes(0) == ()
+    assert executables_cuda.segment_sizes(293) == (16, 32, 64, 96, 85)
+    assert executables_cuda.segment_sizes(20) == (20,)  # a last piece of 4 joins the first 16
+    assert executables_cuda.segment_sizes(0) == ()
 
 
 @given(st.integers(min_value=1, max_value=5000))
 def test_segment_sizes_cut_every_node_once_growing_from_a_small_first_segment(nodes: int):
-    sizes = cuda_backend.segment_sizes(nodes)
-    first, largest = cuda_backend.FIRST_SEGMENT_NODES, cuda_backend.MAX_SEGMENT_NODES
+    sizes = executables_cuda.segment_sizes(nodes)
+    first, largest = executables_cuda.FIRST_SEGMENT_NODES, executables_cuda.MAX_SEGMENT_NODES
     assert sum(sizes) == nodes and min(sizes) >= 1
     if len(sizes) > 1:
         assert sizes[0] == first
@@ -484,13 +495,13 @@ def test_segmented_graphs_switch_segment_by_segment_at_launch(cuda: FakeCuda, mo
     """Graphs cut into segments: a switch updates each segment right before launching it (so the host updates
     the next segment while the GPU runs this one); a segment CUDA refuses is instantiated afresh and the call
     still runs its graph, the refusal counted."""
-    monkeypatch.setattr(cuda_backend, "FIRST_SEGMENT_NODES", 5)  # the fake's graphs of 10 nodes: two segments each
-    monkeypatch.setattr(cuda_backend, "MAX_SEGMENT_NODES", 5)
+    monkeypatch.setattr(executables_cuda, "FIRST_SEGMENT_NODES", 5)  # the fake's graphs of 10 nodes: two segments each
+    monkeypatch.setattr(executables_cuda, "MAX_SEGMENT_NODES", 5)
     fast = _graphed(_scale, "1KiB", "update", prefetch=False)  # room for no second executable: every miss updates
     x = torch.randn(4)
     for factor in (2.0, 3.0, 2.0):
         torch.testing.assert_close(fast(x, factor), _scale(x, factor))
-    (chain,) = [e.handle for e in next(iter(fast._backend.executable_caches().values()))._live]
+    (chain,) = [e.handle for e in next(iter(fast._backend.executable_caches().values())).table.live]
     first, second = chain.segments
     assert cuda.log[-4:] == [("update", first), ("launch", first), ("update", second), ("launch", second)]
     memory = [record.memory for record in fast.stats.graphs.values()]

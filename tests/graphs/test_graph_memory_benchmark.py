@@ -89,10 +89,10 @@ def test_overhead_by_band_sums_each_bands_lengths():
 def test_options_of_c_come_from_the_environment(monkeypatch):
     monkeypatch.delenv("GRAPHS_MEMORY_STRATEGY", raising=False)
     monkeypatch.delenv("GRAPHS_MEMORY_PREFETCH", raising=False)
-    assert case._options() == {"graph_memory_strategy": "auto"}
-    monkeypatch.setenv("GRAPHS_MEMORY_STRATEGY", "lru")
+    assert case._options() == {"strategy": "auto"}
+    monkeypatch.setenv("GRAPHS_MEMORY_STRATEGY", "update")
     monkeypatch.setenv("GRAPHS_MEMORY_PREFETCH", "off")
-    assert case._options() == {"graph_memory_strategy": "lru", "graph_memory_prefetch": False}
+    assert case._options() == {"strategy": "update", "prefetch": False}
     monkeypatch.setenv("GRAPHS_MEMORY_PREFETCH", "fresh")
     with pytest.raises(ValueError, match="GRAPHS_MEMORY_PREFETCH"):
         case._options()

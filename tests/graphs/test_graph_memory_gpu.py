@@ -11,6 +11,7 @@ import random
 import pytest
 import torch
 
+from tendril.graphs.options import GraphMemoryPolicy
 from tests.graphs.gpu_models import fast, gpt2, tensors, tight, wav2vec2
 
 pytestmark = pytest.mark.gpu
@@ -27,11 +28,11 @@ def _device_used() -> int:
     return total - free
 
 
-@pytest.mark.parametrize("strategy", ["lru", "update", "auto"])
+@pytest.mark.parametrize("strategy", ["update", "auto"])
 def test_budgeted_executables_equal_dedicated_ones_under_random_call_orders(strategy):
     model = gpt2()
     dedicated = fast(model, max_graphs=64)
-    budgeted = fast(model, max_graphs=64, graph_memory_budget="2MiB", graph_memory_strategy=strategy)
+    budgeted = fast(model, max_graphs=64, memory=GraphMemoryPolicy(budget="2MiB", strategy=strategy))
     rng = random.Random(7)
     with torch.inference_mode():
         for _ in range(150):
@@ -51,15 +52,12 @@ def test_budgeted_executables_equal_dedicated_ones_under_random_call_orders(stra
     )
     assert switches > budgeted.stats.captures, "the budget never forced a switch: the test exercised nothing"
     assert all(m.segments >= 2 for m in memory), "the graphs ran unsegmented: the chains were not exercised"
-    if strategy == "lru":
-        assert sum(m.updates for m in memory) == 0
-    else:  # update, and auto (which is update under a budget)
-        assert sum(m.updates for m in memory) > 0
+    assert sum(m.updates for m in memory) > 0  # auto is update under a budget
 
 
 def test_wav2vec2_under_a_budget_matches_eager():
     model = wav2vec2()
-    budgeted = fast(model, graph_memory_budget="1MiB", graph_memory_strategy="auto")
+    budgeted = fast(model, memory="1MiB")
     rng = random.Random(3)
     with torch.inference_mode():
         for _ in range(40):
@@ -81,7 +79,7 @@ def test_the_budget_holds_in_device_memory():
     examples = [(torch.randint(0, 1000, (1, n), device="cuda"),) for n in lengths]
     with torch.inference_mode():
         before = _device_used()
-        budgeted = fast(model, max_graphs=64, graph_memory_budget=budget)
+        budgeted = fast(model, max_graphs=64, memory=budget)
         budgeted.capture(examples[:1], progress=False)
         stats = budgeted.stats
         first = _device_used() - before - stats.pool_bytes - stats.placeholder_bytes
@@ -97,9 +95,10 @@ def test_the_budget_holds_in_device_memory():
     print(
         f"48 graphs under {budget / MIB:.0f} MiB: device {used / MIB:.1f} MiB, pool {stats.pool_bytes / MIB:.1f} MiB, "
         f"outside the pool {first / MIB:.1f} MiB after the first graph, +{growth / MIB:.1f} MiB after all; "
-        f"{cache.executables} executables charged {cache.live_bytes / MIB:.2f} MiB at {cache.bytes_per_node:.0f} B/node"
+        f"{cache.executables} executables charged {cache.live_bytes / MIB:.2f} MiB "
+        f"at {cache.accounting.bytes_per_node:.0f} B/node"
     )
-    assert cache.over_budget == 0 and cache.live_bytes <= budget
+    assert cache.accounting.over_budget == 0 and cache.live_bytes <= budget
     assert growth <= budget + 4 * MIB, "executables (and kept graphs) use more device memory than the budget"
 
 
@@ -110,7 +109,7 @@ def _slow_scale(x: torch.Tensor, scale: float) -> torch.Tensor:
 
 def test_an_update_does_not_disturb_the_replay_still_running():
     # a budget smaller than one executable: `update` switches at every miss instead of instantiating
-    budgeted = fast(_slow_scale, graph_memory_budget="1KiB", graph_memory_strategy="update")
+    budgeted = fast(_slow_scale, memory=GraphMemoryPolicy(budget="1KiB", strategy="update"))
     x = torch.randn(1 << 16, device="cuda")
     with torch.inference_mode():
         budgeted.capture([(x, 2.0), (x, 3.0)], progress=False)
@@ -135,7 +134,7 @@ def _slow_when_doubling(x: torch.Tensor, scale: float) -> torch.Tensor:
 
 
 def test_a_call_on_another_stream_waits_for_the_previous_launch():
-    budgeted = fast(_slow_when_doubling, graph_memory_budget="1MiB", graph_memory_strategy="update")
+    budgeted = fast(_slow_when_doubling, memory=GraphMemoryPolicy(budget="1MiB", strategy="update"))
     x = torch.randn(1 << 16, device="cuda")
     side = torch.cuda.Stream()
     with torch.inference_mode():
@@ -157,7 +156,7 @@ def test_graphs_drawing_random_numbers_keep_dedicated_executables():
     def noisy(x: torch.Tensor) -> torch.Tensor:
         return x + torch.rand_like(x)
 
-    budgeted = fast(noisy, graph_memory_budget="1MiB", graph_memory_strategy="update")
+    budgeted = fast(noisy, memory=GraphMemoryPolicy(budget="1MiB", strategy="update"))
     x = torch.zeros(1024, device="cuda")
     with torch.inference_mode():
         first = budgeted(x).clone()
@@ -212,8 +211,7 @@ def test_graph_exec_instantiates_updates_and_refuses_other_topologies():
     del out_other
 
 
-@pytest.mark.parametrize("strategy", ["update", "lru"])
-def test_graphs_with_device_side_loops_switch_under_a_budget(strategy):
+def test_graphs_with_device_side_loops_switch_under_a_budget():
     from tendril.graphs.control import while_loop
 
     weights = [torch.randn(16, 16, device="cuda") / 4 for _ in range(2)]
@@ -227,7 +225,7 @@ def test_graphs_with_device_side_loops_switch_under_a_budget(strategy):
         i, h = while_loop(lambda i, h: i < limit, body, (torch.zeros((), dtype=torch.long, device="cuda"), v))
         return i, h * 1.0
 
-    budgeted = fast(fn, clone_outputs=True, graph_memory_budget="1KiB", graph_memory_strategy=strategy)
+    budgeted = fast(fn, clone_outputs=True, memory=GraphMemoryPolicy(budget="1KiB", strategy="update"))
     rng = random.Random(5)
     for _ in range(30):
         limit = torch.tensor(rng.choice([0, 3, 5]), device="cuda")
@@ -252,13 +250,13 @@ def _captured_twice(lengths: list[int], **options):
     largest executable."""
     model = gpt2()
     dedicated = fast(model, max_graphs=64)
-    budgeted = fast(model, max_graphs=64, graph_memory_budget="2MiB", **options)
+    budgeted = fast(model, max_graphs=64, memory=GraphMemoryPolicy(budget="2MiB", **options))
     with torch.inference_mode():
         examples = [(torch.randint(0, 1000, (1, n), device="cuda"),) for n in reversed(lengths)]
         dedicated.capture(examples, progress=False)
         budgeted.capture(examples, progress=False)
     (cache,) = budgeted._backend.executable_caches().values()  # type: ignore[attr-defined]
-    largest = cache.charge(max(r.memory.nodes or 0 for r in budgeted.stats.graphs.values()))
+    largest = cache.accounting.charge(max(r.memory.nodes or 0 for r in budgeted.stats.graphs.values()))
     return dedicated, budgeted, cache, largest
 
 
@@ -269,31 +267,33 @@ def test_prefetched_executables_equal_dedicated_ones():
     lengths = list(range(1, 41))
     dedicated, budgeted, cache, largest = _captured_twice(lengths)
     with torch.inference_mode():
-        assert cache.budget >= 2 * largest, "the budget must hold the executable called and a prefetch"
+        assert cache.accounting.budget >= 2 * largest, "the budget must hold the executable called and a prefetch"
         hits = []
         for order in (lengths, lengths[::-1], lengths, lengths[::-1]):
-            before = cache.prefetch_hits
+            before = cache.prefetcher.hits
             for n in order:
                 _poisoned_equal(budgeted, dedicated, torch.randint(0, 1000, (1, n), device="cuda"))
-            hits.append(cache.prefetch_hits - before)
-        growing = (cache.prefetches, cache.prefetch_hits, cache.prefetch_waits, cache.prefetch_wasted)
+            hits.append(cache.prefetcher.hits - before)
+        growing = (cache.prefetcher.prefetches, cache.prefetcher.hits, cache.prefetcher.waits, cache.prefetcher.wasted)
         rng = random.Random(4)
         for _ in range(120):
             _poisoned_equal(budgeted, dedicated, torch.randint(0, 1000, (1, rng.choice(lengths)), device="cuda"))
         cache.wait_idle()
     print(
         f"prefetch hits per pass {hits}; growing/shrinking: {growing[0]} prefetches, {growing[1]} hits, "
-        f"{growing[2]} waits, {growing[3]} wasted; after the random order: {cache.prefetches} prefetches, "
-        f"{cache.prefetch_wasted} wasted; {cache.executables} executables, {cache.live_bytes / MIB:.2f} MiB charged; "
+        f"{growing[2]} waits, {growing[3]} wasted; after the random order: {cache.prefetcher.prefetches} prefetches, "
+        f"{cache.prefetcher.wasted} wasted; {cache.executables} executables, {cache.live_bytes / MIB:.2f} MiB charged; "
         f"background destroys that waited for a launch: {cache.driver.background_waits}"
     )
     assert hits[0] > 0, "the growing pass never found a prefetched executable"
     # a pass starts on the lengths the previous one left held (no prefetch needed), then steps into the others
     nodes = max(r.memory.nodes or 0 for r in budgeted.stats.graphs.values())
-    held = max(cache.budget // largest, cache.budget // cache.charge(nodes))  # the learnt rate moved meanwhile
+    held = max(
+        cache.accounting.budget // largest, cache.accounting.budget // cache.accounting.charge(nodes)
+    )  # the learnt rate moved meanwhile
     assert min(hits) >= len(lengths) - held - 3, f"prefetch hits per pass {hits}: expected all but the first calls"
-    assert cache.over_budget == 0 and cache.live_bytes <= cache.budget
-    assert cache.prefetches - growing[0] <= 12, "random order prefetched more than a handful"
+    assert cache.accounting.over_budget == 0 and cache.live_bytes <= cache.accounting.budget
+    assert cache.prefetcher.prefetches - growing[0] <= 12, "random order prefetched more than a handful"
 
 
 def test_update_with_prefetching_equals_dedicated_executables():
@@ -302,14 +302,14 @@ def test_update_with_prefetching_equals_dedicated_executables():
     a random order switches at launch on the calling thread, segment by segment; results equal dedicated
     executables' bit for bit."""
     lengths = list(range(1, 41))
-    dedicated, budgeted, cache, largest = _captured_twice(lengths, graph_memory_strategy="update")
+    dedicated, budgeted, cache, largest = _captured_twice(lengths, strategy="update")
     with torch.inference_mode():
-        assert cache.budget < len(lengths) * largest, "a budget that holds every executable never updates"
+        assert cache.accounting.budget < len(lengths) * largest, "a budget that holds every executable never updates"
         background_updates = _count_calls(cache.driver, "update_async")
         for order in (lengths, lengths[::-1], lengths, lengths[::-1]):
             for n in order:
                 _poisoned_equal(budgeted, dedicated, torch.randint(0, 1000, (1, n), device="cuda"))
-        stepping = (len(background_updates), cache.prefetches, cache.prefetch_hits, cache.prefetch_waits)
+        stepping = (len(background_updates), cache.prefetcher.prefetches, cache.prefetcher.hits, cache.prefetcher.waits)
         launches = _count_calls(cache.driver, "launch")
         rng = random.Random(6)
         for _ in range(120):
@@ -327,7 +327,7 @@ def test_update_with_prefetching_equals_dedicated_executables():
     assert stepping[0] > 0, "no prefetch updated an executable in the background: the test exercised nothing"
     assert stepping[2] > 0, "no call found its executable prefetched"
     assert foreground_updates, "no miss of the random order updated an executable: the test exercised nothing"
-    assert cache.over_budget == 0 and cache.live_bytes <= cache.budget
+    assert cache.accounting.over_budget == 0 and cache.live_bytes <= cache.accounting.budget
 
 
 def _count_calls(driver, method: str) -> list[tuple]:
@@ -349,13 +349,14 @@ def _slow_double(x: torch.Tensor) -> torch.Tensor:
 
 
 def test_background_destruction_waits_for_a_running_launch():
-    budgeted = fast(_slow_double, graph_memory_budget="1GiB")
+    budgeted = fast(_slow_double, memory="1GiB")
     xs = [torch.randn(n, device="cuda") for n in range(1, 13)]
     with torch.inference_mode():
         budgeted.capture([(x,) for x in reversed(xs)], progress=False)
         (cache,) = budgeted._backend.executable_caches().values()  # type: ignore[attr-defined]
-        charge = cache.charge(max(r.memory.nodes or 0 for r in budgeted.stats.graphs.values()))
-        cache.budget = 5 * charge // 2  # two executables (with room for the learnt rate to move), never three
+        charge = cache.accounting.charge(max(r.memory.nodes or 0 for r in budgeted.stats.graphs.values()))
+        # two executables (with room for the learnt rate to move), never three
+        cache.accounting.budget = 5 * charge // 2
         cache.reserve(0)  # evicts down to the two executables acquired last at capture (lengths 2 and 1)
         cache.wait_idle()
         torch.cuda.synchronize()
@@ -364,5 +365,5 @@ def test_background_destruction_waits_for_a_running_launch():
         for x, got in zip(xs, results, strict=True):
             torch.testing.assert_close(got, x * 2 + 1)
         cache.wait_idle()
-    assert cache.prefetch_hits >= 8 and cache.executables <= 2
+    assert cache.prefetcher.hits >= 8 and cache.executables <= 2
     assert cache.driver.background_waits > 0, "no background destruction found its launch still running"

@@ -26,8 +26,8 @@ Background threads. These calls may run on a thread other than the one launching
 worker instantiates, uploads and destroys there). `relax_capture_mode` makes such a thread's calls legal
 while another thread captures a graph in CUDA's default (global) interaction mode: instantiating and
 destroying allocate and free device memory, which global mode would forbid and which would invalidate
-that capture. `upload` moves the work the first launch of a fresh executable does (0.27 ms of host time
-per GPT-2 forward graph on the H200) into an upload enqueued on a stream ahead of it.
+that capture. `upload` moves the work the first launch of a fresh executable does into an upload enqueued on a
+stream ahead of it.
 """
 
 from __future__ import annotations
@@ -61,8 +61,8 @@ class Topology:
     Graphs with equal digests form a family: candidates for `update`, which changes kernel functions, arguments,
     launch dimensions and copy/memset parameters. CUDA accepts updates that swap a kernel node's function (same
     context, no change of dynamic parallelism or cooperativeness), and cuBLAS picks other kernels at other problem
-    sizes, so the function is left out: GPT-2's forward graphs at lengths 1..1024 make 49 families so, against 184
-    by function (`graphs-memory`'s `topology_families`). The GPU tests switch executables between graphs of other
+    sizes, so the function is left out: a model's graphs at many lengths then make far fewer families than they
+    would by function. The GPU tests switch executables between graphs of other
     functions (elementwise kernels; GPT-2 at random lengths) and compare them with dedicated executables bit for
     bit. A kernel node whose configuration cannot be read gets a digest of its own (no updates)."""
 
@@ -223,9 +223,8 @@ def _kernel_launch(node: Any, graph: int, requirements: dict[int, str]) -> str:
     cannot say: the launch attributes of `LAUNCH_ATTRIBUTES` and the function's cluster requirements.
 
     The cluster shape is part of it: cuBLAS launches one function with other cluster shapes at other problem
-    sizes (a Wav2Vec2-base node ran with clusters of (5, 1, 1) at one length and (2, 2, 1) at another), and
-    `cudaGraphExecUpdate` between such nodes is accepted but ended in an illegal instruction on the H200 (driver
-    580). Through the driver API: the runtime's `cudaGraphKernelNodeGetParams` answers "invalid device function"
+    sizes, and `cudaGraphExecUpdate` between such nodes is accepted but can end in an illegal instruction. Through
+    the driver API: the runtime's `cudaGraphKernelNodeGetParams` answers "invalid device function"
     for kernels that torch's own (statically linked) runtime launched."""
     from cuda.bindings import driver
 

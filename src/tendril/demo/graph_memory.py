@@ -1,9 +1,9 @@
 """Demo: many graphs in little device memory.
 
-GPT-2 with one graph per length. Every instantiated CUDA graph holds driver memory of its own (0.83 MiB
-per GPT-2 forward on our H200); `tendril.graphed(model, graph_memory_budget=...)` keeps the captured
-graphs on the host and instantiates executables on demand, evicting the least recently used past the
-budget, with results identical to one executable per graph.
+GPT-2 with one graph per length. Every instantiated CUDA graph holds driver memory of its own;
+`tendril.graphed(model, memory="16MiB")` keeps the captured graphs on the host and gives them executables on
+demand within that budget (instantiating while it has room, then switching executables of one topology by
+updates), with results identical to one executable per graph.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ def run(device: torch.device, quick: bool) -> SectionResult:
         eager = time_callable(model, inputs, device=device, warmup=2, reps=reps)
         rows = [Row("eager PyTorch", "kernels launched from the CPU", eager.median_ms, baseline=True)]
         if device.type != "cuda":
-            notes.append(eager_fallback_note(model, inputs[0], graph_memory_budget="16MiB"))
+            notes.append(eager_fallback_note(model, inputs[0], memory="16MiB"))
             return SectionResult(TITLE, rows, notes)
         dedicated, dedicated_row = _graphed_row(model, inputs, lengths, device, reps, None)
         budgeted, budgeted_row = _graphed_row(model, inputs, lengths, device, reps, "16MiB")
@@ -54,7 +54,7 @@ def _graphed_row(
     budget: str | None,
 ) -> tuple[GraphedCallable, Row]:
     base = device_memory_in_use(device)
-    fast = graphed(model, max_graphs=len(lengths), graph_memory_budget=budget)
+    fast = graphed(model, max_graphs=len(lengths), memory=budget)
     fast.capture([(torch.zeros(1, n, dtype=torch.long, device=device),) for n in lengths], progress=False)
     used = (device_memory_in_use(device) - base) / MIB
     timing = time_callable(fast, inputs, device=device, warmup=2, reps=reps)

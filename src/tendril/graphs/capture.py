@@ -46,8 +46,7 @@ from tendril.graphs.memory import device_free_bytes, pool_reserved_bytes
 
 GRAPH_SDPA_BACKENDS = (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH)
 """Attention kernels graphs are captured with: cuDNN attention is left out because it builds a plan on the
-host for every new shape (8 ms per call on average while capturing GPT-2 at 24 new lengths on our H200,
-up to a second), which would dominate the capture of shape-keyed graphs; flash and memory-efficient
+host for every new shape, which would dominate the capture of shape-keyed graphs; flash and memory-efficient
 attention need no per-shape host setup. Pass `sdpa_backends=None` to keep PyTorch's choice."""
 
 HOST_COPY_ERROR = "Cannot copy between CPU and CUDA tensors during CUDA graph capture"

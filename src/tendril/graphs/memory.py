@@ -18,8 +18,8 @@ memory. The price is the lifetime rule documented on `GraphedCallable`: outputs 
 callable's next call. Pool blocks are never returned to the device while any graph of the pool is
 alive, so the non-owning outputs never dangle while the callable lives.
 
-Executables. Each instantiated graph also holds driver memory outside the pool; under a
-`graph_memory_budget` (`parse_bytes` reads "256MiB") that memory is managed by
+Executables. Each instantiated graph also holds driver memory outside the pool; under a budget
+(`GraphMemoryPolicy.budget`; `parse_bytes` reads "256MiB") that memory is managed by
 `tendril.graphs.executables`. `host_resident_bytes` bounds the host memory the kept graphs take.
 """
 

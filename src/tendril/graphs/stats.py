@@ -53,7 +53,7 @@ class GraphMemory:
     """Digest of the graph's topology; graphs of one family can share an executable through updates."""
     nodes: int | None = None
     segments: int = 1
-    """Executables the graph runs as, one per segment of consecutive nodes (`tendril.graphs.cuda_backend`)."""
+    """Executables the graph runs as, one per segment of consecutive nodes (`tendril.graphs.executables.cuda`)."""
     host_bytes: int | None = None
     """Host memory taken while capturing (process RSS growth: the kept CUDA graph and its segments, bounded from
     above)."""
@@ -62,7 +62,7 @@ class GraphMemory:
     instantiations: int = 0
     """Instantiations of this graph's executables, on the call path and in the background (then also `prefetches`)."""
     prefetches: int = 0
-    """Instantiations, and updates (strategy `update`), started in the background ahead of a call predicted to need
+    """Instantiations and updates started in the background ahead of a call predicted to need
     this graph."""
     prefetch_hits: int = 0
     """Calls that found this graph's executable prefetched (ready, or still being made: then also a wait)."""
