@@ -3,7 +3,16 @@
 import pytest
 import torch
 
-from tendril.graphs.buckets import Buckets, Pad, parameter_positions, pow2_sizes, sequence_buckets
+from tendril.graphs.buckets import (
+    Buckets,
+    Pad,
+    cut_back,
+    follow_length,
+    parameter_positions,
+    pow2_sizes,
+    probe_length,
+    sequence_buckets,
+)
 
 
 def test_bucket_is_the_smallest_size_that_holds_the_call():
@@ -39,14 +48,31 @@ def test_an_existing_mask_is_padded_with_zeros_and_positional_names_resolve():
     assert padded.args[0].shape == (1, 8)
 
 
-def test_outputs_are_cut_back_along_the_output_dim_only_where_it_has_the_bucket_size():
-    buckets = sequence_buckets((8,))
+def test_traced_dimensions_are_cut_back_and_a_dimension_that_merely_equals_the_bucket_is_not():
+    logits, pooled, attention = torch.randn(1, 8, 8), torch.randn(1, 8), torch.randn(1, 2, 8, 8)
+    probe = {"logits": torch.randn(1, 7, 8), "pooled": torch.randn(1, 8), "attention": torch.randn(1, 2, 7, 7)}
+    axes = follow_length({"logits": logits, "pooled": pooled, "attention": attention}, probe, 8, 7)
+    assert axes == ((1,), (), (2, 3))  # leaves in insertion order: logits, pooled, attention
+    out = cut_back({"logits": logits, "pooled": pooled, "attention": attention}, axes, 5)
+    assert torch.equal(out["logits"], logits[:, :5]) and out["pooled"] is pooled
+    assert torch.equal(out["attention"], attention[:, :, :5, :5])
+
+
+def test_outputs_that_change_with_the_length_other_than_one_to_one_cannot_be_cut():
+    assert "one to one" in follow_length(torch.randn(1, 4), torch.randn(1, 3), 8, 7)
+    assert "structure" in follow_length((torch.randn(8),), [torch.randn(7)], 8, 7)
+    assert "rank" in follow_length(torch.randn(8, 1), torch.randn(7), 8, 7)
+
+
+def test_resize_cuts_or_pads_every_padded_argument_and_the_created_mask():
+    buckets = sequence_buckets((8,), pad_token_id=9)
     padded = buckets.pad((), {"input_ids": torch.ones(1, 5, dtype=torch.long)})
     assert padded is not None
-    logits, pooled = torch.randn(1, 8, 3), torch.randn(1, 4)
-    out = padded.restore({"logits": logits, "pooled": pooled})
-    assert out["logits"].shape == (1, 5, 3) and torch.equal(out["logits"], logits[:, :5])
-    assert out["pooled"] is pooled
+    _, kwargs = buckets.resize(padded.args, padded.kwargs, {}, probe_length(padded.bucket))
+    assert kwargs["input_ids"].shape == kwargs["attention_mask"].shape == (1, 4)
+    assert probe_length(1) == 2
+    _, kwargs = buckets.resize(padded.args, padded.kwargs, {}, 10)
+    assert kwargs["input_ids"][0, 8:].tolist() == [9, 9] and kwargs["attention_mask"][0, 8:].tolist() == [0, 0]
 
 
 def test_calls_longer_than_every_bucket_or_without_padded_arguments_are_not_padded():

@@ -274,6 +274,51 @@ def test_buckets_pad_calls_so_one_graph_serves_many_lengths():
     assert backend.captures == 3 and fast.stats.padded_calls == 9
 
 
+def test_a_bucketed_output_whose_size_equals_the_bucket_is_returned_whole():
+    """BERT-like: a sequence output cut back to the call's length, a pooled output of hidden size 8 under an
+    8 bucket left whole (a size coincidence, not a padded axis)."""
+    weight = torch.randn(8, 8)
+
+    def encoder(input_ids, attention_mask):
+        hidden = torch.nn.functional.one_hot(input_ids % 8, 8).float() @ weight * attention_mask[..., None]
+        return {"sequence": hidden, "pooled": hidden.sum(1).tanh()}
+
+    fast, backend = make(fn=encoder, buckets=sequence_buckets((8, 16)))
+    for n in (5, 8, 3, 12):
+        ids = torch.randint(0, 100, (2, n))
+        mask = torch.ones(2, n)
+        out = fast(ids, attention_mask=mask)
+        expected = encoder(ids, mask)
+        assert out["sequence"].shape == (2, n, 8) and out["pooled"].shape == (2, 8)
+        torch.testing.assert_close(out, expected)
+    assert backend.captures == 2
+
+
+def test_a_bucket_whose_outputs_do_not_follow_the_length_one_to_one_runs_eagerly_and_says_why():
+    def strided(input_ids, attention_mask):
+        return (input_ids.float() * attention_mask)[:, ::2]
+
+    fast, backend = make(fn=strided, buckets=sequence_buckets((8,)))
+    ids, mask = torch.randint(0, 100, (1, 5)), torch.ones(1, 5)
+    with pytest.warns(GraphFallbackWarning, match="one to one"):
+        out = fast(ids, attention_mask=mask)
+    torch.testing.assert_close(out, strided(ids, mask))
+    fast(torch.randint(0, 100, (1, 6)), attention_mask=torch.ones(1, 6))
+    assert backend.captures == 1 and fast.stats.fallbacks[Fallback.PADDED_OUTPUTS] == 2  # never retried
+
+
+def test_buckets_without_cutting_return_padded_outputs_and_trace_nothing():
+    calls = []
+
+    def fn(input_ids, attention_mask):
+        calls.append(input_ids.shape[1])
+        return input_ids * attention_mask
+
+    fast, _ = make(fn=fn, buckets=sequence_buckets((8,), cut_outputs=False))
+    assert fast(torch.ones(1, 3, dtype=torch.long), attention_mask=torch.ones(1, 3, dtype=torch.long)).shape == (1, 8)
+    assert set(calls) == {8}
+
+
 def test_stats_table_explains_graphs_and_fallbacks():
     fast, _ = make(max_graphs=1)
     fast(torch.randn(1, 4))

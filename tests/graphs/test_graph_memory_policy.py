@@ -27,7 +27,6 @@ from hypothesis import strategies as st
 
 from tendril.cuda.graph_exec import Topology, UpdateOutcome
 from tendril.cuda.runtime import CudaError
-from tendril.graphs.backend import NullBackend
 from tendril.graphs.callable import graphed
 from tendril.graphs.cuda_backend import CudaBackend
 from tendril.graphs.executables import PRIOR_BYTES_PER_NODE, ExecutableCache, ExecutableState

@@ -1,12 +1,18 @@
-"""Buckets: pad a call up to a captured size, run that size's graph, slice the outputs back.
+"""Buckets: pad a call up to a captured size, run that size's graph, cut the outputs back.
 
-Padding is only correct where the model ignores the padded positions, so the user declares it:
-which arguments to pad, along which dimension, with which value, and along which dimension
-outputs are cut back. `sequence_buckets` is the ready-made case of token sequences with an
-attention mask: pad `input_ids` with a pad token and the mask with zeros (creating an all-ones mask
-for the real tokens when the call has none), then cut outputs back along the sequence dimension.
-Right padding with a zero mask leaves the real positions' outputs unchanged in HF models with
-padding-aware attention; for causal decoders even without a mask.
+Padding is only correct where the model ignores the padded positions, so the user declares it: which
+arguments to pad, along which dimension, and with which value. `sequence_buckets` is the ready-made case of
+token sequences with an attention mask: pad `input_ids` with a pad token and the mask with zeros (creating an
+all-ones mask for the real tokens when the call has none). Right padding with a zero mask leaves the real
+positions' outputs unchanged in HF models with padding-aware attention; for causal decoders even without a mask.
+
+Which outputs to cut back is traced, never guessed from sizes: when a bucket's graph is captured, the call is
+also run eagerly at a second length (`probe_length`, half the bucket), and an output dimension follows the padded length where
+it has the bucket's size in the captured call and the probe's size in the probe (`follow_length`). Calls served
+by that graph narrow exactly those dimensions to their own length (`cut_back`), so a dimension that merely
+equals the bucket's size (a hidden size of 128 under a 128 bucket) is left whole. Outputs whose structure, or
+any dimension, changes with the length other than one to one (a strided convolution's frames) cannot be cut
+back: such a bucket runs eagerly (`Fallback.PADDED_OUTPUTS`) instead of returning padded results.
 
 A call longer than the largest bucket is not padded: it runs under its exact key (a graph of its
 own while under the callable's limit, else eagerly).
@@ -37,26 +43,12 @@ class Pad:
 
 @dataclass(frozen=True)
 class PaddedCall:
-    """A call padded up to a bucket, and how to cut its outputs back."""
+    """A call padded up to a bucket: the padded arguments, the call's own length and the bucket's."""
 
     args: tuple[Any, ...]
     kwargs: dict[str, Any]
     length: int
     bucket: int
-    output_dim: int | None
-
-    def restore(self, outputs: Any) -> Any:
-        """Slice every output tensor whose `output_dim` has the bucket's size back to the call's length."""
-        if self.output_dim is None or self.length == self.bucket:
-            return outputs
-        dim = self.output_dim
-
-        def cut(tensor: torch.Tensor) -> torch.Tensor:
-            if tensor.dim() > dim and tensor.shape[dim] == self.bucket:
-                return tensor.narrow(dim, 0, self.length)
-            return tensor
-
-        return pytree.tree_map_only(torch.Tensor, cut, outputs)
 
 
 @dataclass(frozen=True)
@@ -68,8 +60,8 @@ class Buckets:
     pads: tuple[tuple[str | int, Pad], ...]
     """`(argument, how)`: the argument by keyword name or position; names also match positional arguments
     of a callable whose signature names them."""
-    output_dim: int | None = 1
-    """Outputs are sliced back along this dimension (None: returned padded)."""
+    cut_outputs: bool = True
+    """Cut outputs back to the call's length along the dimensions traced to follow it (False: return them padded)."""
     make_mask: str | None = None
     """Keyword of an attention mask to create (ones over the real length) when the call passes none."""
 
@@ -115,7 +107,69 @@ class Buckets:
             found.append((self.make_mask, Pad(how.dim, 0), mask))
         for name, how, tensor in found:
             _store(name, _pad_to(tensor, how, bucket), new_args, new_kwargs, positions)
-        return PaddedCall(tuple(new_args), new_kwargs, length, bucket, self.output_dim)
+        return PaddedCall(tuple(new_args), new_kwargs, length, bucket)
+
+    def resize(
+        self, args: tuple[Any, ...], kwargs: Mapping[str, Any], positions: Mapping[str, int], length: int
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """A padded call with each padded argument (and the created mask) cut or padded to `length`: the same
+        call at another length, whose outputs tell which output dimensions follow the padded one."""
+        new_args, new_kwargs = list(args), dict(kwargs)
+        resized = list(self.pads)
+        if self.make_mask is not None:
+            resized.append((self.make_mask, Pad(self.pads[0][1].dim, 0)))
+        for name, how in resized:
+            value = _lookup(name, args, kwargs, positions)
+            if isinstance(value, torch.Tensor):
+                _store(name, _resize(value, how, length), new_args, new_kwargs, positions)
+        return tuple(new_args), new_kwargs
+
+
+def probe_length(bucket: int) -> int:
+    """The second length a bucket's call runs at to trace which outputs follow the padded length: half the
+    bucket, far from it, so that a dimension divided by a stride changes too and is seen not to follow one to one."""
+    return bucket // 2 if bucket > 1 else 2
+
+
+def follow_length(outputs: Any, probe: Any, bucket: int, probe_at: int) -> tuple[tuple[int, ...], ...] | str:
+    """For each tensor leaf of `outputs` (the call at `bucket`), the dimensions that follow the padded length:
+    sized `bucket` there and `probe_at` in the same leaf of `probe` (the call at `probe_at`). A string says why
+    the outputs cannot be cut back: their structure or rank changes with the length, or a dimension changes but
+    not one to one."""
+    leaves, spec = pytree.tree_flatten(outputs)
+    probe_leaves, probe_spec = pytree.tree_flatten(probe)
+    if spec != probe_spec:
+        return f"the outputs' structure changes with the length ({spec} at {bucket}, {probe_spec} at {probe_at})"
+    axes: list[tuple[int, ...]] = []
+    for index, (leaf, other) in enumerate(zip(leaves, probe_leaves, strict=True)):
+        if not isinstance(leaf, torch.Tensor):
+            continue
+        if not isinstance(other, torch.Tensor) or leaf.dim() != other.dim():
+            return f"output {index} changes rank with the length"
+        follows = []
+        for dim, (size, probed) in enumerate(zip(leaf.shape, other.shape, strict=True)):
+            if size == probed:
+                continue
+            if (size, probed) != (bucket, probe_at):
+                return (
+                    f"output {index} dimension {dim} is {size} at length {bucket} and {probed} at {probe_at}: "
+                    "it does not follow the padded length one to one, so it cannot be cut back"
+                )
+            follows.append(dim)
+        axes.append(tuple(follows))
+    return tuple(axes)
+
+
+def cut_back(outputs: Any, axes: tuple[tuple[int, ...], ...], length: int) -> Any:
+    """`outputs` with every dimension that follows the padded length (`follow_length`) narrowed to `length`."""
+    leaves, spec = pytree.tree_flatten(outputs)
+    cuts = iter(axes)
+    for index, leaf in enumerate(leaves):
+        if isinstance(leaf, torch.Tensor):
+            for dim in next(cuts):
+                leaf = leaf.narrow(dim, 0, length)
+            leaves[index] = leaf
+    return pytree.tree_unflatten(leaves, spec)
 
 
 def _lookup(name: str | int, args: tuple[Any, ...], kwargs: Mapping[str, Any], positions: Mapping[str, int]) -> Any:
@@ -149,6 +203,12 @@ def _pad_to(tensor: torch.Tensor, how: Pad, size: int) -> torch.Tensor:
     return F.pad(tensor, widths, value=how.value)
 
 
+def _resize(tensor: torch.Tensor, how: Pad, size: int) -> torch.Tensor:
+    if size <= tensor.shape[how.dim]:
+        return tensor.narrow(how.dim, 0, size)
+    return _pad_to(tensor, how, size)
+
+
 def parameter_positions(fn: Callable[..., Any]) -> dict[str, int]:
     """Positions of the parameters of `fn` (an `nn.Module`'s forward) that can be passed positionally."""
     target = fn.forward if isinstance(fn, torch.nn.Module) else fn
@@ -167,12 +227,12 @@ def sequence_buckets(
     input_name: str = "input_ids",
     mask_name: str = "attention_mask",
     seq_dim: int = 1,
-    output_dim: int | None = 1,
+    cut_outputs: bool = True,
 ) -> Buckets:
     """Buckets for token sequences with an attention mask (HF style): pad ids with `pad_token_id`, the mask
-    with 0 (created as ones when the call has none), and cut outputs back along `output_dim`."""
+    with 0 (created as ones when the call has none), and cut outputs back to the call's length."""
     pads = ((input_name, Pad(seq_dim, pad_token_id)), (mask_name, Pad(seq_dim, 0)))
-    return Buckets(tuple(sizes), pads, output_dim=output_dim, make_mask=mask_name)
+    return Buckets(tuple(sizes), pads, cut_outputs=cut_outputs, make_mask=mask_name)
 
 
 def pow2_sizes(maximum: int, minimum: int = 1) -> tuple[int, ...]:

@@ -43,7 +43,7 @@ import torch
 
 from tendril.config import Config
 from tendril.graphs.backend import Backend, Captured, CaptureFailed
-from tendril.graphs.buckets import Buckets, PaddedCall, parameter_positions
+from tendril.graphs.buckets import Buckets, PaddedCall, cut_back, follow_length, parameter_positions, probe_length
 from tendril.graphs.inputs import InputPlacement, Staging
 from tendril.graphs.key import Flattened, GraphKey, Unkeyable, flatten_call, key_of
 from tendril.graphs.memory import PlaceholderArena
@@ -79,6 +79,14 @@ class _Entry:
     captured: Captured
     record: GraphRecord
     staging: Staging
+    cut_axes: tuple[tuple[int, ...], ...] | None = None
+    """Per output tensor, the dimensions that follow a bucket's padded length (`buckets.follow_length`)."""
+
+
+@dataclass
+class _Probe:
+    length: int
+    outputs: Any
 
 
 class GraphedCallable:
@@ -155,15 +163,15 @@ class GraphedCallable:
         key = self._inputs.key_for(key, flat, indices)
         entry = self._entries.get(key) if isinstance(key, GraphKey) else None
         if entry is None:
-            admitted = self._admit(key, flat)
+            admitted = self._admit(key, flat, padded)
             if not isinstance(admitted, _Entry):
                 return self._eager(args, kwargs, *admitted)
             entry = admitted
         if padded is not None:
             self.stats.padded_calls += 1
         outputs = self._replay(entry, flat)
-        if padded is not None:
-            outputs = padded.restore(outputs)
+        if padded is not None and entry.cut_axes is not None and padded.length != padded.bucket:
+            outputs = cut_back(outputs, entry.cut_axes, padded.length)
         if self.options.clone_outputs:
             return clone_outputs(outputs)
         if self.config.debug:
@@ -177,7 +185,7 @@ class GraphedCallable:
         single tensor. Largest first lets every smaller graph reuse the largest one's memory and
         sizes each placeholder buffer once. Examples that cannot be graphed are recorded in `stats`.
         """
-        pending: dict[GraphKey, Flattened] = {}
+        pending: dict[GraphKey, tuple[Flattened, PaddedCall | None]] = {}
         for example in examples:
             args, kwargs = _as_call(example)
             padded = self._pad(args, kwargs)
@@ -186,7 +194,7 @@ class GraphedCallable:
             flat = flatten_call(args, kwargs)
             key = key_of(flat)
             if isinstance(key, GraphKey) and key not in self._entries:
-                pending.setdefault(key, flat)
+                pending.setdefault(key, (flat, padded))
             elif isinstance(key, Unkeyable):
                 self._note(Fallback.UNKEYABLE, key.reason)
         if self._unavailable is not None:
@@ -194,13 +202,13 @@ class GraphedCallable:
                 self._note(*self._unavailable)
             return 0
         order = sorted(pending.items(), key=lambda item: item[0].nbytes, reverse=True)
-        for key, flat in order:
+        for key, (flat, _) in order:
             for index, spec in zip(flat.tensor_indices(), key.tensors, strict=True):
                 if self._backend.accepts(spec.device):
                     self._arena.reserve(index, spec)
         before = len(self._entries)
-        for key, flat in _progress(order, self.name, progress):
-            admitted = self._admit(key, flat)
+        for key, (flat, padded) in _progress(order, self.name, progress):
+            admitted = self._admit(key, flat, padded)
             if not isinstance(admitted, _Entry):
                 self._note(*admitted)
         return len(self._entries) - before
@@ -219,7 +227,7 @@ class GraphedCallable:
         if entry is None:
             if self._unavailable is not None:
                 raise RuntimeError(f"{self.name} cannot capture graphs: {self._unavailable[1]}")
-            admitted = self._admit(key, flat)
+            admitted = self._admit(key, flat, padded)
             if not isinstance(admitted, _Entry):
                 raise RuntimeError(f"{self.name} cannot graph this call: {admitted[0].value}: {admitted[1]}")
             entry = admitted
@@ -325,11 +333,17 @@ class GraphedCallable:
             return Fallback.LIMIT, f"{len(self._entries)} graphs captured, max_graphs={self.options.max_graphs}"
         return None
 
-    def _admit(self, key: GraphKey | Unkeyable, flat: Flattened) -> _Entry | tuple[Fallback, str]:
+    def _admit(
+        self, key: GraphKey | Unkeyable, flat: Flattened, padded: PaddedCall | None = None
+    ) -> _Entry | tuple[Fallback, str]:
         refusal = self._refusal(key)
         if refusal is not None:
             return refusal
         assert isinstance(key, GraphKey)
+        probe = self._probe(padded)
+        if isinstance(probe, tuple):
+            self.stats.failed_keys[key] = probe[0]
+            return probe
         indices = flat.tensor_indices()
         key, placeholders = self._inputs.placeholders(key, flat, indices)
         leaves = list(flat.leaves)
@@ -354,12 +368,34 @@ class GraphedCallable:
         )
         if captured.memory is not None:
             record.memory = captured.memory
+        cut_axes = None
+        if padded is not None and probe is not None:
+            traced = follow_length(captured.outputs, probe.outputs, padded.bucket, probe.length)
+            if isinstance(traced, str):
+                del captured
+                self.stats.failed_keys[key] = Fallback.PADDED_OUTPUTS
+                return Fallback.PADDED_OUTPUTS, f"bucket {padded.bucket}: {traced}"
+            cut_axes = traced
         captured.outputs = self._inputs.captured(key, indices, placeholders, captured.outputs)
-        entry = _Entry(key, indices, placeholders, captured, record, Staging.of(indices, placeholders))
+        entry = _Entry(key, indices, placeholders, captured, record, Staging.of(indices, placeholders), cut_axes)
         self._entries[key] = entry
         self.stats.graphs[key] = record
         self._sync_memory_stats()
         return entry
+
+    def _probe(self, padded: PaddedCall | None) -> _Probe | tuple[Fallback, str] | None:
+        """The call run eagerly at a second length, to trace which outputs follow the padded one (see `buckets`)."""
+        buckets = self.options.buckets
+        if padded is None or buckets is None or not buckets.cut_outputs:
+            return None
+        length = probe_length(padded.bucket)
+        args, kwargs = buckets.resize(padded.args, padded.kwargs, self._positions, length)
+        try:
+            outputs = _no_grad(self.fn)(*args, **kwargs)
+        except Exception as error:
+            detail = f"bucket {padded.bucket}: the call at length {length}, run to trace its outputs, raised {error!r}"
+            return Fallback.PADDED_OUTPUTS, detail
+        return _Probe(length, outputs)
 
     # -- execution -----------------------------------------------------------------------------------
 

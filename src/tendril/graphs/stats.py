@@ -21,11 +21,12 @@ class Fallback(enum.Enum):
     UNKEYABLE = "an argument cannot be part of a graph key (not hashable)"
     CPU_TENSOR = "a tensor argument is not on a CUDA device"
     MIXED_DEVICES = "tensor arguments on several devices"
-    REQUIRES_GRAD = "grad mode is on and an argument requires grad (graphs serve inference only)"
+    REQUIRES_GRAD = "grad mode is on and an argument or a parameter of the callable requires grad (no autograd in graphs)"
     LIMIT = "new key past max_graphs"
     HOST_SYNC = "the function synchronises with the host while capturing (.item(), .cpu(), data-dependent shapes)"
     MUTATES_INPUTS = "the function writes into its tensor arguments"
     CAPTURE_ERROR = "capturing raised an error (an operation that cannot be captured)"
+    PADDED_OUTPUTS = "a bucket's outputs cannot be cut back to the call's length (they do not follow it one to one)"
 
 
 class Misprediction(enum.Enum):
