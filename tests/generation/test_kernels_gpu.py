@@ -103,14 +103,14 @@ def test_loop_graph_captures_when_the_capture_stream_is_the_pooled_body_stream()
     out `torch.cuda.Stream()`s round robin from a pool of 32, and both the graphed runner's capture stream (one
     per new runner) and the loop body's side stream came from it; every 32nd runner captured on the very stream
     the body is then captured on. Here the pool is advanced so that the next runner's stream is that one."""
-    from tendril.graphs import control_capture
+    from tendril.graphs.control import capture
 
     model = tiny_model("gpt2", device="cuda")
     ids, mask = left_padded([4, 3], device="cuda")
     expected = hf_generate(model, ids, mask, None, max_new_tokens=4)
     options = dict(max_new_tokens=4, eos_token_id=[], pad_token_id=0, compile_step="fused")
     assert torch.equal(generate(model, ids, mask, **options), expected)  # the body's side stream exists now
-    body_stream = control_capture._side_stream(torch.cuda.current_device(), 1).cuda_stream
+    body_stream = capture._side_stream(torch.cuda.current_device(), 1).cuda_stream
     cycle = [torch.cuda.Stream().cuda_stream for _ in range(64)]
     if body_stream in cycle:  # the pool: stop one stream before the body's, so the next runner gets it
         while torch.cuda.Stream().cuda_stream != cycle[cycle.index(body_stream) - 1]:
