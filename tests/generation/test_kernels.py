@@ -177,10 +177,11 @@ def test_decode_kernels_compile_for_hopper():
 
 
 def test_programmatic_launch_is_off_without_a_hopper_gpu(monkeypatch):
+    from tendril import config
     from tendril.generation.kernels import pdl
 
     assert not pdl.enabled(torch.device("cpu"))
-    monkeypatch.setenv("TENDRIL_PDL", "0")
+    monkeypatch.setattr(config, "settings", config.Config(pdl=False))
     assert not pdl.enabled(torch.device("cuda"))  # switched off before the device is asked
 
 
