@@ -14,8 +14,8 @@ the step runs (weights, biases, norm gains) and writes nothing. CUDA graph captu
 as programmatic edges, so replays keep the overlap.
 
 `enabled(device)` says whether the kernels launch this way: on CUDA devices of compute capability 9.0 or
-later, unless `tendril.settings.pdl` is off (`TENDRIL_PDL=0`, for comparisons); `resolve` is what each launch asks, and never says yes
-under Triton's interpreter (which has no grid dependency control).
+later, unless `tendril.settings.pdl` is off (`TENDRIL_PDL=0`, for comparisons); `resolve` is what each launch
+asks, and never says yes under Triton's interpreter (which has no grid dependency control).
 """
 
 from __future__ import annotations
