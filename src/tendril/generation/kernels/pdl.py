@@ -1,8 +1,8 @@
 """Programmatic dependent launch (PDL) of the decode kernels: each kernel starts while the one before it runs.
 
-A batch-1 decode step is a chain of about 80 small kernels, each a few microseconds, and each used to
-start only when the one before it had finished: its launch, its first weight loads from memory and the
-previous kernel's tail were paid one after the other. On Hopper and later GPUs a kernel launched with
+A batch-1 decode step is a long chain of small kernels. Launched plainly, each starts only when the one
+before it has finished, so its launch, its first weight loads from memory and the previous kernel's tail are
+paid one after the other. On Hopper and later GPUs a kernel launched with
 PDL may start as soon as every program of the kernel before it has called `gdc_launch_dependents`
 (the fused kernels call it first thing). Its programs then load what no kernel of the step writes (a
 projection's first weight tile) and block in `gdc_wait` until the previous kernel has finished and its
