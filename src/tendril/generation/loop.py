@@ -38,7 +38,7 @@ def check_step(step: object) -> Step:
             f"step must be one of {', '.join(map(repr, STEPS))}, got {step!r}: 'eager' captures the model's own "
             "forward, 'compiled' runs it through torch.compile (Inductor), 'fused' uses tendril's Triton decode kernels"
         )
-    return step  # type: ignore[return-value]  # checked against STEPS above
+    return step
 
 
 @dataclass(frozen=True)
