@@ -20,3 +20,17 @@ def test_bad_flag_names_the_variable():
 def test_the_default_graph_memory_budget_comes_from_the_environment():
     assert Config.from_env({}).graph_memory_budget is None
     assert Config.from_env({"TENDRIL_GRAPH_MEMORY_BUDGET": " 256MiB "}).graph_memory_budget == "256MiB"
+
+
+def test_programmatic_dependent_launch_is_on_unless_switched_off():
+    assert Config.from_env({}).pdl and Config.from_env({"TENDRIL_PDL": " "}).pdl
+    assert Config.from_env({"TENDRIL_PDL": "1"}).pdl
+    assert not Config.from_env({"TENDRIL_PDL": "0"}).pdl and not Config.from_env({"TENDRIL_PDL": "off"}).pdl
+    with pytest.raises(ValueError, match="TENDRIL_PDL='fast'"):
+        Config.from_env({"TENDRIL_PDL": "fast"})
+
+
+def test_triton_interpret_is_read_like_tendrils_own_flags():
+    assert not Config.from_env({}).triton_interpret
+    assert Config.from_env({"TRITON_INTERPRET": "1"}).triton_interpret
+    assert not Config.from_env({"TRITON_INTERPRET": "0"}).triton_interpret

@@ -8,9 +8,9 @@ exactly 128 tokens):
 - `per-step graph`: tendril's decode step (forward + token choice / beam bookkeeping over the static
   cache) captured as one CUDA graph and replayed from a host loop, one replay per token;
 - `tendril`: `tendril.generate`, the prompt and the whole loop in one graph launch (a WHILE node);
-- `tendril compiled step`: the same with `compile_step=True` (the one-token forward through
+- `tendril compiled step`: the same with `step="compiled"` (the one-token forward through
   `torch.compile`, its fused Triton kernels captured inside the loop graph);
-- `tendril fused step`: the same with `compile_step="fused"` (tendril's own fused decode kernels: five
+- `tendril fused step`: the same with `step="fused"` (tendril's own fused decode kernels: five
   per layer, see `tendril.generation.kernels`).
 Then one run with an early eos (a token greedy decoding emits at step 32): HF stops on the host,
 tendril on the device. Every call is timed with CUDA events (medians); prompts rotate among several.
@@ -37,11 +37,8 @@ import torch
 from torch import nn
 
 from benchmarks.registry import Context, Goal, register
-from tendril.generation import generate
-from tendril.generation.api import DecodeLoop, Plan, graphed_runners
-from tendril.generation.architectures import decoder_for
-from tendril.generation.noise import draw_key
-from tendril.generation.processors import LogitsProcessing
+from tendril.generation import Step, decode_step, generate
+from tendril.generation.api import graphed_runners
 from tendril.graphs.capture import GRAPH_SDPA_BACKENDS, capture
 from tendril.graphs.control import control_flow_stats
 from tendril.utils.timing import time_callable
@@ -91,17 +88,17 @@ def hf_static_compiled(model: nn.Module, new_tokens: int, num_beams: int) -> Gen
     return run
 
 
-TENDRIL_VARIANTS: dict[str, bool | str] = {"tendril": False, "tendril compiled step": True,
-                                            "tendril fused step": "fused"}
-"""tendril's variants by name -> their `compile_step`."""
+TENDRIL_VARIANTS: dict[str, Step] = {"tendril": "eager", "tendril compiled step": "compiled",
+                                     "tendril fused step": "fused"}
+"""tendril's variants by name -> their `step`."""
 
 
 def tendril_generate(
-    model: nn.Module, new_tokens: int, num_beams: int, eos: int | None = None, compile_step: bool | str = False
+    model: nn.Module, new_tokens: int, num_beams: int, eos: int | None = None, step: Step = "eager"
 ) -> Generate:
     def run(ids: torch.Tensor) -> torch.Tensor:
         return generate(model, ids, max_new_tokens=new_tokens, num_beams=num_beams,
-                        eos_token_id=[] if eos is None else eos, pad_token_id=0, compile_step=compile_step)
+                        eos_token_id=[] if eos is None else eos, pad_token_id=0, step=step)
 
     return run
 
@@ -119,30 +116,17 @@ class PerStepGraph:
     CAPTURE_STEPS = 3
 
     def __init__(self, model: nn.Module, prompt: torch.Tensor, new_tokens: int, num_beams: int) -> None:
-        plan = Plan(max_new_tokens=max(new_tokens, self.CAPTURE_STEPS),
-                    processing=LogitsProcessing(min_tokens_to_keep=1), eos=(), pad_token_id=0,
-                    beam_fill_token_id=0, num_beams=num_beams, length_penalty=1.0, early_stopping=False)
         self.new_tokens = new_tokens
-        rows_prompt = prompt.repeat_interleave(num_beams, 0)
+        self.step = decode_step(model, prompt, max_new_tokens=max(new_tokens, self.CAPTURE_STEPS), num_beams=num_beams)
         with torch.inference_mode():
-            self.search = DecodeLoop(model, decoder_for(model), plan).search(
-                rows_prompt.clone(), torch.ones_like(rows_prompt), draw_key(prompt.device, 0))
-            self.state = [t.clone() for t in self.search.start(self.search.decoder.prefill())]
-            self.graph = capture(self._step, sdpa_backends=GRAPH_SDPA_BACKENDS)  # tendril's attention kernels
-
-    def _step(self) -> None:
-        for buffer, value in zip(self.state, self.search.body(*self.state), strict=True):
-            buffer.copy_(value)
+            self.graph = capture(self.step.step, sdpa_backends=GRAPH_SDPA_BACKENDS)  # tendril's attention kernels
 
     def __call__(self, prompt: torch.Tensor) -> torch.Tensor:
-        decoder = self.search.decoder
+        self.step.restart(prompt)
         with torch.inference_mode():
-            decoder.prompt.copy_(prompt.expand_as(decoder.prompt))
-            for buffer, value in zip(self.state, self.search.start(decoder.prefill()), strict=True):
-                buffer.copy_(value)
             for _ in range(self.new_tokens - 1):
                 self.graph.graph.replay()
-        return self.state[1]
+        return self.step.buffers[1]
 
 
 def first_call(make: Callable[[int], Generate], new_tokens: int, ids: torch.Tensor) -> tuple[Generate, float]:
@@ -231,22 +215,22 @@ def run(ctx: Context) -> None:
             ("hf eager", lambda n, b=beams: hf_eager(model, n, b)),
             ("hf static+compile", lambda n, b=beams: hf_static_compiled(model, n, b)),
             ("per-step graph", lambda n, b=beams: PerStepGraph(model, prompts[0], n, b)),
-            *((name, lambda n, b=beams, c=compile_step: tendril_generate(model, n, b, compile_step=c))
-              for name, compile_step in TENDRIL_VARIANTS.items()),
+            *((name, lambda n, b=beams, s=step: tendril_generate(model, n, b, step=s))
+              for name, step in TENDRIL_VARIANTS.items()),
         ]
         for name, make in variants:
             # a 1-token call of a compiled variant would compile again for its new cache size (~20 s each); its
-            # first token is the prompt pass, which `compile_step` leaves as in `tendril` and HF compiles too
+            # first token is the prompt pass, which `step` leaves as in `tendril` and HF compiles too
             try:
                 times[(name, beams)] = measure(ctx, f"{mode} {name}", make, prompts, work.new_tokens, reps,
                                                ttft="compile" not in name)
             except Exception as error:  # a baseline that cannot run is reported, not fatal
                 ctx.note(f"{mode} {name} failed: {type(error).__name__}: {str(error).splitlines()[0][:200]}")
         reference = hf_eager(model, work.new_tokens, beams)(prompts[0])
-        for name, compile_step in TENDRIL_VARIANTS.items():
+        for name, step in TENDRIL_VARIANTS.items():
             if (name, beams) not in times:
                 continue
-            ours = tendril_generate(model, work.new_tokens, beams, compile_step=compile_step)(prompts[0])
+            ours = tendril_generate(model, work.new_tokens, beams, step=step)(prompts[0])
             agreed[(name, beams)] = agreement(ctx, model, f"{mode}: {name} vs hf eager", ours, reference,
                                               work.prompt_len, greedy=beams == 1)
     ctx.note("time to first token is not measured for the compiled variants (each would compile again for a "

@@ -1,18 +1,18 @@
 """Kernel-level profile of tendril's greedy decode step on GPT-2 124M fp16, batch 1 (the `generation` case's model).
 
-For each step variant (`compile_step` mode, optionally with inductor options):
+For each step variant (`generate`'s `step`, the compiled one optionally with Inductor options):
 - end to end: warm-up seconds, ms per call and per token of `tendril.generate` (128 new tokens, eos off),
   and whether the tokens equal HF eager `generate`;
-- the decode step alone: tendril's loop body captured as one CUDA graph (the variant's forward plus token
-  choice) and replayed back to back: ms per step, and under `torch.profiler` (CUDA activity; kernels of a
-  graph are traced one by one) the kernels per step grouped by name, with count, mean and total
-  microseconds, busy time (sum of kernel durations) and the idle gaps between kernels (launch latency);
+- the decode step alone: tendril's loop body (`tendril.generation.decode_step`: the variant's forward plus
+  token choice) captured as one CUDA graph and replayed back to back: ms per step, and under `torch.profiler`
+  (CUDA activity; kernels of a graph are traced one by one) the kernels per step grouped by name, with count,
+  mean and total microseconds, busy time (sum of kernel durations) and the idle gaps between kernels (launch latency);
 - the whole loop graph under the profiler: GPU operations per call, to see what the loop adds to the step.
 `--sweep` also times the fused linear kernel over launch configurations (block sizes, split-K, warps; see
 `sweep_configs`) for GPT-2's five batch-1 projection shapes against cuBLAS (each in a CUDA graph of repeated
 launches, weights rotated through more memory than L2 holds), about two minutes.
 
-    PYTHONPATH=src:. python3 -m benchmarks.tools.profile_generation --out OUT [--variants eager,inductor,fused]
+    PYTHONPATH=src:. python3 -m benchmarks.tools.profile_generation --out OUT [--variants eager,compiled,fused]
 
 Writes OUT/profile_generation.json and OUT/profile_generation.md.
 """
@@ -29,7 +29,7 @@ import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch._dynamo
@@ -37,11 +37,9 @@ import torch._inductor.config as inductor_config
 from torch import nn
 
 from benchmarks.cases import generation as case
-from tendril.generation import generate
-from tendril.generation.api import DecodeLoop, _state, release_graphs
+from tendril.generation import STEPS, Step, decode_step, generate
+from tendril.generation.api import release_graphs
 from tendril.generation.kernels import pdl
-from tendril.generation.noise import draw_key
-from tendril.graphs.callable import GraphedCallable
 from tendril.graphs.capture import GRAPH_SDPA_BACKENDS, capture
 from tendril.utils.timing import time_callable
 
@@ -49,7 +47,7 @@ INDUCTOR_OPTIONS: dict[str, dict[str, Any]] = {
     "cdt": {"coordinate_descent_tuning": True},
     "autotune": {"max_autotune": True, "coordinate_descent_tuning": True},
 }
-"""Variant suffixes: `inductor-cdt` compiles with these `torch._inductor.config` options patched in."""
+"""Variant suffixes: `compiled-cdt` compiles with these `torch._inductor.config` options patched in."""
 
 GAP_LIMIT_US = 50.0
 """Idle time between consecutive kernels shorter than this counts as launch latency inside a graph."""
@@ -99,48 +97,11 @@ def kernel_profile(fn: Callable[[], Any], calls: int) -> KernelProfile:
     return KernelProfile(calls, len(events) / calls, busy, gaps / calls, groups)
 
 
-def decode_loop(model: nn.Module) -> DecodeLoop:
-    """The one decode loop `generate` built for `model` (on CUDA unwrapped from its graphed callable)."""
-    built_loops = list(_state(model).runners.values())
-    if len(built_loops) != 1:
-        raise RuntimeError(f"expected one decode loop built for the model (call generate once after release_graphs), "
-                           f"found {len(built_loops)}")
-    (built,) = built_loops
-    loop = built.fn if isinstance(built, GraphedCallable) else built
-    if not isinstance(loop, DecodeLoop):
-        raise TypeError(f"expected tendril's DecodeLoop, got {type(loop).__name__}")
-    return loop
-
-
-class StepState:
-    """The decode loop's carried state after prefill, in fixed buffers: `step` advances it by one loop body,
-    `reset` puts the state after prefill back. The buffers are inference tensors (the loop runs under
-    `torch.inference_mode`, as `generate` does), so both write them in inference mode: an in-place update of
-    an inference tensor outside it is an error."""
-
-    def __init__(self, loop: DecodeLoop, prompt: torch.Tensor) -> None:
-        with torch.inference_mode():
-            self.search = loop.search(prompt.clone(), torch.ones_like(prompt), draw_key(prompt.device, 0))
-            self.start = [t.clone() for t in self.search.start(self.search.decoder.prefill())]
-            self.buffers = [t.clone() for t in self.start]
-        self.max_new_tokens = self.search.decoder.max_new_tokens
-
-    def step(self) -> None:
-        with torch.inference_mode():
-            for buffer, value in zip(self.buffers, self.search.body(*self.buffers), strict=True):
-                buffer.copy_(value)
-
-    def reset(self) -> None:
-        with torch.inference_mode():
-            for buffer, value in zip(self.buffers, self.start, strict=True):
-                buffer.copy_(value)
-
-
 class StepGraph:
     """The variant's decode step (loop body) captured alone, replayed from the state after prefill."""
 
-    def __init__(self, model: nn.Module, prompt: torch.Tensor) -> None:
-        self.state = StepState(decode_loop(model), prompt)
+    def __init__(self, model: nn.Module, prompt: torch.Tensor, new_tokens: int, step: Step) -> None:
+        self.state = decode_step(model, prompt, max_new_tokens=new_tokens, step=step)  # the loop `generate` ran
         with torch.inference_mode():
             self.graph = capture(self.state.step, sdpa_backends=GRAPH_SDPA_BACKENDS)
         self.max_replays = self.state.max_new_tokens - 4  # capture's warm-up ran the step twice
@@ -164,17 +125,24 @@ class StepGraph:
         return statistics.median(samples)
 
 
+def parse_variant(variant: str) -> tuple[Step, dict[str, Any]]:
+    """(`generate`'s step, Inductor options) of a variant name: a step, or `compiled-` and an `INDUCTOR_OPTIONS` key."""
+    step, _, suffix = variant.partition("-")
+    if step not in STEPS or (suffix and (step != "compiled" or suffix not in INDUCTOR_OPTIONS)):
+        raise ValueError(f"variant {variant!r}: expected one of {', '.join(STEPS)}, or compiled-SUFFIX with a "
+                         f"suffix in {', '.join(INDUCTOR_OPTIONS)}")
+    return cast(Step, step), INDUCTOR_OPTIONS[suffix] if suffix else {}
+
+
 def run_variant(variant: str, model: nn.Module, prompts: list[torch.Tensor], reference: torch.Tensor,
                 new_tokens: int, reps: int) -> dict[str, Any]:
-    mode, _, suffix = variant.partition("-")
-    compile_step: bool | str = {"eager": False, "inductor": "inductor", "fused": "fused"}[mode]
-    options = INDUCTOR_OPTIONS[suffix] if suffix else {}
+    step, options = parse_variant(variant)
     release_graphs(model)
     torch._dynamo.reset()
 
     def call(prompt: torch.Tensor) -> torch.Tensor:
         return generate(model, prompt, max_new_tokens=new_tokens, eos_token_id=[], pad_token_id=0,
-                        compile_step=compile_step)
+                        step=step)
 
     torch.cuda.synchronize()
     begin = time.perf_counter()
@@ -190,10 +158,10 @@ def run_variant(variant: str, model: nn.Module, prompts: list[torch.Tensor], ref
     loop = kernel_profile(lambda: call(prompts[0]), calls=2)
     result["loop_operations_per_call"] = loop.operations_per_call
     result["loop_busy_us_per_call"] = loop.busy_us_per_call
-    step = StepGraph(model, prompts[0])
-    replays = min(64, step.max_replays)
-    result["step_graph_ms"] = step.ms_per_step(replays)
-    profiled = kernel_profile(lambda: step.replay(replays), calls=1)
+    step_graph = StepGraph(model, prompts[0], new_tokens, step)
+    replays = min(64, step_graph.max_replays)
+    result["step_graph_ms"] = step_graph.ms_per_step(replays)
+    profiled = kernel_profile(lambda: step_graph.replay(replays), calls=1)
     result["step"] = {
         "operations": profiled.operations_per_call / replays,
         "busy_us": profiled.busy_us_per_call / replays,
@@ -362,8 +330,8 @@ def markdown(report: dict[str, Any]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, type=Path)
-    parser.add_argument("--variants", default="eager,inductor,fused",
-                        help="comma-separated: eager, inductor, inductor-cdt, inductor-autotune, fused")
+    parser.add_argument("--variants", default="eager,compiled,fused",
+                        help="comma-separated: eager, compiled, compiled-cdt, compiled-autotune, fused")
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--prompt-len", type=int, default=16)
     parser.add_argument("--reps", type=int, default=10)

@@ -3,14 +3,14 @@
 `tendril.settings` is the process-wide instance, read from the environment at import. Code takes the
 settings it needs from it (or from an explicit `Config` passed in), so tests can build their own.
 
-| variable          | field        | meaning                                                             |
-|-------------------|--------------|---------------------------------------------------------------------|
-| TENDRIL_DEBUG     | debug        | expensive invariant checks (input addresses, use of stale outputs)  |
-| TENDRIL_NO_GRAPHS | disable_graphs | run every graphed callable eagerly (for bisecting a wrong answer) |
-| TENDRIL_CACHE_DIR | cache_dir    | where compiled helper kernels are cached on disk                   |
-| TENDRIL_GRAPH_MEMORY_BUDGET | graph_memory_budget | default device-memory budget of graph executables ("256MiB") |
-| TENDRIL_PDL       | pdl          | decode kernels use programmatic dependent launch (default on; 0: off) |
-| TRITON_INTERPRET  | triton_interpret | Triton runs kernels in its CPU interpreter (Triton's variable) |
+| variable                    | field               | meaning                                                     |
+|-----------------------------|---------------------|-------------------------------------------------------------|
+| TENDRIL_DEBUG               | debug               | expensive invariant checks (input addresses, stale reads)   |
+| TENDRIL_NO_GRAPHS           | disable_graphs      | run every graphed callable eagerly (to bisect a bad answer) |
+| TENDRIL_CACHE_DIR           | cache_dir           | where compiled helper kernels are cached on disk            |
+| TENDRIL_GRAPH_MEMORY_BUDGET | graph_memory_budget | default device-memory budget of executables ("256MiB")      |
+| TENDRIL_PDL                 | pdl                 | programmatic dependent launch of decode kernels (0: off)    |
+| TRITON_INTERPRET            | triton_interpret    | Triton's CPU interpreter (Triton's variable, read here too) |
 """
 
 from __future__ import annotations

@@ -3,16 +3,15 @@ with TRITON_INTERPRET=1 (the variable must be set before the kernels are defined
 
 from __future__ import annotations
 
-import os
-
 import torch
 
+from tendril.config import settings
 from tendril.generation.kernels import attention
 from tests.generation.kernel_cases import check_argmax, check_attention, check_linear
 
 
 def main() -> None:
-    assert os.environ.get("TRITON_INTERPRET") == "1" and attention.INTERPRETED, "run with TRITON_INTERPRET=1"
+    assert settings.triton_interpret and attention.INTERPRETED, "run with TRITON_INTERPRET=1"
     # the interpreter takes ~0.1 s a launch: a lean set here, the full one on the GPU (test_kernels_gpu.py);
     # the architectures' fused forwards are checked on the CPU through the references (test_kernels.py)
     assert check_linear(torch.float32, "cpu", rows=2, launches=((16, 16, 3),)) > 0  # split K, last share shorter

@@ -1,4 +1,4 @@
-"""`compile_step=True`: the one-token forward traces as a single graph (fullgraph, no host code) and gives
+"""`step="compiled"`: the one-token forward traces as a single graph (fullgraph, no host code) and gives
 HF's tokens. Dynamo's "eager" backend checks the tracing quickly; code generation is exercised on the GPU."""
 
 from __future__ import annotations
@@ -6,18 +6,18 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tendril.generation import api, generate
+from tendril.generation import generate, loop
 from tests.generation.models import hf_generate, left_padded, tiny_model
 
 
 @pytest.mark.parametrize("family", ["gpt2", "gptj", "llama"])
 def test_compiled_step_traces_in_one_graph_and_matches_hf(family, monkeypatch):
-    monkeypatch.setattr(api, "COMPILE_BACKEND", "eager")
+    monkeypatch.setattr(loop, "COMPILE_BACKEND", "eager")
     torch._dynamo.reset()
     model = tiny_model(family)
     ids, mask = left_padded([5, 3])
     for options in (dict(), dict(num_beams=3)) if family == "gpt2" else (dict(),):
         expected = hf_generate(model, ids, mask, None, max_new_tokens=6, **options)
-        got = generate(model, ids, mask, max_new_tokens=6, eos_token_id=[], pad_token_id=0, compile_step=True,
+        got = generate(model, ids, mask, max_new_tokens=6, eos_token_id=[], pad_token_id=0, step="compiled",
                        **options)
         assert torch.equal(got, expected)

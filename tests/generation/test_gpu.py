@@ -100,7 +100,7 @@ def test_compiled_step_is_captured_in_the_loop_graph_and_matches_hf(num_beams):
     expected = hf_generate(model, ids, mask, None, max_new_tokens=NEW, num_beams=num_beams)
     for _ in range(2):
         got = generate(model, ids, mask, max_new_tokens=NEW, eos_token_id=[], pad_token_id=0, num_beams=num_beams,
-                       compile_step=True)
+                       step="compiled")
         assert torch.equal(got, expected)
     (runner,) = graphed_runners(model)
     assert len(runner.stats.graphs) == 1 and runner.stats.eager_calls == 0, runner.stats.fallback_details

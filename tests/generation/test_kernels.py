@@ -100,19 +100,21 @@ def test_fused_generate_matches_hf(family, options):
     model = tiny_model(family)
     ids, mask = left_padded([5, 3])
     expected = hf_generate(model, ids, mask, None, max_new_tokens=6, **options)
-    got = generate(model, ids, mask, max_new_tokens=6, eos_token_id=[], pad_token_id=0, compile_step="fused",
+    got = generate(model, ids, mask, max_new_tokens=6, eos_token_id=[], pad_token_id=0, step="fused",
                    **options)
     assert torch.equal(got, expected)
 
 
-def test_compile_step_values_are_checked(gpt2):
+def test_step_values_are_checked(gpt2):
     ids, mask = left_padded([3])
-    with pytest.raises(ValueError, match="compile_step must be"):
-        generate(gpt2, ids, mask, max_new_tokens=2, compile_step="fast")
+    with pytest.raises(ValueError, match="step must be one of 'eager', 'compiled', 'fused', got 'fast'"):
+        generate(gpt2, ids, mask, max_new_tokens=2, step="fast")
+    with pytest.raises(ValueError, match="does not support compile_step"):
+        generate(gpt2, ids, mask, max_new_tokens=2, compile_step=True)
     model = tiny_model("gpt2")
     model.config.activation_function = "gelu_fast"
     with pytest.raises(UnsupportedModelError, match="activation 'gelu_fast'"):
-        generate(model, ids, mask, max_new_tokens=2, compile_step="fused")
+        generate(model, ids, mask, max_new_tokens=2, step="fused")
 
 
 def test_projection_and_norm_read_hf_modules():
@@ -177,10 +179,11 @@ def test_decode_kernels_compile_for_hopper():
 
 
 def test_programmatic_launch_is_off_without_a_hopper_gpu(monkeypatch):
+    from tendril import config
     from tendril.generation.kernels import pdl
 
     assert not pdl.enabled(torch.device("cpu"))
-    monkeypatch.setenv("TENDRIL_PDL", "0")
+    monkeypatch.setattr(config, "settings", config.Config(pdl=False))
     assert not pdl.enabled(torch.device("cuda"))  # switched off before the device is asked
 
 

@@ -1,5 +1,5 @@
 """On the GPU: the fused decode kernels against their references (every option, odd and GPT-2 124M sizes,
-NaN-poisoned outputs), and `compile_step="fused"` graphed end to end, exact against HF for every family."""
+NaN-poisoned outputs), and `step="fused"` graphed end to end, exact against HF for every family."""
 
 from __future__ import annotations
 
@@ -60,13 +60,13 @@ def test_fused_generation_is_graphed_and_matches_hf(family, num_beams):
     options = dict(num_beams=num_beams, num_return_sequences=2 if num_beams > 1 else 1)
     expected = hf_generate(model, ids, mask, None, max_new_tokens=NEW, **options)
     for _ in range(2):  # capture, then replay
-        got = generate(model, ids, mask, max_new_tokens=NEW, eos_token_id=[], pad_token_id=0, compile_step="fused",
+        got = generate(model, ids, mask, max_new_tokens=NEW, eos_token_id=[], pad_token_id=0, step="fused",
                        **options)
         assert torch.equal(got, expected), (got, expected)
     other_ids, other_mask = left_padded([2, 7, 6], seed=5, device="cuda")
     expected = hf_generate(model, other_ids, other_mask, None, max_new_tokens=NEW, **options)
     got = generate(model, other_ids, other_mask, max_new_tokens=NEW, eos_token_id=[], pad_token_id=0,
-                   compile_step="fused", **options)
+                   step="fused", **options)
     assert torch.equal(got, expected)
     (runner,) = graphed_runners(model)
     assert len(runner.stats.graphs) == 1 and runner.stats.replays == 3 and runner.stats.eager_calls == 0, (
@@ -78,14 +78,14 @@ def test_fused_fp16_greedy_matches_hf(family):
     model = tiny_model(family, device="cuda", dtype=torch.float16)
     ids, mask = left_padded([6, 4], device="cuda")
     expected = hf_generate(model, ids, mask, None, max_new_tokens=NEW)
-    got = generate(model, ids, mask, max_new_tokens=NEW, eos_token_id=[], pad_token_id=0, compile_step="fused")
+    got = generate(model, ids, mask, max_new_tokens=NEW, eos_token_id=[], pad_token_id=0, step="fused")
     assert torch.equal(got, expected)
 
 
 def test_fused_replay_does_not_sync_with_the_host():
     model = tiny_model("gpt2", device="cuda")
     ids, mask = left_padded([5, 5], device="cuda")
-    generate(model, ids, mask, max_new_tokens=NEW, eos_token_id=3, pad_token_id=0, compile_step="fused")
+    generate(model, ids, mask, max_new_tokens=NEW, eos_token_id=3, pad_token_id=0, step="fused")
     (runner,) = graphed_runners(model)
     key = draw_key(ids.device, 1)
     torch.cuda.synchronize()
@@ -103,14 +103,14 @@ def test_loop_graph_captures_when_the_capture_stream_is_the_pooled_body_stream()
     out `torch.cuda.Stream()`s round robin from a pool of 32, and both the graphed runner's capture stream (one
     per new runner) and the loop body's side stream came from it; every 32nd runner captured on the very stream
     the body is then captured on. Here the pool is advanced so that the next runner's stream is that one."""
-    from tendril.graphs import control_capture
+    from tendril.graphs.control import capture
 
     model = tiny_model("gpt2", device="cuda")
     ids, mask = left_padded([4, 3], device="cuda")
     expected = hf_generate(model, ids, mask, None, max_new_tokens=4)
-    options = dict(max_new_tokens=4, eos_token_id=[], pad_token_id=0, compile_step="fused")
+    options = dict(max_new_tokens=4, eos_token_id=[], pad_token_id=0, step="fused")
     assert torch.equal(generate(model, ids, mask, **options), expected)  # the body's side stream exists now
-    body_stream = control_capture._side_stream(torch.cuda.current_device(), 1).cuda_stream
+    body_stream = capture._side_stream(torch.cuda.current_device(), 1).cuda_stream
     cycle = [torch.cuda.Stream().cuda_stream for _ in range(64)]
     if body_stream in cycle:  # the pool: stop one stream before the body's, so the next runner gets it
         while torch.cuda.Stream().cuda_stream != cycle[cycle.index(body_stream) - 1]:

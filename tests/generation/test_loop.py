@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tendril.generation.api import DecodeLoop, Plan
 from tendril.generation.architectures import decoder_for
 from tendril.generation.beam import BeamSearch, beam_result
 from tendril.generation.greedy import TokenSearch, greedy_result
+from tendril.generation.loop import DecodeLoop, Plan
 from tendril.generation.noise import draw_key
 from tendril.generation.processors import LogitsProcessing
 from tendril.generation.state import Decoder

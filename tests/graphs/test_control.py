@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tendril.graphs import control
-from tendril.graphs.control import LoopBoundExceeded, cond, while_loop
+from tendril.graphs.control import LoopBoundExceeded, cond, loops, while_loop
 
 LOWERINGS = ["auto", "predication"]
 
@@ -203,11 +203,11 @@ def capturing_without_conditional_nodes(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    monkeypatch.setattr(control, "_conditional_support", lambda needs_else: control.runtime.Support(False, "no driver"))
+    monkeypatch.setattr(loops, "_conditional_support", lambda needs_else: loops.runtime.Support(False, "no driver"))
 
 
 def test_capture_without_conditional_nodes_falls_back_to_predication(capturing_without_conditional_nodes):
-    assert control._choose_lowering([], "auto", needs_else=False) == (
+    assert loops._choose_lowering([], "auto", needs_else=False) == (
         "predication",
         "conditional nodes unavailable: no driver",
     )
@@ -221,13 +221,13 @@ def test_cpu_tensors_are_refused_while_capturing(capturing_without_conditional_n
 
 
 def test_if_else_nodes_need_a_12_8_driver(monkeypatch):
-    monkeypatch.setattr(control.runtime, "conditional_nodes", lambda: control.runtime.Support(True, "12.6"))
-    monkeypatch.setattr(control.runtime, "driver_version", lambda: 12060)
-    control._conditional_support.cache_clear()
+    monkeypatch.setattr(loops.runtime, "conditional_nodes", lambda: loops.runtime.Support(True, "12.6"))
+    monkeypatch.setattr(loops.runtime, "driver_version", lambda: 12060)
+    loops._conditional_support.cache_clear()
     try:
-        assert control._conditional_support(False).available
-        assert control._conditional_support(True) == control.runtime.Support(
+        assert loops._conditional_support(False).available
+        assert loops._conditional_support(True) == loops.runtime.Support(
             False, "IF/ELSE nodes need a driver for CUDA 12.8"
         )
     finally:
-        control._conditional_support.cache_clear()
+        loops._conditional_support.cache_clear()

@@ -7,8 +7,7 @@ import torch
 
 from tendril.graphs import control
 from tendril.graphs.capture import garbage_collection_paused
-from tendril.graphs.control import cond, while_loop
-from tendril.graphs.control_capture import HostSyncInGraphError
+from tendril.graphs.control import HostSyncInGraphError, cond, loops, while_loop
 
 pytestmark = pytest.mark.gpu
 
@@ -238,7 +237,7 @@ def test_cpu_tensors_during_capture_are_named():
 
 
 def test_without_conditional_nodes_a_captured_loop_is_predicated(monkeypatch):
-    monkeypatch.setattr(control, "_conditional_support", lambda needs_else: control.runtime.Support(False, "forced"))
+    monkeypatch.setattr(loops, "_conditional_support", lambda needs_else: loops.runtime.Support(False, "forced"))
     control.reset_control_flow_stats()
     control.clear_loop_bound_checks()
     run = _nested_program("auto")

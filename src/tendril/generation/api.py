@@ -17,17 +17,16 @@ import torch
 from torch import nn
 
 from tendril.generation.architectures import DecoderArchitecture, UnsupportedModelError, decoder_for
-from tendril.generation.beam import BeamSearch, beam_result
-from tendril.generation.greedy import TokenSearch, greedy_result
+from tendril.generation.beam import beam_result
+from tendril.generation.greedy import greedy_result
+from tendril.generation.loop import DecodeLoop, Plan, Step, check_step
 from tendril.generation.noise import draw_key
 from tendril.generation.processors import LogitsProcessing
-from tendril.generation.state import Decoder, StepForward
 from tendril.graphs.callable import GraphedCallable, graphed
-from tendril.graphs.control import while_loop
 
 _SUPPORTED = (
     "attention_mask, max_new_tokens, eos_token_id, pad_token_id, do_sample, temperature, top_k, top_p, "
-    "repetition_penalty, num_beams, length_penalty, early_stopping, num_return_sequences, seed, compile_step, "
+    "repetition_penalty, num_beams, length_penalty, early_stopping, num_return_sequences, seed, step, "
     "unsupported"
 )
 
@@ -106,7 +105,7 @@ def generate(
     early_stopping: bool | str = False,
     num_return_sequences: int = 1,
     seed: int | None = None,
-    compile_step: bool | str = False,
+    step: Step = "eager",
     unsupported: str = "raise",
     **other: Any,
 ) -> torch.Tensor:
@@ -114,16 +113,15 @@ def generate(
 
     Defaults are HF's. `eos_token_id=None` takes the model's `generation_config` (as HF does); pass `[]`
     to disable stopping on eos. `seed` makes sampling reproducible (torch's default generator otherwise).
-    `compile_step` chooses how the one-token decode forward runs inside the loop graph: False (the
-    architecture's forward, eager kernels), True or "inductor" (`torch.compile`d; the first call per shape
-    pays the compilation), "fused" (tendril's fused Triton kernels: five per layer, no compilation step,
-    overlapped by programmatic dependent launch on Hopper; GPT-2, GPT-J and the Llama family; greedy GPT-2
-    fp16 on the H200 runs 1.9x faster than with "inductor"; see `tendril.generation.kernels`). What "fused"
-    guarantees: in fp32 the same tokens as HF (tested for greedy and beams on every family); in fp16/bf16
-    the same computation, rounded to the dtype wherever HF's eager forward rounds, but its matrix products
-    sum in another order than cuBLAS, so logits differ in the last bits and tokens can differ from HF's
-    where two candidates are (nearly) tied: numerically equivalent, not bit-identical. Use False or True
-    for HF-exact fp16 tokens.
+    `step` chooses how the one-token decode forward runs inside the loop graph: "eager" (the architecture's
+    forward, captured as is), "compiled" (that forward through `torch.compile`/Inductor; the first call per
+    shape pays the compilation) or "fused" (tendril's Triton decode kernels, five per layer, no compilation
+    step, overlapped by programmatic dependent launch on Hopper; GPT-2, GPT-J and the Llama family; see
+    `tendril.generation.kernels`). What "fused" guarantees: in fp32 the same tokens as HF (tested for greedy
+    and beams on every family); in fp16/bf16 the same computation, rounded to the dtype wherever HF's eager
+    forward rounds, but its matrix products sum in another order than cuBLAS, so logits differ in the last
+    bits and tokens can differ from HF's where two candidates are (nearly) tied: numerically equivalent, not
+    bit-identical. Use "eager" or "compiled" for HF-exact fp16 tokens.
     `unsupported='hf'` runs HF's own `generate` eagerly for models tendril has no decode path for.
     """
     if other:
@@ -139,7 +137,7 @@ def generate(
                          "for num_return_sequences > 1")
     if num_beams > 1 and num_return_sequences > num_beams:
         raise ValueError(f"num_return_sequences ({num_return_sequences}) must be <= num_beams ({num_beams})")
-    step_mode = _step_mode(compile_step)
+    check_step(step)
     eos = _eos_ids(model, eos_token_id)
     pad = _pad_id(model, pad_token_id, eos)
     try:
@@ -162,14 +160,8 @@ def generate(
     )
     if early_stopping not in (True, False, "never"):
         raise ValueError(f"early_stopping must be True, False or 'never', got {early_stopping!r}")
-    plan = Plan(
-        max_new_tokens=max_new_tokens, processing=processing, eos=tuple(eos),
-        pad_token_id=pad if pad is not None else 0,
-        # HF's fill value for beam outputs is `pad_token_id or eos_token_id[0]`: a pad id of 0 falls through
-        beam_fill_token_id=pad if pad else (eos[0] if eos else -1),
-        num_beams=num_beams, length_penalty=float(length_penalty), early_stopping=early_stopping,
-        step_mode=step_mode,
-    )
+    plan = Plan.build(max_new_tokens=max_new_tokens, processing=processing, eos=eos, pad=pad, num_beams=num_beams,
+                      length_penalty=length_penalty, early_stopping=early_stopping, step=step)
     device = input_ids.device
     batch, prompt_len = input_ids.shape
     mask = _default_mask(input_ids, pad, eos) if attention_mask is None else attention_mask.to(device, torch.long)
@@ -181,96 +173,6 @@ def generate(
         if num_beams == 1:
             return greedy_result(carried, prompt_len).clone()
         return beam_result(carried, batch, prompt_len, num_return_sequences).clone()
-
-
-@dataclass(frozen=True)
-class Plan:
-    """Everything about a `generate` call that is not a tensor: one graph (per input shape) per plan."""
-
-    max_new_tokens: int
-    processing: LogitsProcessing
-    eos: tuple[int, ...]
-    pad_token_id: int
-    beam_fill_token_id: int
-    num_beams: int
-    length_penalty: float
-    early_stopping: bool | str
-    step_mode: str = "eager"
-    """How the one-token forward runs: one of `STEP_MODES`."""
-
-
-class DecodeLoop:
-    """(prompt, mask, noise_key) -> final loop state: prefill, first choice, then the device loop."""
-
-    def __init__(self, model: nn.Module, arch: DecoderArchitecture, plan: Plan) -> None:
-        self.arch = arch
-        self.plan = plan
-        weight = next(model.parameters())
-        self.cache_dtype = weight.dtype
-        self.eos = torch.tensor(plan.eos, dtype=torch.long, device=weight.device)
-        self.step_forward = step_forward(arch, plan.step_mode)
-        self.__qualname__ = f"generate[{type(model).__name__}]"
-
-    def __call__(self, prompt: torch.Tensor, mask: torch.Tensor, noise_key: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        search = self.search(prompt, mask, noise_key)
-        carried = search.start(search.decoder.prefill())
-        if self.step_forward is not None and not _capturing():
-            _warm_step(search.decoder)
-        return while_loop(search.cond, search.body, carried, max_iterations=self.plan.max_new_tokens,
-                          name=f"generate ({type(search).__name__})")
-
-    def search(self, prompt: torch.Tensor, mask: torch.Tensor, noise_key: torch.Tensor) -> TokenSearch | BeamSearch:
-        """The search (cond/body/start over a new decoder and cache) for these inputs."""
-        plan = self.plan
-        decoder = Decoder.build(self.arch, prompt, mask, plan.max_new_tokens, plan.processing, self.eos, noise_key,
-                                self.cache_dtype, self.step_forward)
-        if plan.num_beams == 1:
-            return TokenSearch(decoder, plan.pad_token_id)
-        return BeamSearch(decoder, prompt.shape[0] // plan.num_beams, plan.num_beams, plan.length_penalty,
-                          plan.early_stopping, plan.beam_fill_token_id)
-
-
-def _capturing() -> bool:
-    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
-
-
-def _warm_step(decoder: Decoder) -> None:
-    """Run the step once for these shapes, so it is never compiled while a graph is being captured
-    (a loop that stops at once would otherwise first call it during capture). It writes the last cache
-    slot, which no step reads: queries only see earlier slots, and the last token is never forwarded."""
-    rows = decoder.prompt.shape[0]
-    last_slot = torch.full((), decoder.max_len - 1, dtype=torch.long, device=decoder.prompt.device)
-    decoder.step(torch.zeros(rows, dtype=torch.long, device=decoder.prompt.device), last_slot)
-
-
-COMPILE_BACKEND = "inductor"
-"""`torch.compile` backend of `compile_step` (tests use "eager" to check tracing without code generation)."""
-
-
-STEP_MODES = ("eager", "inductor", "fused")
-"""`compile_step` values (False is "eager", True "inductor")."""
-
-
-def _step_mode(compile_step: bool | str) -> str:
-    if compile_step is False or compile_step is True:
-        return "inductor" if compile_step else "eager"
-    if compile_step not in STEP_MODES:
-        raise ValueError(f"compile_step must be True, False, 'inductor' or 'fused', got {compile_step!r}")
-    return str(compile_step)
-
-
-def compiled_step(arch: DecoderArchitecture) -> StepForward:
-    """`arch.forward` compiled for one-token steps: static shapes, one graph (no breaks, so no host code)."""
-    return torch.compile(arch.forward, backend=COMPILE_BACKEND, fullgraph=True, dynamic=False)
-
-
-def step_forward(arch: DecoderArchitecture, mode: str) -> StepForward | None:
-    """What runs the one-token forward in `mode` (None: `arch.forward` itself)."""
-    if mode == "inductor":
-        return compiled_step(arch)
-    if mode == "fused":
-        return arch.fused_step()
-    return None
 
 
 @dataclass
@@ -308,6 +210,12 @@ def runner(model: nn.Module, arch: DecoderArchitecture, plan: Plan) -> Callable[
         loop = DecodeLoop(model, arch, plan)
         found = runners[key] = graphed(loop) if weight.is_cuda else loop
     return found
+
+
+def decode_loop(model: nn.Module, plan: Plan) -> DecodeLoop:
+    """The decode loop `generate` runs for (model, plan), built if it is not yet (unwrapped from its graph)."""
+    found = runner(model, _architecture(model), plan)
+    return found.fn if isinstance(found, GraphedCallable) else found  # type: ignore[return-value]
 
 
 def graphed_runners(model: nn.Module) -> list[GraphedCallable]:

@@ -70,8 +70,8 @@ class DecoderArchitecture(ABC):
         one kernel per projection (norm, bias, activation and residual fused in) and one attention kernel
         (cache write included). Built once per model; raises `UnsupportedModelError` when the
         architecture (or one of its options) has no fused path."""
-        raise UnsupportedModelError(f"compile_step='fused' has no fused decode kernels for {type(self).__name__} "
-                                    f"(model types {', '.join(self.model_types)}); use compile_step=True")
+        raise UnsupportedModelError(f"step='fused' has no fused decode kernels for {type(self).__name__} "
+                                    f"(model types {', '.join(self.model_types)}); use step='compiled'")
 
 
 _REGISTRY: dict[str, type[DecoderArchitecture]] = {}

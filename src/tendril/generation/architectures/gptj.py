@@ -82,8 +82,8 @@ class GPTJ(DecoderArchitecture):
 
     def fused_step(self) -> StepForward:
         activation = activation_for(self.config.activation_function)
-        require(activation is not None, f"compile_step='fused' does not reproduce GPT-J's activation "
-                f"{self.config.activation_function!r}; use compile_step=True")
+        require(activation is not None, f"step='fused' does not reproduce GPT-J's activation "
+                f"{self.config.activation_function!r}; use step='compiled'")
         assert activation is not None
         transformer = self.model.transformer
         layers = [

@@ -81,14 +81,14 @@ class Llama(DecoderArchitecture):
 
     def fused_step(self) -> StepForward:
         activation = activation_for(self.config.hidden_act)
-        require(activation is not None, f"compile_step='fused' does not reproduce the activation "
-                f"{self.config.hidden_act!r}; use compile_step=True")
+        require(activation is not None, f"step='fused' does not reproduce the activation "
+                f"{self.config.hidden_act!r}; use step='compiled'")
         assert activation is not None
         base = self.model.model
         for layer in base.layers:
             require(all(hasattr(layer.mlp, name) for name in ("gate_proj", "up_proj", "down_proj")),
-                    f"compile_step='fused' expects a gated MLP (gate/up/down projections), got "
-                    f"{type(layer.mlp).__name__}; use compile_step=True")
+                    f"step='fused' expects a gated MLP (gate/up/down projections), got "
+                    f"{type(layer.mlp).__name__}; use step='compiled'")
         layers = [
             (Norm.of(layer.input_layernorm),
              Projection.of(layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj),

@@ -1,4 +1,4 @@
-"""Fused kernels of one-token decode steps (`generate(compile_step="fused")`).
+"""Fused kernels of one-token decode steps (`generate(step="fused")`).
 
 `linear.py` (norm + projection + activation + residual adds), `attention.py` (cache write + rotary +
 attention of one query over the static cache), `argmax_kernel.py` (the token choice), `reference.py` (plain

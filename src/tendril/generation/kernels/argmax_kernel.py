@@ -1,8 +1,8 @@
 """Index of the largest score per row, as `torch.argmax(scores, -1)`: one program per row, one kernel.
 
 Greedy decoding and Gumbel-max sampling end every step with an argmax over the vocabulary (50k-150k
-scores a row). PyTorch's reduction took 14 us for one GPT-2 row on the H200, longer than any projection
-of the step but the LM head (`benchmarks/results/profile_generation-variants.md`). Here each program
+scores a row). PyTorch's reduction of one such row is slower than any projection of the step but the LM
+head (see the generation profile in `benchmarks/results/`). Here each program
 streams its row in `BLOCK` wide chunks, keeping per lane the best score seen and its index (a later
 chunk replaces it only when strictly larger, so each lane keeps the first of equal scores), then reduces
 the lanes: the largest score, and the smallest index holding it. So ties go to the first index, as
@@ -42,7 +42,7 @@ def _argmax_kernel(scores_ptr, stride_row, columns, out_ptr, BLOCK: tl.constexpr
 
 
 MAX_BLOCK = 8192
-"""Widest chunk, streamed by 32 warps (on the H200 one 65536-wide chunk was several times slower)."""
+"""Widest chunk, streamed by 32 warps (a chunk as wide as a whole vocabulary row is much slower)."""
 
 
 def argmax(scores: torch.Tensor, *, pdl: bool | None = None) -> torch.Tensor:

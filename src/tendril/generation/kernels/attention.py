@@ -131,7 +131,8 @@ def _decode_attention_kernel(
 
 
 INTERPRETED = not isinstance(_decode_attention_kernel, triton.runtime.JITFunction)
-"""True when Triton runs kernels in its interpreter (TRITON_INTERPRET=1 when this module was imported)."""
+"""True when Triton runs kernels in its interpreter (`tendril.settings.triton_interpret`, TRITON_INTERPRET=1, when
+this module was imported): told by what Triton made of the kernel, not by reading the variable again."""
 
 MAX_BLOCK_S = 256
 """Largest default slot block: a GPT-2 cache of up to 256 slots is read in one block (one memory round trip)."""

@@ -303,9 +303,8 @@ def launch_config(
     programs than SMs, K is split down to one tile per program, then tiles get shallower (down to 32).
     Splitting needs a counter per column block and row group, so launches with more than
     `layers.SPLIT_K_LOCKS` of those (which fill the GPU anyway) do not split. A launch that splits anyway
-    takes one tile per program, twice as wide and half as deep. On the H200 this choice was the fastest of
-    17 launches timed for four of GPT-2's five batch-1 projections, and 11% off for the fifth (the sweep in
-    `benchmarks/results/profile_generation.md`)."""
+    takes one tile per program, twice as wide and half as deep. The profile tool's `--sweep` times this choice
+    against other launch configurations for GPT-2's batch-1 projections (`benchmarks/tools/profile_generation.py`)."""
     block_m = min(triton.next_power_of_2(max(rows, 1)), MAX_ROWS_PER_PROGRAM)
     tile = TILE_BYTES // element_size // block_m
     if k_contiguous:

@@ -1,8 +1,8 @@
 """Programmatic dependent launch (PDL) of the decode kernels: each kernel starts while the one before it runs.
 
-A batch-1 decode step is a chain of about 80 small kernels, each a few microseconds, and each used to
-start only when the one before it had finished: its launch, its first weight loads from memory and the
-previous kernel's tail were paid one after the other. On Hopper and later GPUs a kernel launched with
+A batch-1 decode step is a long chain of small kernels. Launched plainly, each starts only when the one
+before it has finished, so its launch, its first weight loads from memory and the previous kernel's tail are
+paid one after the other. On Hopper and later GPUs a kernel launched with
 PDL may start as soon as every program of the kernel before it has called `gdc_launch_dependents`
 (the fused kernels call it first thing). Its programs then load what no kernel of the step writes (a
 projection's first weight tile) and block in `gdc_wait` until the previous kernel has finished and its
@@ -14,17 +14,18 @@ the step runs (weights, biases, norm gains) and writes nothing. CUDA graph captu
 as programmatic edges, so replays keep the overlap.
 
 `enabled(device)` says whether the kernels launch this way: on CUDA devices of compute capability 9.0 or
-later, unless `TENDRIL_PDL=0` (for comparisons); `resolve` is what each launch asks, and never says yes
-under Triton's interpreter (which has no grid dependency control).
+later, unless `tendril.settings.pdl` is off (`TENDRIL_PDL=0`, for comparisons); `resolve` is what each launch
+asks, and never says yes under Triton's interpreter (which has no grid dependency control).
 """
 
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import triton
+
+from tendril import config
 
 MIN_CAPABILITY = (9, 0)
 """Programmatic dependent launch needs Hopper (sm_90) or later."""
@@ -37,7 +38,7 @@ def _capable(index: int) -> bool:
 
 def enabled(device: torch.device) -> bool:
     """Whether decode kernels on `device` launch with programmatic dependent launch."""
-    if device.type != "cuda" or os.environ.get("TENDRIL_PDL", "1") == "0":
+    if device.type != "cuda" or not config.settings.pdl:
         return False
     index = device.index if device.index is not None else torch.cuda.current_device()
     return _capable(index)

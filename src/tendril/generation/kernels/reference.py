@@ -3,7 +3,7 @@
 Each computes in float32 and rounds to the tensor dtype exactly where its kernel does, which is where
 Hugging Face's eager fp16 forward rounds too: a norm's output, a projection's output (bias added before
 rounding, as cuBLAS's epilogue), each product and sum of the rotary embedding, an activation's output, a
-residual sum. They are the oracle of the kernel tests and the CPU path of `compile_step="fused"`.
+residual sum. They are the oracle of the kernel tests and the CPU path of `step="fused"`.
 """
 
 from __future__ import annotations

@@ -27,93 +27,32 @@ fallback to predication.
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import functools
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
 
 from tendril.cuda import runtime
-from tendril.graphs import control_capture
-from tendril.graphs.control_capture import HostSyncInGraphError
-
-__all__ = [
-    "ControlFlowStats",
-    "HostSyncInGraphError",
-    "LoopBoundCheck",
-    "LoopBoundExceeded",
-    "check_loop_bounds",
-    "clear_loop_bound_checks",
-    "cond",
-    "control_flow_stats",
-    "reset_control_flow_stats",
-    "while_loop",
-]
+from tendril.graphs.control import capture, stats
+from tendril.graphs.control.checks import (
+    as_pred,
+    as_tensors,
+    checked_call,
+    flatten,
+    fn_name,
+    fresh,
+    fresh_tensors,
+    match_layout,
+    unmodified,
+)
+from tendril.graphs.control.stats import LoopBoundCheck, LoopBoundExceeded
 
 Lowering = Literal["auto", "predication"]
 IF_ELSE_MIN_DRIVER = 12080
 """IF nodes with an else branch (two body graphs) need a 12.8 driver."""
-
-
-class LoopBoundExceeded(RuntimeError):
-    """A predicated `while_loop` still wanted to iterate after `max_iterations` iterations."""
-
-
-@dataclass
-class ControlFlowStats:
-    """How many `cond`/`while_loop` calls ran with each lowering, and why predication was chosen."""
-
-    eager: int = 0
-    conditional_node: int = 0
-    predication: int = 0
-    fallback_reasons: collections.Counter[str] = field(default_factory=collections.Counter)
-
-
-@dataclass(frozen=True)
-class LoopBoundCheck:
-    """A predicated loop inside a captured graph: `exceeded` is set on the device by each replay."""
-
-    name: str
-    max_iterations: int
-    exceeded: torch.Tensor
-
-
-_stats = ControlFlowStats()
-_bound_checks: list[LoopBoundCheck] = []
-
-
-def control_flow_stats() -> ControlFlowStats:
-    """A copy of the per-lowering call counts so far."""
-    return ControlFlowStats(
-        _stats.eager, _stats.conditional_node, _stats.predication, collections.Counter(_stats.fallback_reasons)
-    )
-
-
-def reset_control_flow_stats() -> None:
-    global _stats
-    _stats = ControlFlowStats()
-
-
-def check_loop_bounds() -> None:
-    """After replaying graphs with predicated loops: raise `LoopBoundExceeded` if any loop hit its bound.
-
-    Reads one flag per predicated loop captured so far (a host sync); each flag describes the latest
-    replay of its graph. `clear_loop_bound_checks()` forgets the loops of graphs no longer used.
-    """
-    exceeded = [c for c in _bound_checks if bool(c.exceeded)]
-    if exceeded:
-        names = ", ".join(f"{c.name} (max_iterations={c.max_iterations})" for c in exceeded)
-        raise LoopBoundExceeded(
-            f"predicated while_loop still running after its bound: {names}; its results are truncated. "
-            "Raise max_iterations, or use a driver with CUDA conditional nodes (>= 12.4)."
-        )
-
-
-def clear_loop_bound_checks() -> None:
-    _bound_checks.clear()
 
 
 # ---------------------------------------------------------------------------------------------- API
@@ -135,14 +74,14 @@ def while_loop(
     `max_iterations` bounds predication (required when it is used) and, eagerly, raises
     `LoopBoundExceeded` when the loop would run longer. `name` labels the loop in errors.
     """
-    state = _as_tensors(carried, "while_loop carried")
+    state = as_tensors(carried, "while_loop carried")
     if max_iterations is not None and (not isinstance(max_iterations, int) or max_iterations < 0):
         raise ValueError(f"max_iterations must be a non-negative int, got {max_iterations!r}")
-    label = name or f"while_loop({_fn_name(cond_fn)}, {_fn_name(body_fn)})"
+    label = name or f"while_loop({fn_name(cond_fn)}, {fn_name(body_fn)})"
     how, reason = _choose_lowering(_named("while_loop carried", state), lowering, needs_else=False)
     if how == "predication" and max_iterations is None:
         raise ValueError(f"{label}: predication ({reason}) unrolls the loop and needs a bound: pass max_iterations=N")
-    _count(how, reason)
+    stats.count(how, reason)
     loop = _Loop(cond_fn, body_fn, label)
     if how == "eager":
         return _while_eager(loop, state, max_iterations)
@@ -165,21 +104,21 @@ def cond(
     Both branches return a tensor, or a tuple of tensors, of the same structure, shapes and dtypes.
     The result is new tensors (a branch may return an operand; it is copied).
     """
-    ops = _as_tensors(operands, "cond operands", allow_empty=True)
+    ops = as_tensors(operands, "cond operands", allow_empty=True)
     if isinstance(pred, bool):
-        return _fresh(_flatten(true_fn(*ops) if pred else false_fn(*ops), "cond branch"), ops)
-    flag = _as_pred(pred, "cond pred")
+        return fresh(flatten(true_fn(*ops) if pred else false_fn(*ops), "cond branch"), ops)
+    flag = as_pred(pred, "cond pred")
     named = [("cond pred", flag), *_named("cond operands", ops)]
     how, reason = _choose_lowering(named, lowering, needs_else=True)
-    _count(how, reason)
+    stats.count(how, reason)
     if how == "eager":
         chosen = true_fn if bool(flag) else false_fn
-        return _fresh(_checked_call(chosen, ops, "cond branch"), ops)
+        return fresh(checked_call(chosen, ops, "cond branch"), ops)
     if how == "predication":
         with _sync_guard_when_capturing(true_fn, "cond true_fn or false_fn"):
-            taken = _checked_call(true_fn, ops, "cond true_fn")
-            other = _checked_call(false_fn, ops, "cond false_fn")
-        _match(other.tensors, taken.tensors, "cond false_fn output", "true_fn output")
+            taken = checked_call(true_fn, ops, "cond true_fn")
+            other = checked_call(false_fn, ops, "cond false_fn")
+        match_layout(other.tensors, taken.tensors, "cond false_fn output", "true_fn output")
         scalar = flag.reshape(())
         return taken.rebuild([torch.where(scalar, t, f) for t, f in zip(taken.tensors, other.tensors, strict=True)])
     return _cond_conditional_node(flag, true_fn, false_fn, ops)
@@ -225,15 +164,9 @@ def _conditional_support(needs_else: bool) -> runtime.Support:
     return support
 
 
-def _count(how: str, reason: str) -> None:
-    setattr(_stats, how, getattr(_stats, how) + 1)
-    if how == "predication":
-        _stats.fallback_reasons[reason] += 1
-
-
 def _sync_guard_when_capturing(fn: Callable[..., Any], what: str) -> contextlib.AbstractContextManager[None]:
     if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-        return control_capture.host_sync_guard(fn, what)
+        return capture.host_sync_guard(fn, what)
     return contextlib.nullcontext()
 
 
@@ -247,14 +180,14 @@ class _Loop:
     label: str
 
     def test(self, state: Sequence[torch.Tensor]) -> torch.Tensor:
-        with _unmodified(state, f"{self.label}: cond_fn"):
-            return _as_pred(self.cond_fn(*state), f"{self.label}: cond_fn result")
+        with unmodified(state, f"{self.label}: cond_fn"):
+            return as_pred(self.cond_fn(*state), f"{self.label}: cond_fn result")
 
     def step(self, state: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        with _unmodified(state, f"{self.label}: body_fn"):
+        with unmodified(state, f"{self.label}: body_fn"):
             new = self.body_fn(*state)
-        tensors = _flatten(new, f"{self.label}: body_fn result").tensors
-        _match(tensors, state, f"{self.label}: body_fn output", "carried")
+        tensors = flatten(new, f"{self.label}: body_fn result").tensors
+        match_layout(tensors, state, f"{self.label}: body_fn output", "carried")
         return tensors
 
 
@@ -266,7 +199,7 @@ def _while_eager(loop: _Loop, state: list[torch.Tensor], max_iterations: int | N
             raise LoopBoundExceeded(f"{loop.label} still running after max_iterations={max_iterations}")
         state = loop.step(state)
         iterations += 1
-    return tuple(_fresh_tensors(state, carried))
+    return tuple(fresh_tensors(state, carried))
 
 
 def _while_predicated(loop: _Loop, state: list[torch.Tensor], max_iterations: int) -> tuple[torch.Tensor, ...]:
@@ -277,20 +210,20 @@ def _while_predicated(loop: _Loop, state: list[torch.Tensor], max_iterations: in
         state = [torch.where(running, n, s) for n, s in zip(new, state, strict=True)]
         running = running & loop.test(state).reshape(())
     if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-        _bound_checks.append(LoopBoundCheck(loop.label, max_iterations, running))
+        stats.record_bound_check(LoopBoundCheck(loop.label, max_iterations, running))
     elif bool(running):
         raise LoopBoundExceeded(f"{loop.label} still running after max_iterations={max_iterations}")
-    return tuple(_fresh_tensors(state, carried))
+    return tuple(fresh_tensors(state, carried))
 
 
 def _while_conditional_node(loop: _Loop, carried: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
     from tendril.cuda.graph_nodes import ConditionalKind, set_condition
 
     state = [c.clone(memory_format=torch.contiguous_format) for c in carried]
-    with control_capture.host_sync_guard(loop.cond_fn, f"{loop.label}: cond_fn"):
+    with capture.host_sync_guard(loop.cond_fn, f"{loop.label}: cond_fn"):
         first = loop.test(state)
-    splice = control_capture.add_node(first, ConditionalKind.WHILE, branches=1)
-    with control_capture.capture_body(splice.bodies[0], loop.body_fn, f"{loop.label}: body_fn or cond_fn"):
+    splice = capture.add_node(first, ConditionalKind.WHILE, branches=1)
+    with capture.capture_body(splice.bodies[0], loop.body_fn, f"{loop.label}: body_fn or cond_fn"):
         _assign(state, loop.step(state))
         set_condition(splice.handle, loop.test(state))
     return tuple(state)
@@ -302,16 +235,16 @@ def _cond_conditional_node(
     from tendril.cuda.graph_nodes import ConditionalKind
 
     outer = torch.cuda.current_stream()
-    splice = control_capture.add_node(flag, ConditionalKind.IF, branches=2)
-    with control_capture.capture_body(splice.bodies[0], true_fn, "cond true_fn"):
-        taken = _checked_call(true_fn, ops, "cond true_fn")
+    splice = capture.add_node(flag, ConditionalKind.IF, branches=2)
+    with capture.capture_body(splice.bodies[0], true_fn, "cond true_fn"):
+        taken = checked_call(true_fn, ops, "cond true_fn")
         with torch.cuda.stream(outer):  # outputs belong to the caller's graph, at fixed addresses
             outputs = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in taken.tensors]
         for out, t in zip(outputs, taken.tensors, strict=True):
             out.copy_(t)
-    with control_capture.capture_body(splice.bodies[1], false_fn, "cond false_fn"):
-        other = _checked_call(false_fn, ops, "cond false_fn")
-        _match(other.tensors, taken.tensors, "cond false_fn output", "true_fn output")
+    with capture.capture_body(splice.bodies[1], false_fn, "cond false_fn"):
+        other = checked_call(false_fn, ops, "cond false_fn")
+        match_layout(other.tensors, taken.tensors, "cond false_fn output", "true_fn output")
         for out, t in zip(outputs, other.tensors, strict=True):
             out.copy_(t)
     return taken.rebuild(outputs)
@@ -334,99 +267,3 @@ def _assign(state: list[torch.Tensor], new: list[torch.Tensor]) -> None:
 
 def _shares_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
-
-
-# ---------------------------------------------------------------------------------------- checks
-
-
-@dataclass(frozen=True)
-class _Structure:
-    """A function's tensor result, flattened: one tensor, or a tuple of them."""
-
-    tensors: list[torch.Tensor]
-    single: bool
-
-    def rebuild(self, tensors: list[torch.Tensor]) -> Any:
-        return tensors[0] if self.single else tuple(tensors)
-
-
-def _flatten(value: Any, what: str) -> _Structure:
-    if isinstance(value, torch.Tensor):
-        return _Structure([value], single=True)
-    if isinstance(value, (tuple, list)):
-        return _Structure(_as_tensors(value, what, allow_empty=True), single=False)
-    raise TypeError(f"{what}: expected a tensor or a tuple of tensors, got {type(value).__name__}")
-
-
-def _as_tensors(values: Any, what: str, allow_empty: bool = False) -> list[torch.Tensor]:
-    if isinstance(values, torch.Tensor):
-        values = (values,)
-    if not isinstance(values, (tuple, list)):
-        raise TypeError(f"{what}: expected a tuple of tensors, got {type(values).__name__}")
-    if not values and not allow_empty:
-        raise ValueError(f"{what}: expected at least one tensor")
-    for i, v in enumerate(values):
-        if not isinstance(v, torch.Tensor):
-            raise TypeError(
-                f"{what}[{i}] is a {type(v).__name__}; control flow carries tensors only "
-                f"(wrap it: torch.tensor(value, device=...))"
-            )
-    return list(values)
-
-
-def _as_pred(value: Any, what: str) -> torch.Tensor:
-    if not isinstance(value, torch.Tensor) or value.dtype != torch.bool or value.numel() != 1:
-        got = f"{value.dtype} tensor of shape {list(value.shape)}" if isinstance(value, torch.Tensor) else repr(value)
-        raise TypeError(f"{what}: expected a one-element bool tensor (e.g. `(x.sum() > 0)`), got {got}")
-    return value
-
-
-def _match(values: Sequence[torch.Tensor], reference: Sequence[torch.Tensor], what: str, ref_what: str) -> None:
-    if len(values) != len(reference):
-        raise ValueError(f"{what}: expected {len(reference)} tensors (like the {ref_what}), got {len(values)}")
-    for i, (v, r) in enumerate(zip(values, reference, strict=True)):
-        if v.shape != r.shape or v.dtype != r.dtype or v.device != r.device:
-            raise ValueError(
-                f"{what} {i} is {_describe(v)} but {ref_what} {i} is {_describe(r)}: shapes, dtypes and devices must "
-                "not change (pad to a fixed size and carry the real length as a tensor)"
-            )
-
-
-def _describe(t: torch.Tensor) -> str:
-    return f"{list(t.shape)} {str(t.dtype).removeprefix('torch.')} on {t.device}"
-
-
-def _checked_call(fn: Callable[..., Any], ops: list[torch.Tensor], what: str) -> _Structure:
-    with _unmodified(ops, f"{what} {_fn_name(fn)!r}"):
-        result = fn(*ops)
-    return _flatten(result, f"{what} {_fn_name(fn)!r} result")
-
-
-@contextlib.contextmanager
-def _unmodified(tensors: Sequence[torch.Tensor], what: str) -> Iterator[None]:
-    """Raise if the block modifies any of `tensors` in place (their version counters change).
-
-    Inference tensors have no version counter and are not checked.
-    """
-    tracked = [t for t in tensors if not t.is_inference()]
-    versions = [t._version for t in tracked]
-    yield
-    for i, (t, before) in enumerate(zip(tracked, versions, strict=True)):
-        if t._version != before:
-            raise ValueError(
-                f"{what} modified its argument {i} in place; return a new tensor instead "
-                "(control-flow functions must not mutate their inputs)"
-            )
-
-
-def _fresh(structure: _Structure, inputs: Sequence[torch.Tensor]) -> Any:
-    return structure.rebuild(_fresh_tensors(structure.tensors, inputs))
-
-
-def _fresh_tensors(values: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """Results never alias the caller's tensors: copy any result that is one of them."""
-    return [v.clone() if any(v is i for i in inputs) else v for v in values]
-
-
-def _fn_name(fn: Callable[..., Any]) -> str:
-    return getattr(fn, "__qualname__", None) or repr(fn)

@@ -1,0 +1,55 @@
+"""`tendril.generation.decode_step`: the loop body `generate` runs, stepped one token at a time from fixed buffers,
+outside inference mode as a profiling loop calls it; `reset` and `restart` give the state after the prompt pass."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tendril.generation import decode_step, generate
+from tendril.generation.api import release_graphs
+from tests.generation.models import tiny_model
+
+NEW = 6
+
+
+def _prompt(seed: int) -> torch.Tensor:
+    return torch.randint(4, 96, (1, 5), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("step", ["eager", "fused"])
+def test_decode_step_steps_and_resets_like_generate(step):
+    model = tiny_model("gpt2")
+    prompt = _prompt(3)
+    expected = generate(model, prompt, max_new_tokens=NEW, eos_token_id=[], pad_token_id=0, step=step)
+    state = decode_step(model, prompt, max_new_tokens=NEW, step=step)
+    assert torch.is_inference(state.buffers[0]) and not torch.is_inference_mode_enabled()
+    for _ in range(2):  # the second round starts from `reset`, which must undo the first round's steps
+        for _ in range(NEW - 1):  # the state after prefill holds the first token: NEW - 1 steps remain
+            state.step()
+        step_count, sequences, unfinished = state.buffers
+        assert int(step_count) == NEW and bool(unfinished.all())
+        assert torch.equal(sequences, expected)
+        state.reset()
+        for buffer, start in zip(state.buffers, state.start, strict=True):
+            assert torch.equal(buffer, start) and buffer.data_ptr() != start.data_ptr()
+    release_graphs(model)
+
+
+def test_restart_runs_the_prompt_pass_of_another_prompt_for_beams():
+    model = tiny_model("gpt2")
+    first, second = _prompt(3), _prompt(4)
+    state = decode_step(model, first, max_new_tokens=NEW, num_beams=3)
+    fresh = decode_step(model, second, max_new_tokens=NEW, num_beams=3)
+    state.step()
+    state.restart(second)
+    assert all(torch.equal(a, b) for a, b in zip(state.buffers, fresh.start, strict=True))
+    for _ in range(NEW - 1):
+        state.step()
+        fresh.step()
+    assert all(torch.equal(a, b) for a, b in zip(state.buffers, fresh.buffers, strict=True))
+
+
+def test_decode_step_refuses_an_unknown_step():
+    with pytest.raises(ValueError, match="step must be one of"):
+        decode_step(tiny_model("gpt2"), _prompt(3), max_new_tokens=NEW, step="inductor")
