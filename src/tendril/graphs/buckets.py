@@ -7,11 +7,11 @@ all-ones mask for the real tokens when the call has none). Right padding with a 
 positions' outputs unchanged in HF models with padding-aware attention; for causal decoders even without a mask.
 
 Which outputs to cut back is traced, never guessed from sizes: when a bucket's graph is captured, the call is
-also run eagerly at a second length (`probe_length`, half the bucket), and an output dimension follows the padded length where
-it has the bucket's size in the captured call and the probe's size in the probe (`follow_length`). Calls served
-by that graph narrow exactly those dimensions to their own length (`cut_back`), so a dimension that merely
-equals the bucket's size (a hidden size of 128 under a 128 bucket) is left whole. Outputs whose structure, or
-any dimension, changes with the length other than one to one (a strided convolution's frames) cannot be cut
+also run eagerly at a second length (`probe_length`, half the bucket), and an output dimension follows the padded
+length where it has the bucket's size in the captured call and the probe's size in the probe (`follow_length`).
+Calls served by that graph narrow exactly those dimensions to their own length (`cut_back`), so a dimension that
+merely equals the bucket's size (a hidden size of 128 under a 128 bucket) is left whole. Outputs whose structure,
+or any dimension, changes with the length other than one to one (a strided convolution's frames) cannot be cut
 back: such a bucket runs eagerly (`Fallback.PADDED_OUTPUTS`) instead of returning padded results.
 
 A call longer than the largest bucket is not padded: it runs under its exact key (a graph of its

@@ -21,7 +21,7 @@ class Fallback(enum.Enum):
     UNKEYABLE = "an argument cannot be part of a graph key (not hashable)"
     CPU_TENSOR = "a tensor argument is not on a CUDA device"
     MIXED_DEVICES = "tensor arguments on several devices"
-    REQUIRES_GRAD = "grad mode is on and an argument or a parameter of the callable requires grad (no autograd in graphs)"
+    REQUIRES_GRAD = "grad mode is on and an argument or a parameter of the callable requires grad (graphs skip it)"
     LIMIT = "new key past max_graphs"
     HOST_SYNC = "the function synchronises with the host while capturing (.item(), .cpu(), data-dependent shapes)"
     MUTATES_INPUTS = "the function writes into its tensor arguments"
