@@ -28,28 +28,20 @@ from benchmarks.cases import sparse_cnn as case
 from benchmarks.registry import Context
 from benchmarks.tools.profile_generation import kernel_profile
 from tendril.sparse import convert
-from tendril.sparse.network import SparseConvStep, SparseLinearStep, _device_ms
+from tendril.sparse.tuning import device_ms
 from tendril.utils.timing import time_callable
 
 STEP_REPS = 20
 
 
-def _kernel_of(step: Any) -> str:
-    if isinstance(step, SparseConvStep):
-        return step.conv_kernel
-    if isinstance(step, SparseLinearStep):
-        return step.fc_kernel
-    return "dense op"
-
-
 def profile_model(name: str, device: torch.device) -> dict[str, Any]:
     ctx = Context(device=device, quick=False)
-    model, _ = case._pruned_model(ctx, name)
+    model, _ = case.pruned_model(ctx, name)
     inputs = [torch.randn(1, 3, 224, 224, device=device) for _ in range(4)]
     with torch.no_grad():
-        case._set_tf32(False)
+        case.set_tf32(False)
         net = convert(model, inputs[0])
-        replay, _ = case._graphed(net, inputs[0])
+        replay, _ = case.graphed(net, inputs[0])
         timing = time_callable(replay, [(x,) for x in inputs], device=device, warmup=5, reps=100)
         graph = kernel_profile(lambda: replay(inputs[1]), calls=20)
         values = {net.input_name: inputs[1]}
@@ -114,7 +106,7 @@ def main() -> None:
         "models": {},
     }
     names = args.models.split(",")
-    case._precompile(Context(device=device, quick=False), names)
+    case.precompile_models(Context(device=device, quick=False), names)
     for name in names:
         report["models"][name] = profile_model(name, device)
         print(f"{name}: {report['models'][name]['graph_ms_per_call']:.4f} ms per graph call", flush=True)
