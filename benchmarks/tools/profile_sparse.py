@@ -44,20 +44,13 @@ def profile_model(name: str, device: torch.device) -> dict[str, Any]:
         replay, _ = case.graphed(net, inputs[0])
         timing = time_callable(replay, [(x,) for x in inputs], device=device, warmup=5, reps=100)
         graph = kernel_profile(lambda: replay(inputs[1]), calls=20)
-        values = {net.input_name: inputs[1]}
         steps = []
-        for step in net.steps:
-            args = [values[n] for n in step.inputs]
-
-            def run_step(step: Any = step, args: list[torch.Tensor] = args) -> torch.Tensor:
-                return step.run(args, net._state)
-
-            values[step.output] = run_step()
-            launched = kernel_profile(run_step, calls=1)
+        for call in net.step_calls(inputs[1]):
+            launched = kernel_profile(call.run, calls=1)
             steps.append({
-                "step": step.name,
-                "kernel": _kernel_of(step),
-                "device_us": round(1e3 * _device_ms(run_step, STEP_REPS) / STEP_REPS, 2),
+                "step": call.name,
+                "kernel": call.kernel,
+                "device_us": round(1e3 * device_ms(call.run, STEP_REPS) / STEP_REPS, 2),
                 "kernels": [g.name[:80] for g in launched.groups for _ in range(round(g.per_call))],
             })
     return {

@@ -48,6 +48,19 @@ def test_fusions_fold_batchnorm_relu_and_residual_adds_into_the_sparse_layers():
     assert isinstance(net.steps[-1], SparseLinearStep)
 
 
+def test_step_calls_rerun_each_step_on_the_activations_of_one_forward():
+    torch.manual_seed(0)
+    model = randomize_batchnorm(ResNetLike(BasicBlock, (1, 1))).eval()
+    prune(model, 0.4)
+    x = torch.randn(1, 3, 16, 16)
+    net = convert(model, x)
+    calls = net.step_calls(x)
+    assert [c.name for c in calls] == [s.name for s in net.steps]
+    kernels = {c.kernel for c in calls}
+    assert "dense op" in kernels and kernels - {"dense op"} <= {"cuda", "spmspv"}
+    assert torch.equal(calls[-1].run(), net(x))
+
+
 def test_unsupported_layers_are_named():
     model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.GELU()).eval()
     with pytest.raises(UnsupportedLayerError, match=r"'1' \(GELU\)"):

@@ -1,8 +1,8 @@
 """CUDA C++ source of the register-tiled sparse-weight convolution (`register_cuda.py` compiles and launches it).
 
-Why not SCNN's Cartesian product here: at the activation densities ReLU leaves in VGG-16 (45-90%),
-each product of the Cartesian kernel (`cuda.py`) costs a shared-memory atomic at a scattered
-address and several instructions for one FMA. Skipping only zero *weights* and reading activations
+Why not SCNN's Cartesian product here: at the activation densities ReLU leaves in networks like VGG-16
+(mostly nonzero), each product of the Cartesian kernel (`cuda.py`) costs a shared-memory atomic at a
+scattered address and several instructions for one FMA. Skipping only zero *weights* and reading activations
 densely turns each nonzero weight into `ph × pw` register FMAs fed by one broadcast weight load, with
 each lane's input window read from shared memory once per channel and shared by the warp's `kt` output
 channels and all their taps.

@@ -222,7 +222,7 @@ class RegisterTilePlan:
     @property
     def registers(self) -> int:
         """Estimated registers per thread: accumulators, the live window, records and ~40 for addresses."""
-        if self.pixel_run:  # ~52 besides accumulators and window in NVRTC 13.5's sm_90 builds of ResNet-50's 1×1s
+        if self.pixel_run:  # besides accumulators and window: what NVRTC's sm_90 builds of 1×1 layers use
             return self.kt * self.pw + self.pw + 52
         return self.kt * self.ph * self.pw + _peak_window_floats(self) + self.kt + 40
 
