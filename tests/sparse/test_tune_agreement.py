@@ -2,10 +2,9 @@
 float64 dense reference: the agreement check on the CPU, on real converted layers whose register kernel is
 the CPU emulation of its exact algorithm.
 
-The check once compared against the shared-memory kernel instead, which is wrong by design when a reduced
-activation capacity overflows: on the GPU a correct register kernel was then refused ("relative error
-3.72e-01 against the shared-memory kernel"). `test_a_correct_kernel_is_admitted_when_the_shared_memory_kernel_is_wrong`
-is that case.
+The reference is not another kernel: the shared-memory kernel is wrong by design when a reduced activation
+capacity overflows, and would make a correct register kernel look wrong;
+`test_a_correct_kernel_is_admitted_when_the_shared_memory_kernel_is_wrong` is that case.
 """
 
 from __future__ import annotations
