@@ -251,24 +251,17 @@ class CsrLinearWeights:
     row_ptr: torch.Tensor
 
     def __post_init__(self) -> None:
-        _check_linear_structure("CsrLinearWeights", self.in_features, self.out_features, self.values)
-        check_tensor(
-            "CsrLinearWeights", "cols", self.cols, torch.int32, (self.values.numel(),), device=self.values.device
-        )
-        check_tensor(
-            "CsrLinearWeights",
-            "row_ptr",
-            self.row_ptr,
-            torch.int32,
-            (self.out_features + 1,),
-            device=self.values.device,
-        )
-        if not capturing(self.values):
-            self.validate()
+        self._check(values_too=not capturing(self.values))
 
     def validate(self) -> None:
-        """The value checks of construction again (one host sync)."""
-        _check_linear_values("CsrLinearWeights", self.values, self.cols, "cols", self.in_features, self.row_ptr, "row")
+        """The construction checks again, values included (one host sync), e.g. after in-place changes."""
+        self._check(values_too=True)
+
+    def _check(self, values_too: bool) -> None:
+        _check_compressed_matrix(
+            "CsrLinearWeights", (self.in_features, self.out_features), self.values, self.cols, "cols", self.row_ptr,
+            "row_ptr", "row", values_too=values_too,
+        )  # fmt: skip
 
     @property
     def nbytes(self) -> int:
@@ -288,14 +281,17 @@ class SparseLinearWeights:
     col_ptr: torch.Tensor
 
     def __post_init__(self) -> None:
-        _check_linear_structure("SparseLinearWeights", self.in_features, self.out_features, self.values)
-        device = self.values.device
-        check_tensor("SparseLinearWeights", "rows", self.rows, torch.int32, (self.values.numel(),), device=device)
-        check_tensor(
-            "SparseLinearWeights", "col_ptr", self.col_ptr, torch.int32, (self.in_features + 1,), device=device
-        )
-        if not capturing(self.values):
-            self.validate()
+        self._check(values_too=not capturing(self.values))
+
+    def validate(self) -> None:
+        """The construction checks again, values included (one host sync), e.g. after in-place changes."""
+        self._check(values_too=True)
+
+    def _check(self, values_too: bool) -> None:
+        _check_compressed_matrix(
+            "SparseLinearWeights", (self.in_features, self.out_features), self.values, self.rows, "rows", self.col_ptr,
+            "col_ptr", "column", values_too=values_too,
+        )  # fmt: skip
 
     @property
     def nnz(self) -> int:
@@ -343,28 +339,35 @@ class SparseLinearWeights:
         values = self.values[order].contiguous()
         return CsrLinearWeights(self.in_features, self.out_features, values, cols[order].to(torch.int32), row_ptr)
 
-    def validate(self) -> None:
-        """The value checks of construction again (one host sync)."""
-        _check_linear_values(
-            "SparseLinearWeights", self.values, self.rows, "rows", self.out_features, self.col_ptr, "column"
-        )
 
-
-def _check_linear_structure(owner: str, in_features: int, out_features: int, values: torch.Tensor) -> None:
+def _check_compressed_matrix(
+    owner: str,
+    features: tuple[int, int],
+    values: torch.Tensor,
+    index: torch.Tensor,
+    index_name: str,
+    ptr: torch.Tensor,
+    ptr_name: str,
+    segment: str,
+    *,
+    values_too: bool,
+) -> None:
+    """A compressed `[out_features, in_features]` matrix (`segment` "column": CSC, "row": CSR): positive feature
+    counts, fp32 values with one int32 index each, `ptr` one entry per segment plus one, all on one device; with
+    `values_too`, `ptr` from 0 to nnz and never decreasing, `index` inside the matrix and strictly increasing
+    within a segment, finite values."""
+    in_features, out_features = features
     check_count(owner, "in_features", in_features)
     check_count(owner, "out_features", out_features)
     check_tensor(owner, "values", values, torch.float32)
-
-
-def _check_linear_values(
-    owner: str, values: torch.Tensor, index: torch.Tensor, index_name: str, bound: int, ptr: torch.Tensor, segment: str
-) -> None:
-    """A compressed matrix's values: `ptr` (one entry per `segment`, plus one) from 0 to nnz and never decreasing,
-    `index` in [0, bound) and strictly increasing within a segment, finite values."""
+    check_tensor(owner, index_name, index, torch.int32, (values.numel(),), device=values.device)
+    segments, bound = (in_features, out_features) if segment == "column" else (out_features, in_features)
+    check_tensor(owner, ptr_name, ptr, torch.int32, (segments + 1,), device=values.device)
+    if not values_too:
+        return
     checks = ValueChecks(owner)
-    ptr_name = "row_ptr" if segment == "row" else "col_ptr"
     checks.pointer(ptr_name, ptr, values.numel(), f"nnz = {values.numel()}")
-    checks.in_range(index_name, index, bound, "in_features" if segment == "row" else "out_features")
+    checks.in_range(index_name, index, bound, "out_features" if segment == "column" else "in_features")
     checks.increasing_within(index_name, index, ptr, segment)
     checks.add(~torch.isfinite(values).all(), "values holds NaN or infinity")
     checks.raise_first()
