@@ -34,9 +34,9 @@ from torch import nn
 from benchmarks.registry import Context, Goal, register
 from tendril.graphs.capture import capture
 from tendril.sparse import convert, prune
-from tendril.sparse.network import DENSE_KERNELS, SparseConvStep, SparseLinearStep, fp32_dense_math
 from tendril.sparse.ops.conv import register_cuda
 from tendril.sparse.ops.conv.register_tiling import RegisterTilePlan
+from tendril.sparse.steps import DENSE_KERNELS, SparseConvStep, SparseLinearStep, fp32_dense_math
 from tendril.utils.timing import Timing, time_callable
 
 MODELS: dict[str, str | float] = {"alexnet": "alexnet", "vgg16": "vgg16", "resnet50": 0.2}
@@ -46,12 +46,12 @@ def _relative_error(y: torch.Tensor, ref: torch.Tensor) -> float:
     return float((y.double() - ref.double()).abs().max() / ref.double().abs().max())
 
 
-def _set_tf32(enabled: bool) -> None:
+def set_tf32(enabled: bool) -> None:
     torch.backends.cudnn.allow_tf32 = enabled
     torch.backends.cuda.matmul.allow_tf32 = enabled
 
 
-def _graphed(fn: Callable[[torch.Tensor], Any], example: torch.Tensor) -> tuple[Callable[[torch.Tensor], Any], Any]:
+def graphed(fn: Callable[[torch.Tensor], Any], example: torch.Tensor) -> tuple[Callable[[torch.Tensor], Any], Any]:
     placeholder = example.clone()
     captured = capture(fn, placeholder)
 
@@ -79,7 +79,7 @@ def _describe_fc(step: SparseLinearStep) -> str:
     return f"triton (rows {c.block_r}x{c.block_k}, {c.num_warps} warps)"
 
 
-def _pruned_model(ctx: Context, name: str) -> tuple[nn.Module, list[Any]]:
+def pruned_model(ctx: Context, name: str) -> tuple[nn.Module, list[Any]]:
     """The torchvision model on the device with seeded random weights, pruned (the same on every call)."""
     import torchvision
 
@@ -88,14 +88,14 @@ def _pruned_model(ctx: Context, name: str) -> tuple[nn.Module, list[Any]]:
     return model, prune(model, MODELS[name])
 
 
-def _precompile(ctx: Context, names: list[str]) -> None:
+def precompile_models(ctx: Context, names: list[str]) -> None:
     """Compile every register-tiled kernel the models' `tune` will time, all at once in parallel processes
     (into the NVRTC disk cache, where `tune` then finds them): one pool for all models keeps 16 cores busy."""
     started = time.perf_counter()
     plans = []
     with torch.no_grad():
         for name in names:
-            model, _ = _pruned_model(ctx, name)
+            model, _ = pruned_model(ctx, name)
             plans += convert(model, torch.randn(1, 3, 224, 224, device=ctx.device), tune=False).register_plans()
             del model
     try:
@@ -119,18 +119,18 @@ def _use_fastest_dense_kernels(net: Any) -> None:
 def _bench_model(ctx: Context, name: str) -> None:
     started = time.perf_counter()
     reps = 20 if ctx.quick else 100
-    model, pruned = _pruned_model(ctx, name)
+    model, pruned = pruned_model(ctx, name)
     inputs = [torch.randn(1, 3, 224, 224, device=ctx.device) for _ in range(4)]
     results: dict[str, Timing] = {}
     with torch.no_grad():
-        _set_tf32(False)
+        set_tf32(False)
         started = time.perf_counter()
         net = convert(model, inputs[0])
         ctx.add_value(f"{name} convert (tune included)", "seconds", time.perf_counter() - started)
         reference = model(inputs[1])
         ctx.add_value(f"{name} tendril gpu", "rel_err_vs_dense_fp32", _relative_error(net(inputs[1]), reference))
         results["tendril gpu eager"] = _time_gpu(ctx, net, inputs, reps)
-        replay, _ = _graphed(net, inputs[0])
+        replay, _ = graphed(net, inputs[0])
         fresh = torch.randn(1, 3, 224, 224, device=ctx.device)
         ctx.add_value(
             f"{name} tendril gpu graph", "rel_err_vs_dense_fp32", _relative_error(replay(fresh), model(fresh))
@@ -147,7 +147,7 @@ def _bench_model(ctx: Context, name: str) -> None:
         ctx.note(f"{name}: conv kernels chosen by tune: {counts} of {len(kernels)} convolutions")
         print(f"{name}: conv kernels {counts}; register plans {register_plans}", flush=True)
         net.set_backend("triton")
-        triton_replay, _ = _graphed(net, inputs[0])
+        triton_replay, _ = graphed(net, inputs[0])
         results["tendril gpu triton-only CUDA graph"] = _time_gpu(ctx, triton_replay, inputs, reps)
         net.set_backend("cuda")
         gpu_layers = dict(net.profile(inputs[2]))
@@ -156,27 +156,27 @@ def _bench_model(ctx: Context, name: str) -> None:
         compressed, dense = net.weight_bytes()
         in_use, _ = net.weight_bytes(in_use_only=True)
         _use_fastest_dense_kernels(net)  # what sparsity buys the convolutions: the same network, dense convolutions
-        dense_replay, _ = _graphed(net, inputs[0])
+        dense_replay, _ = graphed(net, inputs[0])
         results["tendril gpu dense-convolutions-only CUDA graph"] = _time_gpu(ctx, dense_replay, inputs, reps)
         del dense_replay
         if any(kernel in DENSE_KERNELS for kernel in kernels.values()):  # the same network with sparse kernels only
             net.dense_fallback = False
             net.tune(inputs[0])
-            sparse_replay, _ = _graphed(net, inputs[0])
+            sparse_replay, _ = graphed(net, inputs[0])
             results["tendril gpu sparse-kernels-only CUDA graph"] = _time_gpu(ctx, sparse_replay, inputs, reps)
             del sparse_replay
 
         for label, tf32 in (("cuDNN fp32", False), ("cuDNN tf32", True)):
-            _set_tf32(tf32)
-            dense_replay, _ = _graphed(model, inputs[0])
+            set_tf32(tf32)
+            dense_replay, _ = graphed(model, inputs[0])
             results[f"dense {label} CUDA graph"] = _time_gpu(ctx, dense_replay, inputs, reps)
-        _set_tf32(False)
+        set_tf32(False)
         with fp32_dense_math(benchmark=True):  # cuDNN's own search of algorithms, as tendril's dense layers use it
             model(inputs[0])
-            searched_replay, _ = _graphed(model, inputs[0])
+            searched_replay, _ = graphed(model, inputs[0])
         results["dense cuDNN fp32 benchmark-mode CUDA graph"] = _time_gpu(ctx, searched_replay, inputs, reps)
         half = copy.deepcopy(model).half()
-        half_replay, _ = _graphed(half, inputs[0].half())
+        half_replay, _ = graphed(half, inputs[0].half())
         results["dense cuDNN fp16 CUDA graph"] = _time_gpu(ctx, half_replay, [x.half() for x in inputs], reps)
         del half
 
@@ -255,7 +255,7 @@ def run(ctx: Context) -> None:
     try:
         chosen = os.environ.get("SPARSE_CNN_MODELS")
         names = chosen.split(",") if chosen else list(MODELS)
-        _precompile(ctx, names)
+        precompile_models(ctx, names)
         for name in names:
             try:
                 _bench_model(ctx, name)

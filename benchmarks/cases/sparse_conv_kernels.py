@@ -42,7 +42,7 @@ from benchmarks.registry import Context, Goal, register
 from tendril.sparse.format import ActivationLayout, ConvGeometry, SparseConvWeights
 from tendril.sparse.ops.compress import triton as compress_triton
 from tendril.sparse.ops.conv import cuda as conv_cuda
-from tendril.sparse.ops.conv import register_cuda, register_tiling, tiling
+from tendril.sparse.ops.conv import register_cuda, register_planner, register_tiling, tiling
 from tendril.utils.timing import Timing, summarize
 
 # (in channels, out channels, input size, Deep Compression weight density, activation density)
@@ -199,7 +199,7 @@ def _bench_layer(ctx: Context, layer: Layer, gen: torch.Generator, reps: int, sm
                 "blocks_per_sm": plan.blocks_per_sm,
                 "registers_estimate": plan.registers,
                 "shared_bytes": plan.shared_bytes,
-                "estimate_us": round(register_tiling.estimate_us(plan, weights.density, sms), 1),
+                "estimate_us": round(register_planner.estimate_us(plan, weights.density, sms), 1),
                 "ms": round(timing.median_ms, 4),
             }
         )
@@ -231,7 +231,7 @@ def _plans(g: ConvGeometry, density: float, sms: int) -> list[register_tiling.Re
     of the pick: its layout (1×1 layers: pixel runs or 2-D tiles), output channels per warp (kt), the pixel
     tile per lane (ph, pw), the channel splits and warps per block (so that the device shows what the cost
     model gets wrong)."""
-    ranked = register_tiling.candidates(g, density, sms)
+    ranked = register_planner.candidates(g, density, sms)
     pick = ranked[0]
     chosen = [pick]
     for differs in (

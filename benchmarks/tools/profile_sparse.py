@@ -28,44 +28,29 @@ from benchmarks.cases import sparse_cnn as case
 from benchmarks.registry import Context
 from benchmarks.tools.profile_generation import kernel_profile
 from tendril.sparse import convert
-from tendril.sparse.network import SparseConvStep, SparseLinearStep, _device_ms
+from tendril.sparse.tuning import device_ms
 from tendril.utils.timing import time_callable
 
 STEP_REPS = 20
 
 
-def _kernel_of(step: Any) -> str:
-    if isinstance(step, SparseConvStep):
-        return step.conv_kernel
-    if isinstance(step, SparseLinearStep):
-        return step.fc_kernel
-    return "dense op"
-
-
 def profile_model(name: str, device: torch.device) -> dict[str, Any]:
     ctx = Context(device=device, quick=False)
-    model, _ = case._pruned_model(ctx, name)
+    model, _ = case.pruned_model(ctx, name)
     inputs = [torch.randn(1, 3, 224, 224, device=device) for _ in range(4)]
     with torch.no_grad():
-        case._set_tf32(False)
+        case.set_tf32(False)
         net = convert(model, inputs[0])
-        replay, _ = case._graphed(net, inputs[0])
+        replay, _ = case.graphed(net, inputs[0])
         timing = time_callable(replay, [(x,) for x in inputs], device=device, warmup=5, reps=100)
         graph = kernel_profile(lambda: replay(inputs[1]), calls=20)
-        values = {net.input_name: inputs[1]}
         steps = []
-        for step in net.steps:
-            args = [values[n] for n in step.inputs]
-
-            def run_step(step: Any = step, args: list[torch.Tensor] = args) -> torch.Tensor:
-                return step.run(args, net._state)
-
-            values[step.output] = run_step()
-            launched = kernel_profile(run_step, calls=1)
+        for call in net.step_calls(inputs[1]):
+            launched = kernel_profile(call.run, calls=1)
             steps.append({
-                "step": step.name,
-                "kernel": _kernel_of(step),
-                "device_us": round(1e3 * _device_ms(run_step, STEP_REPS) / STEP_REPS, 2),
+                "step": call.name,
+                "kernel": call.kernel,
+                "device_us": round(1e3 * device_ms(call.run, STEP_REPS) / STEP_REPS, 2),
                 "kernels": [g.name[:80] for g in launched.groups for _ in range(round(g.per_call))],
             })
     return {
@@ -114,7 +99,7 @@ def main() -> None:
         "models": {},
     }
     names = args.models.split(",")
-    case._precompile(Context(device=device, quick=False), names)
+    case.precompile_models(Context(device=device, quick=False), names)
     for name in names:
         report["models"][name] = profile_model(name, device)
         print(f"{name}: {report['models'][name]['graph_ms_per_call']:.4f} ms per graph call", flush=True)

@@ -5,7 +5,8 @@ import torch
 from torch import nn
 
 from tendril.sparse import ActivationOverflowError, UnsupportedLayerError, convert, prune
-from tendril.sparse.network import DenseStep, SparseConvStep, SparseLinearStep
+from tendril.sparse.steps import DenseStep, SparseConvStep, SparseLinearStep
+from tendril.sparse.tuning import KernelTuner
 from tests.sparse.checks import REL_TOL, relative_error
 from tests.sparse.models import BasicBlock, Bottleneck, ResNetLike, alexnet_like, randomize_batchnorm, vgg_like
 
@@ -47,6 +48,19 @@ def test_fusions_fold_batchnorm_relu_and_residual_adds_into_the_sparse_layers():
     assert isinstance(net.steps[-1], SparseLinearStep)
 
 
+def test_step_calls_rerun_each_step_on_the_activations_of_one_forward():
+    torch.manual_seed(0)
+    model = randomize_batchnorm(ResNetLike(BasicBlock, (1, 1))).eval()
+    prune(model, 0.4)
+    x = torch.randn(1, 3, 16, 16)
+    net = convert(model, x)
+    calls = net.step_calls(x)
+    assert [c.name for c in calls] == [s.name for s in net.steps]
+    kernels = {c.kernel for c in calls}
+    assert "dense op" in kernels and kernels - {"dense op"} <= {"cuda", "spmspv"}
+    assert torch.equal(calls[-1].run(), net(x))
+
+
 def test_unsupported_layers_are_named():
     model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.GELU()).eval()
     with pytest.raises(UnsupportedLayerError, match=r"'1' \(GELU\)"):
@@ -86,13 +100,13 @@ def test_pixel_run_plans_are_timed_unless_left_out(monkeypatch, pixel_runs):
     options = {} if pixel_runs else {"pixel_runs": False}
     net = convert(model, torch.randn(1, 3, 16, 16), **options)
     one_by_one = [s for s in net.steps if isinstance(s, SparseConvStep) and s.weights.geometry.kernel == (1, 1)]
-    plans = [plan for step in one_by_one for plan in net._register_plans(step)]
+    plans = [plan for step in one_by_one for plan in KernelTuner(net).plans_for(step)]
     assert one_by_one and plans
     assert any(plan.pixel_run for plan in plans) == pixel_runs
 
 
 def test_dense_fallback_convolutions_and_products_never_use_tf32():
-    from tendril.sparse.network import fp32_dense_math
+    from tendril.sparse.steps import fp32_dense_math
 
     cudnn, matmul = torch.backends.cudnn, torch.backends.cuda.matmul
     previous = cudnn.allow_tf32, matmul.allow_tf32

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from tendril.sparse.format import ConvGeometry, SparseConvWeights
-from tendril.sparse.ops.conv import register_emulation, register_tiling
+from tendril.sparse.ops.conv import register_emulation, register_planner, register_tiling
 from tendril.sparse.ops.conv.register_tiling import RegisterTilePlan, RowMaskWeights
 from tests.sparse.checks import CONV_CASES, REL_TOL, ConvCase, conv_operands, relative_error, sparse_tensor
 
@@ -138,7 +138,7 @@ def run_case(case: ConvCase, plan_for, *, relu: bool, residual: bool, seed: int)
 
 
 def planned(g: ConvGeometry, density: float) -> RegisterTilePlan:
-    return register_tiling.plan(g, density, 132)
+    return register_planner.plan(g, density, 132)
 
 
 @pytest.mark.parametrize("case", CONV_CASES + random_cases(24, seed=3))
@@ -221,7 +221,7 @@ def test_records_decode_to_the_dense_weights(case, record_rows):
 )
 def test_planner_fits_limits_and_fills_the_gpu(channels, out_channels, size, kernel, stride, padding):
     g = ConvGeometry(channels, out_channels, (kernel, kernel), (stride, stride), (padding, padding), 1, (size, size))
-    plan = register_tiling.plan(g, 0.3, 132)
+    plan = register_planner.plan(g, 0.3, 132)
     assert plan.shared_bytes <= register_tiling.SHARED_BYTES
     assert plan.registers <= register_tiling.MAX_REGISTERS
     assert plan.pitch >= plan.in_hw[1] and plan.pitch % plan.vector == 0
@@ -264,7 +264,7 @@ def test_pixel_run_plans_are_only_made_for_unpadded_1x1_kernels():
     padded = ConvGeometry(4, 4, (1, 1), (1, 1), (1, 1), 1, (8, 8))
     three = ConvGeometry(4, 4, (3, 3), (1, 1), (1, 1), 1, (8, 8))
     for g in (padded, three):
-        assert not any(p.pixel_run for p in register_tiling.candidates(g, 0.3, 132))
+        assert not any(p.pixel_run for p in register_planner.candidates(g, 0.3, 132))
         with pytest.raises(ValueError, match="1×1 kernel without padding"):
             RegisterTilePlan(g, 1, 4, 2, 32, 1, 1, pixel_run=True)
     g = ConvGeometry(4, 4, (1, 1), (2, 2), (0, 0), 1, (9, 9))
@@ -277,19 +277,19 @@ def test_pixel_run_plans_are_only_made_for_unpadded_1x1_kernels():
 @pytest.mark.parametrize(("channels", "out_channels", "size", "stride"), [(256, 64, 56, 1), (1024, 2048, 14, 2)])
 def test_shortlist_of_a_1x1_layer_times_both_layouts(channels, out_channels, size, stride):
     g = ConvGeometry(channels, out_channels, (1, 1), (stride, stride), (0, 0), 1, (size, size))
-    shortlist = register_tiling.shortlist(g, 0.2, 132, 3)
+    shortlist = register_planner.shortlist(g, 0.2, 132, 3)
     assert len(shortlist) == 3 and {p.pixel_run for p in shortlist} == {True, False}
-    assert shortlist[0] == register_tiling.plan(g, 0.2, 132)
-    costs = [register_tiling.estimate_us(p, 0.2, 132) for p in shortlist]
+    assert shortlist[0] == register_planner.plan(g, 0.2, 132)
+    costs = [register_planner.estimate_us(p, 0.2, 132) for p in shortlist]
     assert costs == sorted(costs)
 
 
 def test_wide_kernels_are_reported_unsupported():
     g = ConvGeometry(4, 4, (3, 17), (1, 1), (1, 8), 1, (20, 40))
-    assert "tap bits" in (register_tiling.unsupported_reason(g) or "")
-    assert register_tiling.unsupported_reason(ConvGeometry(4, 4, (5, 16), (1, 1), (2, 8), 1, (20, 40))) is None
+    assert "tap bits" in (register_planner.unsupported_reason(g) or "")
+    assert register_planner.unsupported_reason(ConvGeometry(4, 4, (5, 16), (1, 1), (2, 8), 1, (20, 40))) is None
     with pytest.raises(ValueError, match="tap bits"):
-        register_tiling.plan(g, 0.5, 132)
+        register_planner.plan(g, 0.5, 132)
 
 
 def test_emulation_reads_no_stale_workspace_when_split_ranges_are_uneven():
@@ -373,7 +373,7 @@ def _nvrtc_available() -> bool:
 def test_cuda_source_compiles_for_sm90_without_spills_or_local_memory(geometry):
     from tendril.sparse.ops.conv import register_cuda
 
-    plan = geometry if isinstance(geometry, RegisterTilePlan) else register_tiling.plan(geometry, 0.3, 132)
+    plan = geometry if isinstance(geometry, RegisterTilePlan) else register_planner.plan(geometry, 0.3, 132)
     cubin, log = register_cuda.compile_for(plan, "sm_90", ("-Xptxas=-v",))
     assert cubin
     assert "0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads" in log, log
@@ -394,8 +394,8 @@ def test_precompile_fills_the_disk_cache_from_worker_processes(tmp_path, monkeyp
 
 def test_store_sectors_count_the_lanes_output_footprint() -> None:
     # 8 lanes storing adjacent floats: one 32-byte sector per lane row; 4 lanes 4 floats apart: two per row
-    assert register_tiling._sectors(8, 4, 64, 1) == 4
-    assert register_tiling._sectors(4, 8, 4 * 64, 4) == 16
+    assert register_planner._sectors(8, 4, 64, 1) == 4
+    assert register_planner._sectors(4, 8, 4 * 64, 4) == 16
 
 
 # (ph, pw, kt, lanes_x, warps, splits, c_chunk) of plans measured on an H200 (benchmarks/results/
@@ -415,13 +415,13 @@ def test_cost_model_orders_plans_as_the_h200_measured(layer, faster, slower) -> 
     fast, slow = (
         register_tiling.RegisterTilePlan(g, ph, pw, kt, lx, sp, cc, w) for ph, pw, kt, lx, w, sp, cc in (faster, slower)
     )
-    assert register_tiling.estimate_us(fast, density, 132) < register_tiling.estimate_us(slow, density, 132)
+    assert register_planner.estimate_us(fast, density, 132) < register_planner.estimate_us(slow, density, 132)
 
 
 def test_shortlist_offers_distinct_register_tiles_best_first() -> None:
     g = ConvGeometry(256, 256, (3, 3), (1, 1), (1, 1), 1, (56, 56))
-    shortlist = register_tiling.shortlist(g, 0.3, 132, 3)
-    assert shortlist[0] == register_tiling.plan(g, 0.3, 132)
+    shortlist = register_planner.shortlist(g, 0.3, 132, 3)
+    assert shortlist[0] == register_planner.plan(g, 0.3, 132)
     assert len({(p.ph, p.pw, p.kt) for p in shortlist}) == len(shortlist) == 3
-    costs = [register_tiling.estimate_us(p, 0.3, 132) for p in shortlist]
+    costs = [register_planner.estimate_us(p, 0.3, 132) for p in shortlist]
     assert costs == sorted(costs)

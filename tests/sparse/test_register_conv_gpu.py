@@ -16,9 +16,9 @@ import torch
 import torch.nn.functional as F
 
 from tendril.sparse import convert, prune
-from tendril.sparse.network import SparseConvStep
-from tendril.sparse.ops.conv import register_cuda, register_tiling
+from tendril.sparse.ops.conv import register_cuda, register_planner, register_tiling
 from tendril.sparse.ops.conv.register_cuda import RegisterConvLayer
+from tendril.sparse.steps import SparseConvStep
 from tests.sparse.checks import (
     CONV_CASES,
     REL_TOL,
@@ -81,17 +81,17 @@ def _precompiled_kernels():
     plans = []
     for case in PLANNED_CASES + [_vgg_case(*spec) for spec in VGG16_CASES]:
         weights = conv_operands(case, torch.device("cpu"))[0]
-        plans.append(register_tiling.plan(weights.geometry, weights.density, SMS))
+        plans.append(register_planner.plan(weights.geometry, weights.density, SMS))
     plans += [small_plan(case.geometry, random.Random(index)) for index, case in enumerate(SMALL_PLAN_CASES)]
     split = conv_operands(SPLIT_CASE, torch.device("cpu"))[0]
-    plans += register_tiling.candidates(split.geometry, split.density, SMS)[:4]
+    plans += register_planner.candidates(split.geometry, split.density, SMS)[:4]
     for case in GPU_RUN_CASES:
         weights = conv_operands(case, torch.device("cpu"))[0]
-        plans.append(register_tiling.plan(weights.geometry, weights.density, SMS))
+        plans.append(register_planner.plan(weights.geometry, weights.density, SMS))
     plans += [small_run_plan(case.geometry, random.Random(index)) for index, case in enumerate(SMALL_RUN_CASES)]
     for spec in RESNET50_1X1_CASES:
         weights = conv_operands(_resnet_case(*spec), torch.device("cpu"))[0]
-        plans += register_tiling.shortlist(weights.geometry, weights.density, SMS, 3)
+        plans += register_planner.shortlist(weights.geometry, weights.density, SMS, 3)
     try:
         register_cuda.precompile(plans)
     except RuntimeError as error:  # the tests still run, compiling each kernel when first launched
@@ -130,7 +130,7 @@ def check(case: ConvCase, plan_for, *, relu: bool = False, residual: bool = Fals
 
 @pytest.mark.parametrize("case", PLANNED_CASES)
 def test_register_conv_with_the_planned_tiles_matches_dense_conv(case):
-    check(case, lambda g, d: register_tiling.plan(g, d, SMS))
+    check(case, lambda g, d: register_planner.plan(g, d, SMS))
 
 
 @pytest.mark.parametrize("index", range(40))
@@ -142,12 +142,12 @@ def test_register_conv_with_small_tiles_splits_residual_and_relu(index):
 
 @pytest.mark.parametrize("spec", VGG16_CASES)
 def test_register_conv_on_vgg16_layers(spec):
-    check(_vgg_case(*spec), lambda g, d: register_tiling.plan(g, d, SMS), relu=True)
+    check(_vgg_case(*spec), lambda g, d: register_planner.plan(g, d, SMS), relu=True)
 
 
 @pytest.mark.parametrize("candidate", range(4))
 def test_every_top_candidate_plan_of_a_split_layer_is_correct(candidate):
-    check(SPLIT_CASE, lambda g, d: register_tiling.candidates(g, d, SMS)[candidate], relu=True)
+    check(SPLIT_CASE, lambda g, d: register_planner.candidates(g, d, SMS)[candidate], relu=True)
 
 
 @pytest.mark.parametrize(
@@ -160,7 +160,7 @@ def test_every_top_candidate_plan_of_a_split_layer_is_correct(candidate):
 )
 def test_split_reduction_is_deterministic_and_replays_in_a_cuda_graph(case, padding, pixel_run):
     weights, x, init, _ = conv_operands(case, CUDA)
-    plan = register_tiling.plan(weights.geometry, weights.density, SMS)
+    plan = register_planner.plan(weights.geometry, weights.density, SMS)
     assert plan.splits > 1 and plan.pixel_run == pixel_run
     layer = RegisterConvLayer.prepare(weights, plan)
     bias = init[:, 0, 0].contiguous()
@@ -217,7 +217,7 @@ def test_network_on_the_register_kernel_matches_dense_eager_and_in_a_graph(index
 @pytest.mark.parametrize("case", GPU_RUN_CASES)
 def test_pixel_run_conv_with_the_planned_runs_matches_dense_conv(case):
     def planned(g, d):
-        plan = register_tiling.plan(g, d, SMS)
+        plan = register_planner.plan(g, d, SMS)
         assert plan.pixel_run
         return plan
 
@@ -240,7 +240,7 @@ def test_pixel_run_conv_with_small_runs_splits_residual_and_relu(index):
 @pytest.mark.parametrize("rank", range(3))
 def test_every_shortlisted_plan_of_resnet50_1x1_layers_is_correct(spec, rank):
     check(
-        _resnet_case(*spec), lambda g, d: register_tiling.shortlist(g, d, SMS, 3)[rank], relu=True, residual=rank == 0
+        _resnet_case(*spec), lambda g, d: register_planner.shortlist(g, d, SMS, 3)[rank], relu=True, residual=rank == 0
     )
 
 

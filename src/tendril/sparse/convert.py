@@ -26,9 +26,10 @@ from torch import fx, nn
 from torch.fx.passes.shape_prop import ShapeProp
 
 from tendril.sparse.format import ActivationLayout, ConvGeometry, SparseConvWeights, SparseLinearWeights
-from tendril.sparse.network import DenseStep, SparseConvStep, SparseLinearStep, SparseNetwork, Step
+from tendril.sparse.network import SparseNetwork
 from tendril.sparse.ops.conv import tiling
 from tendril.sparse.ops.conv.tiling import TiledWeights
+from tendril.sparse.steps import DenseStep, SparseConvStep, SparseLinearStep, Step
 
 
 class UnsupportedLayerError(ValueError):

@@ -37,6 +37,10 @@ Layouts (all on one device; int32 indices, fp32 values):
     `min(count, capacity)` and `min(row_ptr, capacity)` (never past the buffer) and
     `SparseNetwork.check_overflow()` raises after the
     run instead of returning a silently wrong answer.
+
+Every layout checks itself at construction (`tendril.sparse.validation`): structure always, values (index
+ranges, pointer arrays, order, counts) with one host sync, except inside a CUDA graph capture. Its
+`validate()` runs the same checks again, e.g. after the tensors were changed in place.
 """
 
 from __future__ import annotations
@@ -44,6 +48,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from tendril.sparse.validation import ValueChecks, capturing, check_count, check_tensor, segment_of
 
 MAX_OUT_CHANNELS = 1 << 15
 MAX_PLANE_TAPS = 1 << 8
@@ -126,18 +132,23 @@ class ConvGeometry:
         )
 
 
-def _check_vector(t: torch.Tensor, dtype: torch.dtype, name: str) -> None:
-    if t.dim() != 1 or t.dtype != dtype:
-        raise ValueError(f"{name}: expected a 1-D {dtype} tensor, got {t.dim()}-D {t.dtype}")
-
-
 @dataclass(frozen=True)
 class SparseConvWeights:
+    """A convolution's nonzero weights in CSR over virtual channels (see the module docstring); checked at
+    construction: lengths, dtypes, one device, `channel_ptr` from 0 to nnz and never decreasing, each tap's
+    output channel in the virtual channel's group and its kernel position inside the kernel, taps strictly
+    increasing within a channel, finite values."""
+
     geometry: ConvGeometry
     values: torch.Tensor
     taps: torch.Tensor
     channel_ptr: torch.Tensor
     dense_numel: int
+
+    def __post_init__(self) -> None:
+        self._check_structure()
+        if not capturing(self.values):
+            self._check_values()
 
     @property
     def nnz(self) -> int:
@@ -189,36 +200,68 @@ class SparseConvWeights:
         return dense
 
     def validate(self) -> None:
-        """Check index ranges and the pointer array (one host sync; call it on data you did not build)."""
+        """The construction checks again, values included (one host sync), e.g. after in-place changes."""
+        self._check_structure()
+        self._check_values()
+
+    def _check_structure(self) -> None:
+        owner, g = "SparseConvWeights", self.geometry
+        if not isinstance(g, ConvGeometry):
+            raise TypeError(f"{owner}.geometry: expected a ConvGeometry, got {type(g).__name__}")
+        values = check_tensor(owner, "values", self.values, torch.float32)
+        check_tensor(owner, "taps", self.taps, torch.int32, (values.numel(),), device=values.device)
+        check_tensor(
+            owner, "channel_ptr", self.channel_ptr, torch.int32, (g.virtual_channels + 1,), device=values.device
+        )
+        dense = g.out_channels * (g.in_channels // g.groups) * g.kernel[0] * g.kernel[1]
+        check_count(owner, "dense_numel", self.dense_numel)
+        if self.dense_numel != dense:
+            raise ValueError(f"{owner}.dense_numel={self.dense_numel}: the geometry's dense weight has {dense}")
+
+    def _check_values(self) -> None:
         g = self.geometry
-        _check_vector(self.values, torch.float32, "values")
-        _check_vector(self.taps, torch.int32, "taps")
-        _check_vector(self.channel_ptr, torch.int32, "channel_ptr")
-        if self.channel_ptr.numel() != g.virtual_channels + 1:
-            raise ValueError(f"channel_ptr has {self.channel_ptr.numel()} entries, expected {g.virtual_channels + 1}")
-        if self.taps.numel() != self.values.numel():
-            raise ValueError("taps and values differ in length")
-        ptr = self.channel_ptr.long()
-        if ptr[0] != 0 or ptr[-1] != self.nnz or (ptr[1:] < ptr[:-1]).any():
-            raise ValueError("channel_ptr must start at 0, end at nnz and never decrease")
+        checks = ValueChecks("SparseConvWeights")
+        checks.pointer("channel_ptr", self.channel_ptr, self.nnz, f"nnz = {self.nnz}")
         taps = self.taps.long()
         k, rp, sp = taps >> 16, (taps >> 8) & 0xFF, taps & 0xFF
-        ph, pw = g.plane_kernel
-        if self.nnz and ((k < 0) | (k >= g.out_channels) | (rp >= ph) | (sp >= pw)).any():
-            raise ValueError("a tap's output channel or kernel offset is out of range for the geometry")
+        checks.in_range("taps (output channel k)", k, g.out_channels, "out_channels")
+        virtual = segment_of(self.channel_ptr, self.nnz)
+        channel, phase = virtual // g.phases, virtual % g.phases
+        group_in, group_out = g.in_channels // g.groups, g.out_channels // g.groups
+        checks.add((k // group_out != channel // group_in).any(), "taps: an output channel outside its channel's group")
+        (sh, sw), (r, s) = g.stride, g.kernel
+        outside = (rp * sh + phase // sw >= r) | (sp * sw + phase % sw >= s)
+        checks.add(outside.any(), f"taps: a kernel offset outside the {r}×{s} kernel for its stride phase")
+        checks.increasing_within("taps", taps, self.channel_ptr, "virtual channel")
+        checks.add(~torch.isfinite(self.values).all(), "values holds NaN or infinity")
+        checks.raise_first()
 
 
-@dataclass
+@dataclass(frozen=True)
 class CsrLinearWeights:
     """A linear layer's weights row by row (CSR): the stored values of row `r` are
     `values[row_ptr[r]:row_ptr[r + 1]]`, at input features `cols[...]` (increasing). 8 bytes per nonzero
-    (fp32 value, int32 column) plus 4 per row; made from `SparseLinearWeights.to_csr`."""
+    (fp32 value, int32 column) plus 4 per row; made from `SparseLinearWeights.to_csr`. Checked at
+    construction like `SparseLinearWeights`, rows for columns."""
 
     in_features: int
     out_features: int
     values: torch.Tensor
     cols: torch.Tensor
     row_ptr: torch.Tensor
+
+    def __post_init__(self) -> None:
+        self._check(values_too=not capturing(self.values))
+
+    def validate(self) -> None:
+        """The construction checks again, values included (one host sync), e.g. after in-place changes."""
+        self._check(values_too=True)
+
+    def _check(self, values_too: bool) -> None:
+        _check_compressed_matrix(
+            "CsrLinearWeights", (self.in_features, self.out_features), self.values, self.cols, "cols", self.row_ptr,
+            "row_ptr", "row", values_too=values_too,
+        )  # fmt: skip
 
     @property
     def nbytes(self) -> int:
@@ -227,11 +270,28 @@ class CsrLinearWeights:
 
 @dataclass(frozen=True)
 class SparseLinearWeights:
+    """A linear layer's nonzero weights column by column (CSC, see the module docstring); checked at
+    construction: positive feature counts, lengths, dtypes, one device, `col_ptr` from 0 to nnz and never
+    decreasing, row indices in range and strictly increasing within a column, finite values."""
+
     in_features: int
     out_features: int
     values: torch.Tensor
     rows: torch.Tensor
     col_ptr: torch.Tensor
+
+    def __post_init__(self) -> None:
+        self._check(values_too=not capturing(self.values))
+
+    def validate(self) -> None:
+        """The construction checks again, values included (one host sync), e.g. after in-place changes."""
+        self._check(values_too=True)
+
+    def _check(self, values_too: bool) -> None:
+        _check_compressed_matrix(
+            "SparseLinearWeights", (self.in_features, self.out_features), self.values, self.rows, "rows", self.col_ptr,
+            "col_ptr", "column", values_too=values_too,
+        )  # fmt: skip
 
     @property
     def nnz(self) -> int:
@@ -279,17 +339,38 @@ class SparseLinearWeights:
         values = self.values[order].contiguous()
         return CsrLinearWeights(self.in_features, self.out_features, values, cols[order].to(torch.int32), row_ptr)
 
-    def validate(self) -> None:
-        _check_vector(self.values, torch.float32, "values")
-        _check_vector(self.rows, torch.int32, "rows")
-        _check_vector(self.col_ptr, torch.int32, "col_ptr")
-        if self.col_ptr.numel() != self.in_features + 1 or self.rows.numel() != self.values.numel():
-            raise ValueError("col_ptr must hold in_features + 1 entries and rows one per value")
-        ptr = self.col_ptr.long()
-        if ptr[0] != 0 or ptr[-1] != self.nnz or (ptr[1:] < ptr[:-1]).any():
-            raise ValueError("col_ptr must start at 0, end at nnz and never decrease")
-        if self.nnz and ((self.rows < 0) | (self.rows >= self.out_features)).any():
-            raise ValueError("a row index is out of range [0, out_features)")
+
+def _check_compressed_matrix(
+    owner: str,
+    features: tuple[int, int],
+    values: torch.Tensor,
+    index: torch.Tensor,
+    index_name: str,
+    ptr: torch.Tensor,
+    ptr_name: str,
+    segment: str,
+    *,
+    values_too: bool,
+) -> None:
+    """A compressed `[out_features, in_features]` matrix (`segment` "column": CSC, "row": CSR): positive feature
+    counts, fp32 values with one int32 index each, `ptr` one entry per segment plus one, all on one device; with
+    `values_too`, `ptr` from 0 to nnz and never decreasing, `index` inside the matrix and strictly increasing
+    within a segment, finite values."""
+    in_features, out_features = features
+    check_count(owner, "in_features", in_features)
+    check_count(owner, "out_features", out_features)
+    check_tensor(owner, "values", values, torch.float32)
+    check_tensor(owner, index_name, index, torch.int32, (values.numel(),), device=values.device)
+    segments, bound = (in_features, out_features) if segment == "column" else (out_features, in_features)
+    check_tensor(owner, ptr_name, ptr, torch.int32, (segments + 1,), device=values.device)
+    if not values_too:
+        return
+    checks = ValueChecks(owner)
+    checks.pointer(ptr_name, ptr, values.numel(), f"nnz = {values.numel()}")
+    checks.in_range(index_name, index, bound, "out_features" if segment == "column" else "in_features")
+    checks.increasing_within(index_name, index, ptr, segment)
+    checks.add(~torch.isfinite(values).all(), "values holds NaN or infinity")
+    checks.raise_first()
 
 
 @dataclass(frozen=True)
@@ -302,6 +383,18 @@ class ActivationLayout:
     padding: tuple[int, int]
     capacity: int
     """Nonzeros each virtual channel can hold (at most the plane size)."""
+
+    def __post_init__(self) -> None:
+        check_count("ActivationLayout", "channels", self.channels)
+        if min(self.in_hw) < 1 or min(self.stride) < 1 or min(self.padding) < 0:
+            raise ValueError(
+                f"ActivationLayout: invalid in_hw {self.in_hw}, stride {self.stride} or padding {self.padding}"
+            )
+        check_count("ActivationLayout", "capacity", self.capacity)
+        if self.capacity > self.plane_size:
+            raise ValueError(
+                f"ActivationLayout.capacity={self.capacity}: exceeds the plane's {self.plane_size} positions"
+            )
 
     @property
     def phases(self) -> int:
@@ -337,11 +430,49 @@ class ActivationLayout:
 
 @dataclass(frozen=True)
 class CompressedActivations:
+    """One sample's compressed activations (see the module docstring). Its buffers are allocated before the
+    compressor fills them, on the device and inside a CUDA graph, so construction checks their structure only
+    (types, dtypes, the layout's shapes, one device); `validate()` checks the values the compressor wrote."""
+
     layout: ActivationLayout
     values: torch.Tensor
     positions: torch.Tensor
     row_ptr: torch.Tensor
     counts: torch.Tensor
+
+    def __post_init__(self) -> None:
+        owner, layout = "CompressedActivations", self.layout
+        if not isinstance(layout, ActivationLayout):
+            raise TypeError(f"{owner}.layout: expected an ActivationLayout, got {type(layout).__name__}")
+        shape = (layout.virtual_channels, layout.capacity)
+        values = check_tensor(owner, "values", self.values, torch.float32, shape)
+        check_tensor(owner, "positions", self.positions, torch.int32, shape, device=values.device)
+        row_ptr_shape = (layout.virtual_channels, layout.plane_hw[0] + 1)
+        check_tensor(owner, "row_ptr", self.row_ptr, torch.int32, row_ptr_shape, device=values.device)
+        check_tensor(owner, "counts", self.counts, torch.int32, (layout.virtual_channels,), device=values.device)
+
+    def validate(self) -> None:
+        """Check the values (one host sync): counts not negative; each channel's `row_ptr` from 0 to its count and
+        never decreasing; its stored positions inside the plane, strictly increasing and in the rows `row_ptr`
+        gives them."""
+        layout = self.layout
+        checks = ValueChecks("CompressedActivations")
+        checks.add((self.counts < 0).any(), "counts: a channel has a negative count")
+        checks.pointer("row_ptr", self.row_ptr, self.counts.long(), "the channel's count")
+        slots = torch.arange(layout.capacity, device=self.values.device)
+        stored = slots[None, :] < self.stored_counts[:, None]
+        positions = self.positions.long().where(stored, 0)
+        checks.add(
+            ((positions < 0) | (positions >= layout.plane_size)).any(), "positions: an entry is outside the plane"
+        )
+        rising = (positions[:, 1:] > positions[:, :-1]) | ~stored[:, 1:]
+        checks.add(~rising.all(), "positions must strictly increase within a channel")
+        rows = (positions // layout.plane_hw[1]).clamp(0, layout.plane_hw[0] - 1)
+        ptr = self.row_ptr.long()
+        begin, end = ptr.gather(1, rows), ptr.gather(1, rows + 1)
+        misplaced = stored & ((slots[None, :] < begin) | (slots[None, :] >= end))
+        checks.add(misplaced.any(), "row_ptr disagrees with the rows of the stored positions")
+        checks.raise_first()
 
     @classmethod
     def empty(cls, layout: ActivationLayout, device: torch.device) -> CompressedActivations:

@@ -1,8 +1,8 @@
 """Compiled (numba) loops of the CPU backend; the operators in `ops/*/cpu.py` prepare their operands.
 
 Why compiled: the sparse dataflows are loops over irregular lists, which torch ops can only express
-as `index_add_` scatters or sparse-CSR products, 5-40× slower than these loops on one VGG-16 layer
-(benchmarks/results/sparse-cpu.md). Every parallel loop (`prange`) runs over disjoint outputs, so
+as `index_add_` scatters or sparse-CSR products, much slower than these loops (the `sparse-cpu`
+benchmark compares them). Every parallel loop (`prange`) runs over disjoint outputs, so
 there are no atomics; the thread count is numba's (`cpu_threads.kernel_threads`). numba splits a
 `prange` into one contiguous chunk per thread, so each loop here runs over many small work units of
 about equal cost (never over a dimension as small as a layer's input channels).

@@ -7,10 +7,9 @@ first CPU-kernel call, so the GPU backends never need it.
 
 Threading layer: unless `NUMBA_THREADING_LAYER` says otherwise, numba's `workqueue` pool is used.
 Its default here, `omp`, loads the system libgomp beside the libgomp bundled with torch, and the two
-OpenMP pools spin-wait against each other between a network's alternating torch ops and kernels:
-AlexNet on 2 threads took ~470 ms per forward with `omp` and ~80 ms with `workqueue` on our 2-core
-machine. `workqueue` does not support parallel launches from several Python threads at once, so
-call a CPU network from one thread at a time.
+OpenMP pools spin-wait against each other between a network's alternating torch ops and kernels,
+which slows a whole forward several times over. `workqueue` does not support parallel launches from
+several Python threads at once, so call a CPU network from one thread at a time.
 """
 
 from __future__ import annotations

@@ -13,14 +13,14 @@ output rows (about `BAND_FLOATS` accumulators on a grid of row width R, whose ex
 cropped) each nonzero weight `(v, r', s')` adds `w × planes[v, r'R + s' + band]`, a contiguous
 vectorized FMA stream. A work unit is (band, block of output channels), enough units for
 `UNITS_PER_THREAD` per thread; the band's input rows stay in the L2 cache across the block.
-(Dropping the weights of channels with no nonzero activation cost more in the gather than it
-saved: ~5% of the channels are empty in VGG-16's layers.)
+(Dropping the weights of channels with no nonzero activation costs more in the gather than it
+saves: few channels are empty in real networks' layers.)
 
 Work: cartesian does `nnz(w) × nnz(a)` products, but each is a scalar read-modify-write at a
 scattered address; direct does `nnz(w) × output pixels` multiply-adds, vectorized with the
 accumulators in L1, so it wins unless activations are very sparse. With `method="auto"` (the
 default) both work counts are computed from the true nonzero counts and the cheaper by
-`NS_PER_PRODUCT` (measured on one core, benchmarks/results/sparse-cpu.md) is taken.
+`NS_PER_PRODUCT` (fitted on one core, the `sparse-cpu` benchmark) is taken.
 
 Two entry points:
 - `conv(acts, weights, init)`: from compressed activations (the op as the GPU kernels see it;

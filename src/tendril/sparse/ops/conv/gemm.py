@@ -1,11 +1,9 @@
 """A convolution as one dense matrix product on the pruned weights (cuBLAS in fp32), for layers where that beats
 every sparse kernel and cuDNN.
 
-At batch 1 a convolution is `W[K, C*R*S] @ cols[C*R*S, OH*OW]`. On the H200, cuDNN's fp32 kernels are slow on
-the small, deep layers of ResNet-50, and cuBLAS is not (`sparse-cnn`'s tune times, with bias and ReLU): a 1×1,
-2048 → 512 convolution at 7×7 took 49.9 µs in cuDNN's fused call and 14.0 µs here, a 3×3, 512 → 512 one at 7×7
-108 µs and 29 µs. `SparseNetwork.tune` chose it for 38 of ResNet-50's 53 convolutions, 8 of VGG-16's 13 and 3 of
-AlexNet's 5 (the committed `sparse-cnn` run; 31, 8 and 4 in another). The columns are:
+At batch 1 a convolution is `W[K, C*R*S] @ cols[C*R*S, OH*OW]`. cuDNN's fp32 kernels can be slow on the small,
+deep layers of networks like ResNet-50 where cuBLAS is not; `SparseNetwork.tune` measures both per layer (the
+`sparse-cnn` benchmark reports which layers chose it). The columns are:
 - a view of the input for a 1×1 kernel with stride 1 and no padding (no copy);
 - the input subsampled (one copy) for a 1×1 kernel with a stride, without padding;
 - `F.unfold` (im2col, one copy) otherwise.
@@ -13,18 +11,17 @@ AlexNet's 5 (the committed `sparse-cnn` run; 31, 8 and 4 in another). The column
 Bias, residual and ReLU are one Triton epilogue over the product, in place (`epilogue_`): two kernels per layer,
 three with im2col. On the CPU (tests) the epilogue is PyTorch's ops, unless the Triton interpreter runs the
 kernel. Grouped convolutions are not supported (`supports`). TF32 is the caller's to rule out
-(`tendril.sparse.network.fp32_dense_math`).
+(`tendril.sparse.steps.fp32_dense_math`).
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from tendril import config
 from tendril.sparse.format import ConvGeometry
 
 EPILOGUE_BLOCK = 1024
@@ -68,7 +65,7 @@ def epilogue_(y: torch.Tensor, bias: torch.Tensor, residual: torch.Tensor | None
         raise ValueError(f"epilogue of a contiguous [B, K, L] product with a [K] bias, got {tuple(y.shape)}")
     if residual is not None and residual.numel() != y.numel():
         raise ValueError(f"residual of {residual.numel()} elements for a product of {y.numel()}")
-    if y.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+    if y.device.type == "cpu" and not config.settings.triton_interpret:
         y.add_(bias.view(1, -1, 1))
         if residual is not None:
             y.add_(residual.view_as(y))

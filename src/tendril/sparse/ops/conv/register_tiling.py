@@ -1,5 +1,5 @@
-"""Tiling, weight layout and planner of the register-tiled sparse-weight convolution
-(`register_cuda.py`), shared with its CPU emulation (`register_emulation.py`).
+"""Tiling and weight layout of the register-tiled sparse-weight convolution (`register_cuda.py`), shared with
+its CPU emulation (`register_emulation.py`); `register_planner.py` chooses a layer's plan.
 
 Dataflow (output-stationary; zero weights skipped, activations read densely from shared memory):
 a thread block of `warps` warps owns an output tile of `tile_h × tile_w` pixels × `k_block`
@@ -33,13 +33,6 @@ of a tile to arrive (a ticket counter per tile, reset by that block) adds the pa
 order, so the result is deterministic, then applies bias, residual and ReLU. With one split the
 epilogue is fused into the accumulator write-out.
 
-`plan` picks (ph, pw, kt, lanes_x, warps, splits) with `estimate_us`, a model of the busiest SM:
-issue slots (window and record loads, tap tests, weight loads, FMAs) against shared-memory
-wavefronts (bank conflicts of the window loads simulated for the chosen pitch), the occupancy the
-registers allow, the L2 traffic of staging and of the split reduction, and the 32-byte sectors the
-lanes' output (or partial-sum) stores touch, with constants fitted to H200 measurements; the network
-then measures the best few plans on the device (`SparseNetwork.tune`).
-
 Pixel runs (`pixel_run=True`, 1×1 kernels without padding, any stride): a 1×1 convolution is a
 sparse × dense matrix product, `[K, C]` weights times the `[C, H·W]` input, and the 2-D tile's
 machinery (halos, windows, per-(k, c) records of one tap each) is overhead there. A pixel-run block
@@ -51,16 +44,12 @@ shared memory and fully coalesced vector stores), and one record per (k-block, c
 the mask of the warp's `kt` output channels (bit kk: weight (k0 + kk, c) is nonzero) and the offset of
 their values, so each nonzero weight costs one broadcast load and `pw` FMAs. Channel splits, the
 ticketed reduction, the fused epilogue and the nonzero counts work as for tiles (a tile's share of the
-input plane is its `1 / tiles` slice of the flattened plane). Its cost-model terms are the tile model's
-(same constants) applied to its own instruction, wavefront and store counts; they are not yet
-calibrated on measured pixel-run plans.
+input plane is its `1 / tiles` slice of the flattened plane).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-import math
 from dataclasses import dataclass
 
 import torch
@@ -87,24 +76,6 @@ PIXEL_RUN_PW = (1, 2, 4, 8, 12, 16)
 """Pixels per lane of a pixel-run plan: multiples of the vector width (4, 2 or 1) that it loads and stores."""
 PIXEL_RUN_KT = (1, 2, 4, 8, 16)
 """Output channels per warp of a pixel-run plan: its record's mask has a bit for each (16 at most)."""
-
-# Cost model of the H200 (estimate_us). Per SM and cycle: 4 warp instructions issued, 1 shared-memory
-# wavefront (32 banks × 4 bytes); the fraction of issue slots a well-occupied SM fills; L2 bandwidth.
-WARP_INSTRUCTIONS_PER_CYCLE = 4
-CLOCK_GHZ = 1.98
-ISSUE_EFFICIENCY = 0.7
-WARPS_TO_HIDE_LATENCY = 16
-L2_BYTES_PER_US = 5.5e6
-# Calibrated on 52 plans of VGG-16's conv layers measured on an H200 (benchmarks/results/sparse-conv-kernels.json,
-# least squares on relative error, the same within 0.2 when any one layer is left out): the main loop took 2.3×
-# the modelled cycles (latencies the issue/wavefront count does not see), each 32-byte sector a warp's scalar
-# output stores touch cost an SM 2.3 cycles (why plans whose lanes store adjacent pixels win), and a launch
-# with its prologue and epilogue about 6.5 µs.
-MEASURED_CYCLES_PER_MODELLED = 2.3
-STORE_CYCLES_PER_SECTOR = 2.3
-FIXED_US = 6.5
-RECORD_INSTRUCTIONS = 12
-"""Per record: the uniform reduction, moves, tap predicates and the address of its values (sm_90 SASS)."""
 
 
 @dataclass(frozen=True)
@@ -184,19 +155,14 @@ class RegisterTilePlan:
         """Row stride (floats) of the staged tile: a multiple of `vector`, chosen for the fewest bank conflicts."""
         if self.pixel_run:
             return self.in_hw[1]
-        return _best_pitch(self.in_hw[1], self.vector, self._lane_step(), self.window_hw[1])[0]
+        return _best_pitch(self.in_hw[1], self.vector, _lane_step(self), self.window_hw[1])[0]
 
     @property
     def window_row_wavefronts(self) -> int:
         """Shared-memory wavefronts a warp's load of one window row costs (bank conflicts included)."""
         if self.pixel_run:
             return self.pw  # `pw / vector` loads of adjacent vectors across the warp, `vector` wavefronts each
-        return _best_pitch(self.in_hw[1], self.vector, self._lane_step(), self.window_hw[1])[1]
-
-    def _lane_step(self) -> tuple[int, int, int, int]:
-        """(lanes_x, lanes_y, rows between lane rows, columns between lane columns) for the bank model."""
-        (sh, sw) = self.geometry.stride
-        return self.lanes_x, self.lanes_y, self.ph * sh, self.pw * sw
+        return _best_pitch(self.in_hw[1], self.vector, _lane_step(self), self.window_hw[1])[1]
 
     @property
     def tiles(self) -> tuple[int, int]:
@@ -251,12 +217,12 @@ class RegisterTilePlan:
 
     @property
     def shared_bytes(self) -> int:
-        return _shared_bytes(self, self.c_chunk)
+        return shared_bytes_for(self, self.c_chunk)
 
     @property
     def registers(self) -> int:
         """Estimated registers per thread: accumulators, the live window, records and ~40 for addresses."""
-        if self.pixel_run:  # ~52 besides accumulators and window in NVRTC 13.5's sm_90 builds of ResNet-50's 1×1s
+        if self.pixel_run:  # besides accumulators and window: what NVRTC's sm_90 builds of 1×1 layers use
             return self.kt * self.pw + self.pw + 52
         return self.kt * self.ph * self.pw + _peak_window_floats(self) + self.kt + 40
 
@@ -268,37 +234,14 @@ class RegisterTilePlan:
         by_shared = SM_SHARED_BYTES // (self.shared_bytes + 1024)
         return max(1, min(4, by_registers, by_shared, SM_MAX_WARPS // self.warps))
 
-    def defines(self) -> tuple[str, ...]:
-        """The NVRTC `-D` options that specialise the kernel source for this plan."""
-        g = self.geometry
-        values = {
-            "R": g.kernel[0],
-            "S": g.kernel[1],
-            "SH": g.stride[0],
-            "SW": g.stride[1],
-            "PADH": g.padding[0],
-            "PADW": g.padding[1],
-            "PH": self.ph,
-            "PW": self.pw,
-            "KT": self.kt,
-            "LANES_X": self.lanes_x,
-            "LANES_Y": self.lanes_y,
-            "WARPS": self.warps,
-            "C_CHUNK": self.c_chunk,
-            "RECORD_ROWS": self.record_rows,
-            "IN_H": self.in_hw[0],
-            "IN_W": self.in_hw[1],
-            "PITCH": self.pitch,
-            "VEC": self.vector,
-            "VAL_CAP": self.value_capacity,
-            "CHAN_CAP": self.split_channels + 1,
-            "MIN_BLOCKS": self.blocks_per_sm,
-            "PIXEL_RUN": int(self.pixel_run),
-        }
-        return tuple(f"-D{k}={v}" for k, v in values.items())
+
+def _lane_step(plan: RegisterTilePlan) -> tuple[int, int, int, int]:
+    """(lanes_x, lanes_y, rows between lane rows, columns between lane columns) for the bank model."""
+    (sh, sw) = plan.geometry.stride
+    return plan.lanes_x, plan.lanes_y, plan.ph * sh, plan.pw * sw
 
 
-def _shared_bytes(plan: RegisterTilePlan, c_chunk: int) -> int:
+def shared_bytes_for(plan: RegisterTilePlan, c_chunk: int) -> int:
     """Two staging buffers (activations, records, values) plus the split's channel starts."""
     r, s = plan.geometry.kernel
     act = c_chunk * plan.in_hw[0] * plan.pitch
@@ -331,7 +274,7 @@ def _peak_window_floats(plan: RegisterTilePlan) -> int:
     return width * max(sum(1 for lo, hi in spans if lo <= g <= hi) for g in range(plan.record_groups))
 
 
-def _row_loads(width: int, vector: int) -> list[tuple[int, int]]:
+def row_loads(width: int, vector: int) -> list[tuple[int, int]]:
     """(first column, floats) of the loads that read one window row: widest vectors first, as the kernel does."""
     loads, j = [], 0
     for v in (4, 2, 1):
@@ -353,7 +296,7 @@ def _best_pitch(in_w: int, vector: int, lanes: tuple[int, int, int, int], width:
     for pitch in range(base, base + 32, vector):
         # Banks depend on offsets modulo 32; adding 1024 keeps the words of different lane rows distinct.
         pattern = (lanes_x, lanes_y, row_step * pitch % 32 + 1024, col_step)
-        wavefronts = sum(_wavefronts(pattern, v) for _, v in _row_loads(width, vector))
+        wavefronts = sum(_wavefronts(pattern, v) for _, v in row_loads(width, vector))
         if best is None or wavefronts < best[1]:
             best = (pitch, wavefronts)
     assert best is not None
@@ -378,190 +321,6 @@ def _wavefronts(pattern: tuple[int, int, int, int], floats: int) -> int:
                 banks.setdefault((word + f) % 32, set()).add(word + f)
         total += max(len(words) for words in banks.values())
     return total
-
-
-def unsupported_reason(geometry: ConvGeometry) -> str | None:
-    """Why the kernel cannot run this geometry, or None when it can."""
-    if geometry.kernel[1] > MAX_TAPS_PER_RECORD:
-        return f"kernel width {geometry.kernel[1]} exceeds the row record's {MAX_TAPS_PER_RECORD} tap bits"
-    if not _feasible(geometry, 132):
-        return "no tile configuration fits the shared memory and register limits"
-    return None
-
-
-@functools.lru_cache(maxsize=256)
-def _feasible(geometry: ConvGeometry, sms: int) -> tuple[RegisterTilePlan, ...]:
-    """Every plan that fits the limits (split counts chosen to fill `sms`), in no particular order: 2-D
-    tiles, and pixel runs where the geometry is a 1×1 kernel without padding."""
-    if geometry.kernel[1] > MAX_TAPS_PER_RECORD:
-        return ()
-    bases = [
-        RegisterTilePlan(geometry, ph, pw, kt, lanes_x, 1, 1, warps)
-        for warps in (8, 4)
-        for ph in (8, 4, 2, 1)
-        for pw in (8, 4, 2, 1)
-        for kt in (8, 4, 2, 1)
-        for lanes_x in LANES_X_CHOICES
-    ]
-    if geometry.kernel == (1, 1) and geometry.padding == (0, 0):
-        bases += [
-            RegisterTilePlan(geometry, 1, pw, kt, 32, 1, 1, warps, pixel_run=True)
-            for warps in (8, 4)
-            for pw in PIXEL_RUN_PW
-            for kt in PIXEL_RUN_KT
-        ]
-    plans = []
-    for base in bases:
-        if not _worth_planning(base) or base.registers > MAX_REGISTERS or _shared_bytes(base, 1) > SHARED_BYTES:
-            continue
-        plans += _chunked_and_split(base, sms)
-    return tuple(plans)
-
-
-def _chunked_and_split(base: RegisterTilePlan, sms: int) -> list[RegisterTilePlan]:
-    """`base` with the most channels per staged round that fit, and the split counts worth trying."""
-    c_chunk = min(MAX_C_CHUNK, base.group_in)
-    while c_chunk > 1 and _shared_bytes(base, c_chunk) > SHARED_BYTES:
-        c_chunk -= 1
-    blocks = base.grid[0] * base.k_blocks
-    useful = max(1, min(MAX_SPLITS, base.group_in // MIN_CHANNELS_PER_SPLIT))
-    wanted = -(-base.blocks_per_sm * sms // blocks)
-    plans = []
-    for splits in sorted({1, min(useful, wanted), min(useful, 2 * wanted)}):
-        plan = dataclasses.replace(base, splits=splits, c_chunk=c_chunk)
-        if plan.splits > 1 and (plan.splits - 1) * plan.split_channels >= plan.group_in:
-            continue  # an empty split
-        if plan.shared_bytes <= SHARED_BYTES:
-            plans.append(plan)
-    return plans
-
-
-def _worth_planning(plan: RegisterTilePlan) -> bool:
-    """Skip tiles much larger than the output and k-blocks that leave most of a block's warps idle."""
-    (oh, ow), (th, tw) = plan.out_extent_hw, plan.tile_hw
-    if (th > 2 * oh and plan.ph > 1) or (tw > 2 * ow and plan.pw > 1):
-        return False
-    return plan.k_block <= 2 * plan.group_out or plan.kt == 1
-
-
-def candidates(geometry: ConvGeometry, weight_density: float, sms: int) -> list[RegisterTilePlan]:
-    """Every feasible plan for this geometry, cheapest first by `estimate_us`."""
-    return list(_ranked(geometry, round(weight_density, 4), sms))
-
-
-@functools.lru_cache(maxsize=256)
-def _ranked(geometry: ConvGeometry, weight_density: float, sms: int) -> tuple[RegisterTilePlan, ...]:
-    return tuple(sorted(_feasible(geometry, sms), key=lambda p: estimate_us(p, weight_density, sms)))
-
-
-def shortlist(geometry: ConvGeometry, weight_density: float, sms: int, count: int) -> list[RegisterTilePlan]:
-    """The `count` best-predicted plans whose register tiles (layout, ph, pw, kt) differ, for timing on the
-    device: plans that differ only in lane layout or splits are near-ties of the model and rarely worth a
-    measurement. Where the geometry allows both layouts (1×1 kernels), the best plan of each is always in
-    it (replacing the last pick of the other layout), since the model is calibrated on 2-D tiles only."""
-    ranked = candidates(geometry, weight_density, sms)
-    chosen: list[RegisterTilePlan] = []
-    for p in ranked:
-        if len(chosen) == count:
-            break
-        if all((p.pixel_run, p.ph, p.pw, p.kt) != (c.pixel_run, c.ph, c.pw, c.kt) for c in chosen):
-            chosen.append(p)
-    for layout in (False, True):
-        best = next((p for p in ranked if p.pixel_run == layout), None)
-        if best is not None and count >= 2 and all(c.pixel_run != layout for c in chosen):
-            others = [i for i, c in enumerate(chosen) if c.pixel_run != layout]
-            chosen[others[-1]] = best
-    return sorted(chosen, key=ranked.index)
-
-
-def plan(geometry: ConvGeometry, weight_density: float, sms: int) -> RegisterTilePlan:
-    """The plan `estimate_us` predicts fastest; raises if the kernel does not support the geometry."""
-    reason = unsupported_reason(geometry)
-    if reason is not None:
-        raise ValueError(f"register-tiled conv cannot run {geometry}: {reason}")
-    return candidates(geometry, weight_density, sms)[0]
-
-
-def estimate_us(plan: RegisterTilePlan, weight_density: float, sms: int) -> float:
-    """Predicted microseconds on an H200-class GPU: the busiest SM's issue slots or shared-memory
-    wavefronts (whichever binds, slowed when too few warps hide latency), or the L2 traffic of staging
-    and split partials if that takes longer, plus a launch."""
-    g = plan.geometry
-    instructions, wavefronts, staging_instructions = (_run_costs if plan.pixel_run else _tile_costs)(
-        plan, weight_density
-    )
-    tiles, k_blocks, splits = plan.grid
-    blocks = tiles * k_blocks * splits
-    per_channel = max(
-        plan.warps * (instructions + staging_instructions) / (WARP_INSTRUCTIONS_PER_CYCLE * ISSUE_EFFICIENCY),
-        plan.warps * wavefronts,
-    )
-    blocks_on_busiest = math.ceil(blocks / sms)
-    resident_warps = min(blocks_on_busiest, plan.blocks_per_sm) * plan.warps
-    latency_factor = max(1.0, WARPS_TO_HIDE_LATENCY / resident_warps)
-    cycles = blocks_on_busiest * plan.split_channels * per_channel * latency_factor
-    out_bytes = 4 * g.out_channels * g.out_hw[0] * g.out_hw[1]
-    staged_bytes = 4 * blocks * plan.split_channels * plan.in_hw[0] * plan.in_hw[1]
-    split_bytes = 0 if splits == 1 else 2 * splits * out_bytes
-    memory_us = (staged_bytes + split_bytes + out_bytes) / L2_BYTES_PER_US
-    compute_us = MEASURED_CYCLES_PER_MODELLED * cycles / (CLOCK_GHZ * 1e3)
-    stores = plan.warps * plan.kt * plan.ph * plan.pw // _store_width(plan)  # warp-wide, per block
-    store_us = STORE_CYCLES_PER_SECTOR * blocks * stores * _store_sectors(plan) / sms / (CLOCK_GHZ * 1e3)
-    return FIXED_US + max(compute_us, memory_us) + store_us
-
-
-def _tile_costs(plan: RegisterTilePlan, weight_density: float) -> tuple[float, float, float]:
-    """(warp instructions, shared-memory wavefronts per warp, staging instructions per warp) for one staged
-    channel of a 2-D tile: window rows, one record per (k, row group) with its tap tests, the weights."""
-    r, s = plan.geometry.kernel
-    rows, width = plan.window_hw
-    loaded_rows = sum(1 for q in range(rows) if first_use(plan, q) is not None)
-    taps = r * s * weight_density * plan.kt  # nonzero weights a warp meets per channel
-    groups, group_taps = plan.record_groups, plan.record_rows * s
-    record_loads = groups * math.ceil(plan.kt / min(plan.kt, 4))
-    instructions = (
-        loaded_rows * len(_row_loads(width, plan.vector))
-        + record_loads
-        + plan.kt * groups * (RECORD_INSTRUCTIONS + 2 * group_taps)
-        + taps * (2 + plan.ph * plan.pw)
-        + 8
-    )
-    wavefronts = loaded_rows * plan.window_row_wavefronts + record_loads + taps
-    staging = plan.in_hw[0] * -(-plan.in_hw[1] // 32) * 6 / plan.warps
-    return instructions, wavefronts, staging
-
-
-def _run_costs(plan: RegisterTilePlan, weight_density: float) -> tuple[float, float, float]:
-    """The same for a pixel run: one record per warp (a channel none of the warp's `kt` weights uses is skipped
-    there), then `pw / vector` vector loads, a bit test per output channel, a broadcast load and `pw` FMAs per
-    nonzero weight; staging copies 16 bytes at a time at stride 1, 4 (with an index division) when strided."""
-    taps = weight_density * plan.kt
-    used = 1 - (1 - weight_density) ** plan.kt  # chance that a channel has a nonzero among the warp's weights
-    instructions = RECORD_INSTRUCTIONS + used * (plan.pw // plan.vector + 2 * plan.kt) + taps * (2 + plan.pw) + 4
-    wavefronts = 1 + used * plan.window_row_wavefronts + taps
-    strided = plan.geometry.stride != (1, 1)
-    copies = -(-plan.in_hw[1] // (32 if strided else 128))
-    staging = copies * (10 if strided else 6) / plan.warps
-    return instructions, wavefronts, staging
-
-
-def _store_width(plan: RegisterTilePlan) -> int:
-    """Floats per lane of one output store: `vector` for pixel runs, 1 for 2-D tiles."""
-    return plan.vector if plan.pixel_run else 1
-
-
-def _store_sectors(plan: RegisterTilePlan) -> int:
-    """32-byte sectors one warp-wide store of an accumulator (fixed k, i, j) touches: its active lanes
-    write pixels `pw` apart along x and `ph` output rows apart along y; a pixel run's lanes write
-    `32 × vector` adjacent floats."""
-    if plan.pixel_run:
-        return 4 * plan.vector
-    return _sectors(plan.lanes_x, plan.lanes_y, plan.ph * plan.geometry.out_hw[1], plan.pw)
-
-
-@functools.lru_cache(maxsize=4096)
-def _sectors(lanes_x: int, lanes_y: int, row_floats: int, col_floats: int) -> int:
-    return len({(y * row_floats + x * col_floats) // 8 for y in range(lanes_y) for x in range(lanes_x)})
 
 
 @dataclass(frozen=True)

@@ -39,10 +39,21 @@ def linear_dense_input(
     relu: bool = False,
     threads: int = 1,
 ) -> torch.Tensor:
-    """`out = [relu](bias + W @ x)` for a dense `[in_features]` input; returns its nonzero count (`[1]`)."""
-    if tuple(x.shape) != (weights.in_features,):
-        raise ValueError(f"input shape {tuple(x.shape)}: expected ({weights.in_features},)")
-    if tuple(out.shape) != (weights.out_features,) or not out.is_contiguous():
+    """`out = [relu](bias + W @ x)` for a dense `[in_features]` input; returns its nonzero count (`[1]`).
+
+    The compiled loop indexes without bounds checks, so every operand is checked here (the weights checked
+    themselves at construction): fp32 CPU tensors of the layer's shapes."""
+    if not isinstance(weights, SparseLinearWeights):
+        raise TypeError(f"weights: expected SparseLinearWeights, got {type(weights).__name__}")
+    for name, t, features in (
+        ("x", x, weights.in_features),
+        ("bias", bias, weights.out_features),
+        ("out", out, weights.out_features),
+    ):
+        if t.dtype != torch.float32 or t.device.type != "cpu" or tuple(t.shape) != (features,):
+            got = f"{t.dtype} {tuple(t.shape)} on {t.device}"
+            raise ValueError(f"{name}: expected a float32 CPU tensor of shape ({features},), got {got}")
+    if not out.is_contiguous():
         raise ValueError(f"out must be a contiguous tensor of shape ({weights.out_features},)")
     counts = torch.empty(1, dtype=torch.int32)
     with kernel_threads(threads) as used:

@@ -8,9 +8,8 @@ to its output row with a relaxed atomic. Zero activations cost nothing; zero wei
 
 `linear_rows` is the other way round: a row-wise gather over a CSR copy of the weight with the dense
 input (`CsrLinearWeights`), no atomics, every stored weight read once. At batch 1 a layer is bound by
-reading its weights, and one atomic per product keeps the Cartesian kernel far from that bound: on the
-H200 the row kernel took AlexNet's whole network (three classifier layers at 9-25% density) from 0.46 to
-0.24 ms. `SparseNetwork.tune` times both per layer.
+reading its weights, and one atomic per product keeps the Cartesian kernel far from that bound, so the
+row kernel is usually faster on classifier layers. `SparseNetwork.tune` times both per layer.
 """
 
 from __future__ import annotations
