@@ -98,7 +98,8 @@ class Outcome:
     def message(self) -> str:
         return (f"seed {self.case.seed} {self.status}: {self.detail}\n  case: {self.case.describe()}\n"
                 f"  reproduce: {self.case.repro(self.device)}\n"
-                f'  or: PYTHONPATH=src python -m pytest tests/fuzz/test_differential.py -k "{self.device}_seed_{self.case.seed}"')
+                f"  or: PYTHONPATH=src python -m pytest tests/fuzz/test_differential.py "
+                f'-k "{self.device}_seed_{self.case.seed}"')
 
 
 def draw_case(seed: int) -> Case:
