@@ -108,8 +108,8 @@ def _model_and_prompt(device: str) -> tuple[torch.nn.Module, torch.Tensor]:
 def _generates_correctly(model: torch.nn.Module, ids: torch.Tensor, what: str) -> None:
     from tendril.generation import generate
 
-    expected = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, eos_token_id=None,
-                              pad_token_id=0, do_sample=False)
+    expected = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=4,  # type: ignore[operator]
+                              eos_token_id=None, pad_token_id=0, do_sample=False)
     try:
         got = generate(model, ids, max_new_tokens=4, eos_token_id=[], pad_token_id=0)
     except Exception as error:

@@ -6,6 +6,8 @@ CPU cases run through `NullBackend` in CI; CUDA cases (out of memory during capt
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from tests.fuzz.bad_inputs import BadCase, graphed_cases, run_bad_case
@@ -14,7 +16,7 @@ from tests.fuzz.bad_library_inputs import library_cases
 CASES = [*graphed_cases(), *library_cases()]
 
 
-def _params(device: str) -> list[pytest.param]:
+def _params(device: str) -> list[Any]:
     marks = [pytest.mark.gpu] if device == "cuda" else []
     return [pytest.param(case, id=f"{device}-{case.name}", marks=marks) for case in CASES if device in case.devices]
 
