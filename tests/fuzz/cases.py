@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import inspect
 import random
 import traceback
 import warnings
@@ -136,12 +135,10 @@ def draw_case(seed: int) -> Case:
 
 
 def _graphed(fn: Callable[..., Any], budget: str | None, **options: Any) -> GraphedCallable:
-    """`tendril.graphed(fn, **options)` with a graph-memory budget, under whichever name this version takes
-    (`memory=` or `graph_memory_budget=`). A budget configures the CUDA backend only: with another backend it
-    is not passed."""
+    """`tendril.graphed(fn, **options)` with a graph-memory budget; a budget configures the CUDA backend only,
+    so with another backend it is not passed."""
     if budget is not None and options.get("backend") is None:
-        parameters = inspect.signature(tendril.graphed).parameters
-        options["memory" if "memory" in parameters else "graph_memory_budget"] = budget
+        options["memory"] = budget
     return tendril.graphed(fn, **options)
 
 

@@ -92,3 +92,12 @@ def test_pow2_sizes():
     assert pow2_sizes(65, 32) == (32, 64, 128)
     with pytest.raises(ValueError):
         pow2_sizes(4, 8)
+
+
+def test_empty_calls_and_arguments_of_another_rank_than_declared_are_not_padded():
+    buckets = sequence_buckets((8,))
+    assert buckets.pad((), {"input_ids": torch.ones(1, 0, dtype=torch.long)}) is None
+    assert buckets.pad((), {"input_ids": torch.ones(1, 1, 6, dtype=torch.long)}) is None
+    assert buckets.pad((), {"input_ids": torch.ones(1, 6, dtype=torch.long)}) is not None
+    anything = Buckets((8,), (("x", Pad(0)),))
+    assert anything.pad((), {"x": torch.ones(3, 2, 2)}) is not None

@@ -39,6 +39,9 @@ class Pad:
     """The dimension that varies (the sequence dimension); padded at its end."""
     value: float = 0
     """The fill value of the padded positions (a pad token id, 0 for a mask)."""
+    rank: int | None = None
+    """The argument's number of dimensions when it is to be padded (None: any); a call whose argument has another
+    rank is not padded (it runs under its exact key), since `dim` would name another dimension there."""
 
 
 @dataclass(frozen=True)
@@ -81,22 +84,22 @@ class Buckets:
     def pad(
         self, args: tuple[Any, ...], kwargs: Mapping[str, Any], positions: Mapping[str, int] | None = None
     ) -> PaddedCall | None:
-        """The call padded to its bucket, or None when nothing is to be padded (no padded argument given,
-        or longer than every bucket)."""
+        """The call padded to its bucket, or None when nothing is to be padded: no padded argument given, one
+        of another rank than declared, an empty call, or one longer than every bucket."""
         positions = positions or {}
         found: list[tuple[str | int, Pad, torch.Tensor]] = []
         for name, how in self.pads:
             value = _lookup(name, args, kwargs, positions)
             if isinstance(value, torch.Tensor):
                 found.append((name, how, value))
-        if not found:
+        if not found or any(how.rank is not None and tensor.dim() != how.rank for _, how, tensor in found):
             return None
         lengths = {name: tensor.shape[how.dim] for name, how, tensor in found}
         length = next(iter(lengths.values()))
         if any(other != length for other in lengths.values()):
             raise ValueError(f"padded arguments disagree on the length to pad: {lengths}")
         bucket = self.bucket_for(length)
-        if bucket is None:
+        if bucket is None or length == 0:
             return None
         new_args = list(args)
         new_kwargs = dict(kwargs)
@@ -229,9 +232,10 @@ def sequence_buckets(
     seq_dim: int = 1,
     cut_outputs: bool = True,
 ) -> Buckets:
-    """Buckets for token sequences with an attention mask (HF style): pad ids with `pad_token_id`, the mask
-    with 0 (created as ones when the call has none), and cut outputs back to the call's length."""
-    pads = ((input_name, Pad(seq_dim, pad_token_id)), (mask_name, Pad(seq_dim, 0)))
+    """Buckets for token sequences with an attention mask (HF style, `[batch, length]`): pad ids with
+    `pad_token_id`, the mask with 0 (created as ones when the call has none), and cut outputs back to the call's
+    length."""
+    pads = ((input_name, Pad(seq_dim, pad_token_id, rank=2)), (mask_name, Pad(seq_dim, 0, rank=2)))
     return Buckets(tuple(sizes), pads, cut_outputs=cut_outputs, make_mask=mask_name)
 
 
