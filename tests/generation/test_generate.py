@@ -147,6 +147,19 @@ def test_options_outside_the_supported_set_are_refused(gpt2):
         generate(gpt2, ids, mask, max_new_tokens=0)
 
 
+def test_token_ids_outside_the_vocabulary_are_refused_before_anything_runs(gpt2):
+    ids, mask = left_padded([3])
+    vocab = gpt2.get_input_embeddings().num_embeddings
+    for bad in (vocab, -1):
+        with pytest.raises(ValueError, match=r"input_ids must lie in \[0, "):
+            generate(gpt2, torch.full_like(ids, bad), mask, max_new_tokens=2, eos_token_id=[], pad_token_id=0)
+    with pytest.raises(ValueError, match=f"eos_token_id {vocab} outside"):
+        generate(gpt2, ids, mask, max_new_tokens=2, eos_token_id=[1, vocab], pad_token_id=0)
+    with pytest.raises(ValueError, match="pad_token_id = -3 outside"):
+        generate(gpt2, ids, mask, max_new_tokens=2, eos_token_id=[1], pad_token_id=-3)
+    assert generate(gpt2, ids, mask, max_new_tokens=2, eos_token_id=[], pad_token_id=0).shape[1] == ids.shape[1] + 2
+
+
 def test_unsupported_models_raise_or_fall_back_to_hf_on_request():
     import transformers
 

@@ -58,6 +58,22 @@ def _check_inputs(input_ids: torch.Tensor, attention_mask: torch.Tensor | None, 
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
 
 
+def _check_token_ids(model: nn.Module, input_ids: torch.Tensor, eos: list[int], pad: int | None) -> None:
+    """Token ids outside the vocabulary are refused here, with one host sync per `generate` call: inside the
+    loop an embedding lookup out of range is a device-side assert that ends the process's CUDA context."""
+    vocab = model.get_input_embeddings().num_embeddings  # type: ignore[operator]
+    if input_ids.numel() and not bool(((input_ids >= 0) & (input_ids < vocab)).all()):
+        low, high = int(input_ids.min()), int(input_ids.max())
+        raise ValueError(f"input_ids must lie in [0, {vocab}) (the model's vocabulary), got values in [{low}, {high}]")
+    named = {f"eos_token_id {token}": token for token in eos}
+    if pad is not None:
+        named["pad_token_id"] = pad
+    outside = [f"{name} = {token}" if name == "pad_token_id" else name for name, token in named.items()
+               if not 0 <= token < vocab]
+    if outside:
+        raise ValueError(f"{', '.join(outside)} outside the model's vocabulary [0, {vocab})")
+
+
 def _hf_generate(
     model: nn.Module,
     input_ids: torch.Tensor,
@@ -153,6 +169,7 @@ def generate(
     if input_ids.device != weight.device:
         raise ValueError(f"input_ids are on {input_ids.device} but the model is on {weight.device}; move them with "
                          f".to({str(weight.device)!r})")
+    _check_token_ids(model, input_ids, eos, pad)
     processing = LogitsProcessing(
         do_sample=do_sample, temperature=float(temperature), top_k=int(top_k), top_p=float(top_p),
         repetition_penalty=float(repetition_penalty),
