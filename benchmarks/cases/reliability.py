@@ -34,7 +34,9 @@ def run(ctx: Context) -> None:
     statuses = {"ok": 0, "mismatch": 0, "crash": 0, "skipped": 0}
     leaked = 0
     failures: list[str] = []
-    for case in cases:
+    for done, case in enumerate(cases):
+        if done % 100 == 0:
+            print(f"reliability: {done} of {len(cases)} differential cases, {time.perf_counter() - start:.0f} s")
         outcome = run_case(case, device)
         statuses[outcome.status] += 1
         leaked = max(leaked, outcome.leaked_bytes)
