@@ -1,8 +1,11 @@
 """Memory on the GPU: smaller graphs reuse the largest one's pool, outputs included; failed captures free."""
 
+import gc
+
 import pytest
 import torch
 
+from tendril.graphs.callable import graphed
 from tendril.graphs.stats import Fallback
 from tendril.utils.device_memory import device_memory_in_use
 from tests.graphs.gpu_models import fast, gpt2
@@ -89,3 +92,26 @@ def test_a_failed_capture_returns_its_memory_and_leaves_the_callable_usable():
         torch.testing.assert_close(graphed_fn(small), syncs_when_long(small))
         assert graphed_fn.stats.captures == 1 and graphed_fn.stats.replays == 1
         assert graphed_fn.stats.fallbacks[Fallback.HOST_SYNC] == 1
+
+
+def test_callables_share_one_capture_stream_so_a_deleted_callable_leaves_nothing_behind():
+    """PyTorch keeps a cuBLAS workspace per stream a product ran on; a capture stream per callable left one
+    behind each deleted callable."""
+    model = torch.nn.Linear(64, 64).cuda()
+    x = torch.randn(4, 64, device="cuda")
+
+    def graph_and_delete() -> None:
+        linear = graphed(model)
+        with torch.inference_mode():
+            linear(x)
+            linear(x)
+        assert linear.stats.captures == 1
+        del linear
+        gc.collect()
+        torch.cuda.synchronize()
+
+    graph_and_delete()  # the first capture gives the shared capture stream its workspace
+    baseline = torch.cuda.memory_allocated()
+    for _ in range(3):
+        graph_and_delete()
+    assert torch.cuda.memory_allocated() == baseline

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import threading
 import time
 import warnings
 from collections.abc import Callable, Iterator, Sequence
@@ -74,6 +75,21 @@ class CapturedGraph:
         return self.outputs
 
 
+_capture_streams = threading.local()
+
+
+def capture_stream(device: torch.device) -> torch.cuda.Stream:
+    """This thread's side stream for warm-up and capture on `device`, shared by every capture it makes.
+
+    One stream, not one per callable: PyTorch keeps a cuBLAS workspace for each stream a matrix product ran on
+    and frees none of them, so a stream per graphed callable would leave a workspace behind each. Per thread,
+    so that threads capturing at once never share a capturing stream."""
+    streams: dict[torch.device, torch.cuda.Stream] = _capture_streams.__dict__.setdefault("by_device", {})
+    if device not in streams:
+        streams[device] = torch.cuda.Stream(device)
+    return streams[device]
+
+
 def capture(
     fn: Callable[..., Any],
     *args: Any,
@@ -88,7 +104,7 @@ def capture(
     """Run `fn(*args, **kwargs)` `warmup` times, then capture it as a CUDA graph and instantiate it.
 
     `pool` is a `torch.cuda.graph_pool_handle()` to share with other graphs (None: a private pool).
-    Warm-up and capture run on `stream` (default: a new side stream), which first waits for the
+    Warm-up and capture run on `stream` (default: `capture_stream()`), which first waits for the
     current stream; the current stream then waits for the capture. A function that fails while
     capturing ends the capture and re-raises; its tensors return to the pool when the exception is
     dropped. `sdpa_backends` restricts `scaled_dot_product_attention` during warm-up and capture
@@ -98,7 +114,7 @@ def capture(
     """
     device = torch.device("cuda", torch.cuda.current_device())
     start = time.perf_counter()
-    stream = torch.cuda.Stream() if stream is None else stream
+    stream = capture_stream(device) if stream is None else stream
     current = torch.cuda.current_stream()
     stream.wait_stream(current)
     graph = torch.cuda.CUDAGraph(keep_graph=True)

@@ -33,7 +33,7 @@ from torch.nn.attention import SDPBackend
 from tendril import config
 from tendril.cuda import graph_exec
 from tendril.graphs.backend import Captured, CaptureFailed, classify_capture_error
-from tendril.graphs.capture import GRAPH_SDPA_BACKENDS, HOST_COPY_ERROR, CapturedGraph, capture
+from tendril.graphs.capture import GRAPH_SDPA_BACKENDS, HOST_COPY_ERROR, CapturedGraph, capture, capture_stream
 from tendril.graphs.executables import PREFETCH_AHEAD, ExecutableCache
 from tendril.graphs.executables.cuda import CudaExecutables, ManagedGraph, ManagedReplay, segment_sizes
 from tendril.graphs.key import GraphKey, next_in_step
@@ -60,7 +60,6 @@ class CudaBackend:
         self.memory = (memory if memory is not None else GraphMemoryPolicy()).with_default_budget(config.settings)
         self.strategy = self.memory.resolved
         self._pools: dict[torch.device, Any] = {}
-        self._streams: dict[torch.device, torch.cuda.Stream] = {}
         self._graphs_per_device: dict[torch.device, int] = {}
         self._pool_growth: dict[torch.device, int] = {}
         self._caches: dict[torch.device, ExecutableCache] = {}
@@ -96,14 +95,13 @@ class CudaBackend:
             for pin_host_copies in (False, True):
                 if device not in self._pools:  # a fresh handle: a pool no graph holds any more is not reused
                     self._pools[device] = torch.cuda.graph_pool_handle()
-                    self._streams.setdefault(device, torch.cuda.Stream(device))
                 try:
                     graph = capture(
                         random_use if random_use is not None else fn,
                         *args,
                         pool=self._pools[device],
                         warmup=warmup,
-                        stream=self._streams[device],
+                        stream=capture_stream(device),
                         pin_host_copies=pin_host_copies,
                         sdpa_backends=self.sdpa_backends,
                         instantiate=not self.managed,
