@@ -266,16 +266,18 @@ def _allocated(device: str, collect: bool = False) -> int:
     return torch.cuda.memory_allocated()
 
 
-def _warm_capture_stream(device: str) -> None:
-    """Give tendril's capture stream its cuBLAS workspaces before the baseline: PyTorch keeps one per stream for
-    the process's life, so the first capture would otherwise count it as this case's leak."""
+def _warm_streams(device: str) -> None:
+    """Give the current stream (the eager reference's) and tendril's capture stream their cuBLAS workspaces
+    before the baseline: PyTorch keeps one per stream for the process's life, so the first case to multiply on a
+    stream would otherwise count it as its leak."""
     if device != "cuda":
         return
     from tendril.graphs.capture import capture_stream
 
-    with torch.cuda.stream(capture_stream(torch.device("cuda", torch.cuda.current_device()))):
-        for dtype in (torch.float32, torch.float16, torch.bfloat16):
-            torch.ones(8, 8, device="cuda", dtype=dtype) @ torch.ones(8, 8, device="cuda", dtype=dtype)
+    for stream in (torch.cuda.current_stream(), capture_stream(torch.device("cuda", torch.cuda.current_device()))):
+        with torch.cuda.stream(stream):
+            for dtype in (torch.float32, torch.float16, torch.bfloat16):
+                torch.ones(8, 8, device="cuda", dtype=dtype) @ torch.ones(8, 8, device="cuda", dtype=dtype)
     torch.cuda.synchronize()
 
 
@@ -297,7 +299,7 @@ def run_case(case: Case, device: str = "cpu", backend: Backend | None = None) ->
     except ModelUnavailable as missing:
         outcome.status, outcome.detail = "skipped", str(missing)
         return outcome
-    _warm_capture_stream(device)
+    _warm_streams(device)
     baseline = _allocated(device)
     try:
         with warnings.catch_warnings(), torch.inference_mode():
