@@ -34,9 +34,11 @@ from torch import nn
 from benchmarks.registry import Context, Goal, register
 from tendril.graphs.capture import capture
 from tendril.sparse import convert, prune
-from tendril.sparse.ops.conv import register_cuda
-from tendril.sparse.ops.conv.register_tiling import RegisterTilePlan
-from tendril.sparse.steps import DENSE_KERNELS, SparseConvStep, SparseLinearStep, fp32_dense_math
+from tendril.sparse.ops.conv.dense.dataflow import fp32_dense_math
+from tendril.sparse.ops.conv.register import kernel as register_cuda
+from tendril.sparse.ops.conv.register.tiling import RegisterTilePlan
+from tendril.sparse.ops.conv.registry import DENSE_KERNELS
+from tendril.sparse.steps import SparseConvStep, SparseLinearStep
 from tendril.utils.timing import Timing, time_callable
 
 MODELS: dict[str, str | float] = {"alexnet": "alexnet", "vgg16": "vgg16", "resnet50": 0.2}

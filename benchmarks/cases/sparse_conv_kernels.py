@@ -41,8 +41,11 @@ import torch.nn.functional as F
 from benchmarks.registry import Context, Goal, register
 from tendril.sparse.format import ActivationLayout, ConvGeometry, SparseConvWeights
 from tendril.sparse.ops.compress import triton as compress_triton
-from tendril.sparse.ops.conv import cuda as conv_cuda
-from tendril.sparse.ops.conv import register_cuda, register_planner, register_tiling, tiling
+from tendril.sparse.ops.conv.cartesian_cuda import kernel as conv_cuda
+from tendril.sparse.ops.conv.cartesian_cuda import tiling
+from tendril.sparse.ops.conv.register import kernel as register_cuda
+from tendril.sparse.ops.conv.register import planner as register_planner
+from tendril.sparse.ops.conv.register import tiling as register_tiling
 from tendril.utils.timing import Timing, summarize
 
 # (in channels, out channels, input size, Deep Compression weight density, activation density)

@@ -39,7 +39,7 @@ from torch import nn
 from benchmarks.registry import Context, Goal, register
 from tendril.sparse import convert, prune
 from tendril.sparse.ops.compress import cpu as compress_cpu
-from tendril.sparse.ops.conv import cpu as conv_cpu
+from tendril.sparse.ops.conv.cpu import kernel as conv_cpu
 from tendril.sparse.steps import RunState, SparseConvStep, SparseLinearStep
 from tendril.utils.timing import Timing, summarize
 from tests.sparse.models import Bottleneck, ResNetLike

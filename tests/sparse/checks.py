@@ -121,7 +121,7 @@ GEMM_CASES = [c for c in CONV_CASES if c.groups == 1] + [
 
 def check_conv_gemm(case: ConvCase, device: torch.device, batch: int = 2, residual: bool = True, relu: bool = True):
     """`conv_gemm.conv` with bias, a residual and ReLU against float64 `F.conv2d`, on a batch."""
-    from tendril.sparse.ops.conv import gemm as conv_gemm
+    from tendril.sparse.ops.conv.gemm import kernel as conv_gemm
 
     gen = torch.Generator().manual_seed(case.seed + 7)
     g = case.geometry

@@ -11,7 +11,7 @@ from tendril.sparse import convert, prune
 from tendril.sparse.format import ActivationLayout
 from tendril.sparse.ops.compress import reference as compress_reference
 from tendril.sparse.ops.compress import triton as compress_triton
-from tendril.sparse.ops.conv import triton as conv_triton
+from tendril.sparse.ops.conv.cartesian_triton import kernel as conv_triton
 from tendril.sparse.ops.linear import triton as linear_triton
 from tests.sparse.checks import (
     CONV_CASES,

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from tendril.sparse.format import ConvGeometry
-from tendril.sparse.ops.conv import gemm as conv_gemm
+from tendril.sparse.ops.conv.gemm import kernel as conv_gemm
 from tests.sparse.checks import GEMM_CASES, check_conv_gemm
 
 CPU = torch.device("cpu")

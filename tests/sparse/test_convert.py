@@ -106,7 +106,7 @@ def test_pixel_run_plans_are_timed_unless_left_out(monkeypatch, pixel_runs):
 
 
 def test_dense_fallback_convolutions_and_products_never_use_tf32():
-    from tendril.sparse.steps import fp32_dense_math
+    from tendril.sparse.ops.conv.dense.dataflow import fp32_dense_math
 
     cudnn, matmul = torch.backends.cudnn, torch.backends.cuda.matmul
     previous = cudnn.allow_tf32, matmul.allow_tf32

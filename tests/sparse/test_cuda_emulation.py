@@ -6,7 +6,8 @@ import torch
 
 from tendril.sparse.format import ActivationLayout, ConvGeometry
 from tendril.sparse.ops.compress import cpu as compress_cpu
-from tendril.sparse.ops.conv import cuda_emulation, tiling
+from tendril.sparse.ops.conv.cartesian_cuda import emulation as cuda_emulation
+from tendril.sparse.ops.conv.cartesian_cuda import tiling
 from tests.sparse.checks import CONV_CASES, REL_TOL, check_conv, conv_operands, poisoned, relative_error
 
 CPU = torch.device("cpu")

@@ -10,11 +10,12 @@ from tendril.sparse import ActivationOverflowError, convert, prune
 from tendril.sparse.format import ActivationLayout
 from tendril.sparse.ops.compress import reference as compress_reference
 from tendril.sparse.ops.compress import triton as compress_triton
-from tendril.sparse.ops.conv import cuda as conv_cuda
-from tendril.sparse.ops.conv import tiling
-from tendril.sparse.ops.conv import triton as conv_triton
+from tendril.sparse.ops.conv.cartesian_cuda import kernel as conv_cuda
+from tendril.sparse.ops.conv.cartesian_cuda import tiling
+from tendril.sparse.ops.conv.cartesian_triton import kernel as conv_triton
+from tendril.sparse.ops.conv.registry import DENSE_KERNELS, dense_kernels_for
 from tendril.sparse.ops.linear import triton as linear_triton
-from tendril.sparse.steps import DENSE_KERNELS, SparseConvStep, SparseLinearStep, dense_kernels_for
+from tendril.sparse.steps import SparseConvStep, SparseLinearStep
 from tests.sparse.checks import (
     CONV_CASES,
     GEMM_CASES,

@@ -8,8 +8,8 @@ from hypothesis import strategies as st
 from tendril.sparse.format import ActivationLayout, SparseLinearWeights
 from tendril.sparse.ops.compress import cpu as compress_cpu
 from tendril.sparse.ops.compress import reference as compress_reference
-from tendril.sparse.ops.conv import cpu as conv_cpu
 from tendril.sparse.ops.conv import reference as conv_reference
+from tendril.sparse.ops.conv.cpu import kernel as conv_cpu
 from tendril.sparse.ops.linear import cpu as linear_cpu
 from tendril.sparse.ops.linear import reference as linear_reference
 from tests.sparse.checks import (

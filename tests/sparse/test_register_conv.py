@@ -14,8 +14,10 @@ import torch
 import torch.nn.functional as F
 
 from tendril.sparse.format import ConvGeometry, SparseConvWeights
-from tendril.sparse.ops.conv import register_emulation, register_planner, register_tiling
-from tendril.sparse.ops.conv.register_tiling import RegisterTilePlan, RowMaskWeights
+from tendril.sparse.ops.conv.register import emulation as register_emulation
+from tendril.sparse.ops.conv.register import planner as register_planner
+from tendril.sparse.ops.conv.register import tiling as register_tiling
+from tendril.sparse.ops.conv.register.tiling import RegisterTilePlan, RowMaskWeights
 from tests.sparse.checks import CONV_CASES, REL_TOL, ConvCase, conv_operands, relative_error, sparse_tensor
 
 CPU = torch.device("cpu")
@@ -371,7 +373,7 @@ def _nvrtc_available() -> bool:
     ],
 )
 def test_cuda_source_compiles_for_sm90_without_spills_or_local_memory(geometry):
-    from tendril.sparse.ops.conv import register_cuda
+    from tendril.sparse.ops.conv.register import kernel as register_cuda
 
     plan = geometry if isinstance(geometry, RegisterTilePlan) else register_planner.plan(geometry, 0.3, 132)
     cubin, log = register_cuda.compile_for(plan, "sm_90", ("-Xptxas=-v",))
@@ -383,7 +385,7 @@ def test_cuda_source_compiles_for_sm90_without_spills_or_local_memory(geometry):
 
 @pytest.mark.skipif(not _nvrtc_available(), reason="NVRTC library not loadable on this machine")
 def test_precompile_fills_the_disk_cache_from_worker_processes(tmp_path, monkeypatch):
-    from tendril.sparse.ops.conv import register_cuda
+    from tendril.sparse.ops.conv.register import kernel as register_cuda
 
     monkeypatch.setenv("TENDRIL_CACHE_DIR", str(tmp_path))  # the spawned workers read it at import
     g = ConvGeometry(16, 16, (3, 3), (1, 1), (1, 1), 1, (12, 12))

@@ -16,8 +16,10 @@ import torch
 import torch.nn.functional as F
 
 from tendril.sparse import convert, prune
-from tendril.sparse.ops.conv import register_cuda, register_planner, register_tiling
-from tendril.sparse.ops.conv.register_cuda import RegisterConvLayer
+from tendril.sparse.ops.conv.register import kernel as register_cuda
+from tendril.sparse.ops.conv.register import planner as register_planner
+from tendril.sparse.ops.conv.register import tiling as register_tiling
+from tendril.sparse.ops.conv.register.kernel import RegisterConvLayer
 from tendril.sparse.steps import SparseConvStep
 from tests.sparse.checks import (
     CONV_CASES,

@@ -16,7 +16,10 @@ from torch import nn
 
 from tendril.sparse import convert, prune
 from tendril.sparse.network import SparseNetwork
-from tendril.sparse.ops.conv import register_cuda, register_emulation, register_planner
+from tendril.sparse.ops.conv.cartesian_cuda.dataflow import CartesianCudaKernel
+from tendril.sparse.ops.conv.register import emulation as register_emulation
+from tendril.sparse.ops.conv.register import kernel as register_cuda
+from tendril.sparse.ops.conv.register import planner as register_planner
 from tendril.sparse.steps import RunState, SparseConvStep
 from tendril.sparse.tuning import AGREEMENT_RTOL, KernelTuner
 from tests.sparse.models import BasicBlock, Bottleneck, ResNetLike, randomize_batchnorm, vgg_like
@@ -34,7 +37,9 @@ def overflowed_shared_memory_kernel(monkeypatch):
     (compression + kernel) returns garbage, as it does when a reduced activation capacity overflowed."""
     monkeypatch.setattr(register_cuda, "conv", _emulated_register_conv)
     monkeypatch.setattr(RunState, "compress", lambda self, step, x, layout: None)
-    monkeypatch.setattr(SparseConvStep, "convolve", lambda self, acts, init, state: torch.full_like(init, 1e6))
+    monkeypatch.setattr(
+        CartesianCudaKernel, "convolve", lambda self, step, acts, init, state: torch.full_like(init, 1e6)
+    )
 
 
 @torch.no_grad()

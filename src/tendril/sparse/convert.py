@@ -27,8 +27,7 @@ from torch.fx.passes.shape_prop import ShapeProp
 
 from tendril.sparse.format import ActivationLayout, ConvGeometry, SparseConvWeights, SparseLinearWeights
 from tendril.sparse.network import SparseNetwork
-from tendril.sparse.ops.conv import tiling
-from tendril.sparse.ops.conv.tiling import TiledWeights
+from tendril.sparse.ops.conv.cartesian_cuda.dataflow import CARTESIAN_CUDA
 from tendril.sparse.steps import DenseStep, SparseConvStep, SparseLinearStep, Step
 
 
@@ -66,11 +65,7 @@ class _SparseBuilder:
             geometry = ConvGeometry.of(self.module, self.in_hw)
             inputs = [self.input] if self.residual is None else [self.input, self.residual]
             weights = SparseConvWeights.from_dense(self.weight, geometry)
-            tiled = None
-            if weights.values.is_cuda:
-                blocks = 2 * torch.cuda.get_device_properties(weights.values.device).multi_processor_count
-                tiled = TiledWeights.prepare(weights, tiling.plan(geometry, target_blocks=blocks))
-            return SparseConvStep(
+            step = SparseConvStep(
                 self.name,
                 inputs,
                 self.output,
@@ -79,8 +74,10 @@ class _SparseBuilder:
                 ActivationLayout.for_conv(geometry, capacity),
                 self.relu,
                 self.residual is not None,
-                tiled,
             )
+            if weights.values.is_cuda:  # the default kernel's weight copy: it runs the layer until `tune` chooses
+                step.tiled = CARTESIAN_CUDA.prepare(weights)
+            return step
         linear = SparseLinearWeights.from_dense(self.weight)
         layout = ActivationLayout.for_vector(linear.in_features, capacity)
         return SparseLinearStep(self.name, [self.input], self.output, linear, self.bias, layout, self.relu)

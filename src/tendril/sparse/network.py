@@ -2,12 +2,12 @@
 
 Backends: `"cuda"` (the default on a GPU: each convolution by the shared-memory CUDA C++ kernel,
 with bias, residual and ReLU fused, by the Triton kernel, by the register-tiled sparse-weight
-kernel (`ops/conv/register_cuda.py`, which reads the dense input, so that layer skips compression),
+kernel (`ops/conv/register/`, which reads the dense input, so that layer skips compression),
 or by cuDNN fp32 on the dense pruned weights (alone, or fused with bias, residual and ReLU in one
-call) or cuBLAS (the convolution as one matrix product, `ops/conv/gemm.py`), whichever `tune` measured
+call) or cuBLAS (the convolution as one matrix product, `ops/conv/gemm/`), whichever `tune` measured
 fastest for that layer (`tendril.sparse.tuning`); compression and FC layers by Triton kernels),
 `"triton"` (every op a Triton kernel, convolutions accumulating by global atomics; also runs on
-CPU tensors under `TRITON_INTERPRET=1`) and `"cpu"` (compiled numba loops, `ops/conv/cpu.py`: per layer SCNN's
+CPU tensors under `TRITON_INTERPRET=1`) and `"cpu"` (compiled numba loops, `ops/conv/cpu/`: per layer SCNN's
 Cartesian product or the output-stationary sparse-weight dataflow, whichever its cost model
 predicts faster, on `threads` threads of numba's pool; the CPU steps read their dense input
 directly, compress it only for SCNN's dataflow, and fuse bias, residual and ReLU into the kernels).
@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tendril.sparse.ops.conv.register_tiling import RegisterTilePlan
+from tendril.sparse.ops.conv.register.tiling import RegisterTilePlan
 from tendril.sparse.steps import DenseStep, RunState, SparseConvStep, SparseLinearStep, Step
 from tendril.sparse.tuning import KernelTuner
 
@@ -79,8 +79,8 @@ class SparseNetwork:
         self.state = RunState(self.backend, self.threads, torch.zeros(1, dtype=torch.int32, device=device))
         """What every forward's steps share: backend, threads, the device overflow flag, the last nonzero counts."""
         self.rejected_kernels: dict[str, dict[str, str]] = {}
-        """`{layer: {kernel: why}}` for the candidates `tune` refused (`CHECKED_KERNELS` that failed to build or run,
-        or disagreed with the layer's reference)."""
+        """`{layer: {kernel: why}}` for the candidates `tune` refused (`registry.CHECKED_KERNELS` that failed to build
+        or run, or disagreed with the layer's reference)."""
         self.pixel_runs = True
         """Whether `tune` also times the register-tiled kernel's pixel-run plans for 1×1 convolutions (see the
         `sparse-conv-kernels` benchmark for how they compare with tile plans); `convert(..., pixel_runs=False)`
@@ -154,9 +154,10 @@ class SparseNetwork:
         """Pick each convolution's kernel by timing the candidates on `x`: shared-memory CUDA (`"cuda"`),
         Triton atomics (`"triton"`), where its planner supports the geometry, the register-tiled
         sparse-weight kernel (`"register"`, timed on the layer's dense input, as it runs) and, with
-        `dense_fallback`, fp32 dense math on the dense pruned weights (`dense_kernels_for`: cuDNN's `"dense"`,
-        `"dense-fused"` for layers with a ReLU, and cuBLAS's `"gemm"` for ungrouped ones); and each fully-connected
-        layer's two kernels (`SparseLinearStep.fc_kernel`), the row kernel in each of `linear_triton.ROWS_CONFIGS`.
+        `dense_fallback`, fp32 dense math on the dense pruned weights (`ops.conv.registry.dense_kernels_for`:
+        cuDNN's `"dense"`, `"dense-fused"` for layers with a ReLU, and cuBLAS's `"gemm"` for ungrouped ones): the
+        registered kernels (`ops.conv.registry.KERNELS`); and each fully-connected layer's two kernels
+        (`SparseLinearStep.fc_kernel`), the row kernel in each of `linear_triton.ROWS_CONFIGS`.
 
         Runs one forward, and for every convolution times the kernels on the activations it really
         sees, behind a GPU sleep so the device time counts, not the launches (a network runs in a CUDA
@@ -164,9 +165,9 @@ class SparseNetwork:
         after conversion, never inside a graph capture). Returns
         `{layer: kernel}`; the choice is used by the `"cuda"` backend.
 
-        The register-tiled kernel is timed with the planner's `tuning.REGISTER_PLANS_TIMED` best plans (the fastest
-        stays). It and the dense kernels (cuDNN in benchmark mode: it times its algorithms on the layer's input shape)
-        are candidates only once the layer output agrees with the layer's float64 dense reference
+        The register-tiled kernel is timed with the planner's `register.dataflow.REGISTER_PLANS_TIMED` best plans
+        (the fastest stays). It and the dense kernels (cuDNN in benchmark mode: it times its algorithms on the layer's
+        input shape) are candidates only once the layer output agrees with the layer's float64 dense reference
         (`SparseConvStep.reference`, relative error <= `tuning.AGREEMENT_RTOL`); one that fails to build or run, or
         disagrees, is left out, with the reason in `rejected_kernels` and a warning (`tendril.sparse.tuning`).
         """
@@ -176,7 +177,7 @@ class SparseNetwork:
 
     def register_plans(self) -> list[RegisterTilePlan]:
         """Every register-tiled plan `tune` would time on this network (GPU only), e.g. to compile several
-        networks' kernels at once with `register_cuda.precompile` before tuning them."""
+        networks' kernels at once with `register.kernel.precompile` before tuning them."""
         return KernelTuner(self).register_plans()
 
     @torch.no_grad()

@@ -10,14 +10,14 @@ dense tensors they are single cheap passes, while a compressed version would nee
 A step runs under a `RunState` (backend, threads, overflow flag, last nonzero counts; see
 `tendril.sparse.network` for the backends). A batch is run one sample at a time (the engine is built
 for batch-1 latency), except by cuDNN and cuBLAS, which take it whole; a batch of one is a view of the
-sample's output, not a copy.
+sample's output, not a copy. A convolution runs by the kernel its backend and `conv_kernel` name: one
+`ConvKernel` per dataflow (`tendril.sparse.ops.conv.registry`).
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -32,12 +32,11 @@ from tendril.sparse.format import (
 )
 from tendril.sparse.ops.compress import cpu as compress_cpu
 from tendril.sparse.ops.compress import triton as compress_triton
-from tendril.sparse.ops.conv import cpu as conv_cpu
-from tendril.sparse.ops.conv import cuda as conv_cuda
-from tendril.sparse.ops.conv import gemm as conv_gemm
-from tendril.sparse.ops.conv import register_cuda
-from tendril.sparse.ops.conv import triton as conv_triton
-from tendril.sparse.ops.conv.tiling import TiledWeights
+from tendril.sparse.ops.conv import registry
+from tendril.sparse.ops.conv.cartesian_cuda.tiling import TiledWeights
+from tendril.sparse.ops.conv.cpu.kernel import CpuConvPlan
+from tendril.sparse.ops.conv.interface import batched
+from tendril.sparse.ops.conv.register.kernel import RegisterConvLayer
 from tendril.sparse.ops.linear import cpu as linear_cpu
 from tendril.sparse.ops.linear import triton as linear_triton
 
@@ -83,58 +82,42 @@ class SparseConvStep:
     """When true, `inputs[1]` is added to the output before the ReLU (a fused residual add)."""
     tiled: TiledWeights | None = None
     """The weights in the CUDA kernel's tile order (GPU networks only)."""
-    conv_kernel: str = "cuda"
-    """Under the `"cuda"` backend, which convolution kernel this layer uses (`SparseNetwork.tune` picks):
-    `"cuda"`, `"triton"`, `"register"`, or one of `DENSE_KERNELS` (fp32 cuDNN or cuBLAS on the pruned weights,
-    where it measured faster than every sparse kernel; see `run_dense`)."""
+    conv_kernel: str = registry.DEFAULT_KERNEL.name
+    """Under the `"cuda"` backend, which convolution kernel this layer uses (`SparseNetwork.tune` picks): a
+    name in `ops.conv.registry.KERNELS`: `"cuda"`, `"triton"`, `"register"`, or one of `DENSE_KERNELS` (fp32
+    cuDNN or cuBLAS on the pruned weights, where it measured faster than every sparse kernel)."""
     dense_weight: torch.Tensor | None = None
     """The pruned weights as a dense tensor, kept only for the dense kernels."""
     benchmarked_shape: tuple[int, ...] | None = None
     """The input shape `tune` ran the dense kernels at with cuDNN's benchmark mode (the search runs eagerly there):
     inputs of this shape use the measured algorithm, others cuDNN's heuristic (no search inside a graph capture)."""
-    register: register_cuda.RegisterConvLayer | None = None
+    register: RegisterConvLayer | None = None
     """The weights and buffers of the register-tiled kernel (built by `tune` where it supports the layer)."""
-    cpu_plan: conv_cpu.CpuConvPlan | None = None
+    cpu_plan: CpuConvPlan | None = None
     """The weights re-ordered for the CPU kernels (built on the first CPU forward)."""
 
     def held_bytes(self, in_use_only: bool = False) -> int:
         """Weight bytes this layer holds: compressed weights and bias, and each GPU kernel's copy of the weights
         held now (not the kernels' workspaces, nor the CPU plan); `in_use_only`: only the copy the chosen kernel
         reads (what `release_unused` leaves)."""
-        copies = {
-            "tiled": self.tiled,
-            "register": None if self.register is None else self.register.weights,
-            "dense_weight": self.dense_weight,
-        }
         unused = self._unused_copies() if in_use_only else ()
-        return _held_bytes(self.weights, self.bias, *(copy for name, copy in copies.items() if name not in unused))
+        copies = {k.reads: k.held_copy(self) for k in registry.KERNELS if k.reads is not None and k.reads not in unused}
+        return _held_bytes(self.weights, self.bias, *copies.values())
 
     def release_unused(self) -> None:
         """Drop the kernel copies the chosen kernel does not read."""
         for name in self._unused_copies():
-            setattr(self, name, None)
+            self.drop_copy(name)
+
+    def drop_copy(self, name: str) -> None:
+        """Drop the weight copy held in attribute `name` (with the cuDNN search shape that goes with the dense one)."""
+        setattr(self, name, None)
         if self.dense_weight is None:
             self.benchmarked_shape = None
 
     def _unused_copies(self) -> tuple[str, ...]:
-        reads = {"cuda": "tiled", "register": "register", **dict.fromkeys(DENSE_KERNELS, "dense_weight")}
-        return tuple(name for name in ("tiled", "register", "dense_weight") if reads.get(self.conv_kernel) != name)
-
-    def convolve(self, acts: CompressedActivations, init: torch.Tensor, state: RunState) -> torch.Tensor:
-        if state.backend == "cuda" and self.conv_kernel == "cuda":
-            if self.tiled is None:
-                raise ValueError(
-                    f"{self.name}: the cuda kernel's tile-ordered weights are not held (a CPU conversion, or "
-                    "released by SparseNetwork.release_unused_kernels)"
-                )
-            return conv_cuda.conv(acts, self.weights, self.tiled, init, relu=self.relu)
-        if state.backend == "cpu":
-            if self.cpu_plan is None:
-                self.cpu_plan = conv_cpu.CpuConvPlan.prepare(self.weights)
-            y = conv_cpu.conv(acts, self.weights, init, threads=state.threads, plan=self.cpu_plan)
-        else:
-            y = conv_triton.conv(acts, self.weights, init)
-        return y.relu_() if self.relu else y
+        reads = registry.BY_NAME[self.conv_kernel].reads
+        return tuple(name for name in registry.WEIGHT_COPIES if name != reads)
 
     def reference(self, values: Sequence[torch.Tensor]) -> torch.Tensor:
         """The layer's exact output in float64: dense `F.conv2d` on the same pruned weights, plus bias,
@@ -153,97 +136,10 @@ class SparseConvStep:
         return y.relu() if self.relu else y
 
     def run(self, values: Sequence[torch.Tensor], state: RunState) -> torch.Tensor:
-        x = values[0]
-        g = self.weights.geometry
-        if state.backend == "cpu":
-            return self._run_cpu(x, values[1] if self.residual else None, state)
-        if state.backend == "cuda" and self.conv_kernel == "register":
-            return self._run_register(x, values[1] if self.residual else None, state)
-        if state.backend == "cuda" and self.conv_kernel in DENSE_KERNELS:
-            return self.run_dense(x, values[1] if self.residual else None, state)
-        outputs = []
-        for b in range(x.shape[0]):
-            acts = state.compress(self.name, x[b], self.layout)
-            init = self.bias.view(-1, 1, 1).expand(g.out_channels, *g.out_hw)
-            init = (init + values[1][b]) if self.residual else init.contiguous()
-            outputs.append(self.convolve(acts, init, state))
-        return _batched(outputs)
-
-    def _run_register(self, x: torch.Tensor, residual: torch.Tensor | None, state: RunState) -> torch.Tensor:
-        """The register-tiled kernel reads the dense input (no compression, so no capacity to overflow)
-        and fuses bias, residual and ReLU; the input's nonzero count comes from the kernel's tile counts."""
-        if self.register is None:
-            raise ValueError(
-                f"{self.name}: the register kernel was chosen but not prepared; SparseNetwork.tune builds it"
-            )
-        outputs = []
-        for b in range(x.shape[0]):
-            resid = None if residual is None else residual[b].contiguous()
-            y = register_cuda.conv(x[b].contiguous(), self.register, self.bias, residual=resid, relu=self.relu)
-            outputs.append(y)
-            state.last_counts[self.name] = self.register.counts
-        return _batched(outputs)
-
-    def run_dense(self, x: torch.Tensor, residual: torch.Tensor | None, state: RunState) -> torch.Tensor:
-        """cuDNN on the dense pruned weights, in full fp32 (never TF32), the whole batch at once, with the algorithm
-        cuDNN measured fastest at `tune` (`benchmarked_shape`). `"dense"`: the convolution with bias, then the
-        residual and ReLU as PyTorch ops; `"dense-fused"` (layers with a fused ReLU): one cuDNN call for all of it
-        (`cudnn_convolution_relu` / `_add_relu`); `"gemm"`: one cuBLAS product and a fused epilogue
-        (`tendril.sparse.ops.conv.gemm`)."""
-        if self.dense_weight is None:
-            raise ValueError(f"{self.name}: the dense kernel was chosen but not prepared; SparseNetwork.tune builds it")
-        g = self.weights.geometry
-        if state.count_inputs:
-            state.last_counts[self.name] = torch.count_nonzero(x[-1]).view(1)
-        dilation = (1, 1)
-        with fp32_dense_math(benchmark=tuple(x.shape) == self.benchmarked_shape):
-            if self.conv_kernel == "gemm":
-                return conv_gemm.conv(x, self.dense_weight, self.bias, g, residual=residual, relu=self.relu)
-            if self.conv_kernel == "dense-fused" and residual is not None:
-                return torch.cudnn_convolution_add_relu(
-                    x, self.dense_weight, residual, 1.0, self.bias, g.stride, g.padding, dilation, g.groups
-                )
-            if self.conv_kernel == "dense-fused":
-                return torch.cudnn_convolution_relu(
-                    x, self.dense_weight, self.bias, g.stride, g.padding, dilation, g.groups
-                )
-            y = F.conv2d(x, self.dense_weight, self.bias, stride=g.stride, padding=g.padding, groups=g.groups)
-        if residual is not None:
-            y.add_(residual)
-        return y.relu_() if self.relu else y
-
-    def _run_cpu(self, x: torch.Tensor, residual: torch.Tensor | None, state: RunState) -> torch.Tensor:
-        """The CPU kernels read the dense input and fuse bias, residual and ReLU (`conv_dense_input`)."""
-        if self.cpu_plan is None:
-            self.cpu_plan = conv_cpu.CpuConvPlan.prepare(self.weights)
-        g = self.weights.geometry
-        y = torch.empty(x.shape[0], g.out_channels, *g.out_hw)
-        for b in range(x.shape[0]):
-            counts = conv_cpu.conv_dense_input(
-                x[b],
-                self.cpu_plan,
-                self.bias,
-                out=y[b],
-                layout=self.layout,
-                residual=None if residual is None else residual[b],
-                relu=self.relu,
-                threads=state.threads,
-            )
-            state.count(self.name, counts, self.layout)
-        return y
-
-
-DENSE_KERNELS = ("dense", "dense-fused", "gemm")
-CHECKED_KERNELS = ("register", *DENSE_KERNELS)
-"""Candidates `tune` admits only once the layer's output agrees with its float64 dense reference."""
-
-
-def dense_kernels_for(step: SparseConvStep) -> tuple[str, ...]:
-    """The dense kernels that can serve `step`: cuDNN fuses only a ReLU (with the residual); the GEMM takes no
-    groups."""
-    fused = ("dense-fused",) if step.relu else ()
-    gemm = ("gemm",) if conv_gemm.supports(step.weights.geometry) else ()
-    return ("dense", *fused, *gemm)
+        """The layer's output on the batch `values[0]` (and its residual `values[1]`), by the kernel the backend
+        and `conv_kernel` name (`registry.kernel_for`)."""
+        kernel = registry.kernel_for(state.backend, self.conv_kernel)
+        return kernel.run(self, values[0], values[1] if self.residual else None, state)
 
 
 def _held_bytes(*objects: object) -> int:
@@ -261,25 +157,6 @@ def _held_bytes(*objects: object) -> int:
     for obj in objects:
         visit(obj)
     return sum(tensors.values())
-
-
-def _batched(samples: list[torch.Tensor]) -> torch.Tensor:
-    """One output per sample stacked into a batch (a view, not a copy, for the batch of one the engine is built for)."""
-    return samples[0].unsqueeze(0) if len(samples) == 1 else torch.stack(samples)
-
-
-@contextlib.contextmanager
-def fp32_dense_math(benchmark: bool = False) -> Iterator[None]:
-    """cuDNN convolutions and cuBLAS matrix products in full fp32 inside the block (PyTorch lets convolutions, and
-    a user's setting matrix products, use TF32); `benchmark`: with the algorithm cuDNN measured fastest for each
-    shape (`torch.backends.cudnn.benchmark`), not its heuristic's."""
-    cudnn, matmul = torch.backends.cudnn, torch.backends.cuda.matmul
-    previous = cudnn.allow_tf32, cudnn.benchmark, matmul.allow_tf32
-    cudnn.allow_tf32, cudnn.benchmark, matmul.allow_tf32 = False, benchmark, False
-    try:
-        yield
-    finally:
-        cudnn.allow_tf32, cudnn.benchmark, matmul.allow_tf32 = previous
 
 
 @dataclass
@@ -336,7 +213,7 @@ class SparseLinearStep:
             acts = state.compress(self.name, x[b].reshape(1, 1, -1), self.layout)
             y = linear_triton.linear(acts, self.weights, self.bias.clone())
             outputs.append(y.relu_() if self.relu else y)
-        return _batched(outputs)
+        return batched(outputs)
 
 
 @dataclass

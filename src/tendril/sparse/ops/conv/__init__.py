@@ -1,5 +1,4 @@
-"""The conv operator: `reference.py`, the Triton kernel (`triton.py`), the CPU loops (`cpu.py`), the shared-memory
-CUDA kernel (`cuda.py`, with `tiling.py` and its CPU mirror `cuda_emulation.py`), the register-tiled
-sparse-weight kernel (`register_tiling.py` layout, `register_planner.py` choice of plan, `register_source*.py`
-CUDA source, `register_cuda.py` compile and launch, `register_emulation.py` CPU mirror) and the dense GEMM
-fallback (`gemm.py`)."""
+"""The conv operator, one folder per dataflow, each with its kernel, its CPU reference or emulation and its
+`ConvKernel` (`dataflow.py`): `cartesian_triton/`, `cartesian_cuda/`, `register/`, `dense/` (cuDNN), `gemm/`
+(cuBLAS) and `cpu/` (the CPU backend). `interface.py` defines what a kernel provides, `registry.py` lists them,
+`reference.py` is the plain-PyTorch reference."""

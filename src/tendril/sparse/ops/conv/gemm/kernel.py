@@ -11,7 +11,7 @@ deep layers of networks like ResNet-50 where cuBLAS is not; `SparseNetwork.tune`
 Bias, residual and ReLU are one Triton epilogue over the product, in place (`epilogue_`): two kernels per layer,
 three with im2col. On the CPU (tests) the epilogue is PyTorch's ops, unless the Triton interpreter runs the
 kernel. Grouped convolutions are not supported (`supports`). TF32 is the caller's to rule out
-(`tendril.sparse.steps.fp32_dense_math`).
+(`tendril.sparse.ops.conv.dense.dataflow.fp32_dense_math`).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The CUDA kernel's algorithm (`cuda.py`) step for step on the CPU, so CI can check it without a GPU.
+"""The CUDA kernel's algorithm (`kernel.py`) step for step on the CPU, so CI can check it without a GPU.
 
 Same tiles (`tiling.plan`), same staged slices (a channel's weight slice from `block_ptr`, its band
 of activation rows from `row_ptr`, both clamped to the capacity), same skipping of products that
@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from tendril.sparse.format import CompressedActivations, SparseConvWeights
-from tendril.sparse.ops.conv.tiling import ACC_CAPACITY, TiledWeights
+from tendril.sparse.ops.conv.cartesian_cuda.tiling import ACC_CAPACITY, TiledWeights
 
 
 def conv(

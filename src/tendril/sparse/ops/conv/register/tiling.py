@@ -1,5 +1,5 @@
-"""Tiling and weight layout of the register-tiled sparse-weight convolution (`register_cuda.py`), shared with
-its CPU emulation (`register_emulation.py`); `register_planner.py` chooses a layer's plan.
+"""Tiling and weight layout of the register-tiled sparse-weight convolution (`kernel.py`), shared with
+its CPU emulation (`emulation.py`); `planner.py` chooses a layer's plan.
 
 Dataflow (output-stationary; zero weights skipped, activations read densely from shared memory):
 a thread block of `warps` warps owns an output tile of `tile_h × tile_w` pixels × `k_block`

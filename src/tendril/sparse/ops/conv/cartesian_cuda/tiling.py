@@ -1,4 +1,4 @@
-"""The tiling of the shared-memory SCNN convolution (`cuda.py`), shared with its CPU emulation.
+"""The tiling of the shared-memory SCNN convolution (`kernel.py`), shared with its CPU emulation.
 
 A thread block owns an output tile of `tile_h` full-width rows × `k_block` output channels, whose
 accumulators live in shared memory (at most `ACC_CAPACITY` floats) and start as the init (bias +

@@ -17,7 +17,7 @@ import functools
 import math
 
 from tendril.sparse.format import ConvGeometry
-from tendril.sparse.ops.conv.register_tiling import (
+from tendril.sparse.ops.conv.register.tiling import (
     LANES_X_CHOICES,
     MAX_C_CHUNK,
     MAX_REGISTERS,

@@ -1,13 +1,13 @@
 """Register-tiled sparse-weight convolution in CUDA C++ (NVRTC): compile and launch the kernel of
-`register_source.py`, the dataflow of `register_tiling.py`.
+`source.py` (`sparse_weight_conv.cu`), the dataflow of `tiling.py`.
 
 The kernel reads the layer's dense input (no compression pass), writes a fresh output with bias,
 residual and ReLU fused, and, in the blocks of each group's first k-block, counts the nonzero
 inputs of the tile's share of the input plane (`counts`, summed for `SparseNetwork.layers`). Each
-plan (`RegisterTilePlan`) compiles to its own specialised kernel (`register_source.compile_options`),
+plan (`RegisterTilePlan`) compiles to its own specialised kernel (`source.compile_options`),
 cached by NVRTC; `precompile` compiles many plans in parallel worker processes. Launches never sync
 with the host, so a network using it replays inside a CUDA graph. The CPU mirror of the exact
-algorithm is `register_emulation.py`.
+algorithm is `emulation.py`.
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from tendril.sparse.format import SparseConvWeights
-from tendril.sparse.ops.conv.register_source import KERNEL_NAME, SOURCE, compile_options
-from tendril.sparse.ops.conv.register_tiling import RegisterTilePlan, RowMaskWeights
+from tendril.sparse.ops.conv.register.source import KERNEL_NAME, compile_options, source
+from tendril.sparse.ops.conv.register.tiling import RegisterTilePlan, RowMaskWeights
 
 if TYPE_CHECKING:
     from tendril.cuda.nvrtc import Kernel
@@ -51,15 +51,15 @@ def precompile(
         return 0
     capability = capability or torch.cuda.get_device_capability()
     workers = min(workers or os.cpu_count() or 1, len(options))
-    package_root = str(Path(__file__).resolve().parents[4])  # the directory that holds `tendril`
+    package_root = str(Path(__file__).resolve().parents[5])  # the directory that holds `tendril`
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")])))
     code = (
         "import json, sys\n"
         "from tendril.cuda.nvrtc import _cubin\n"
-        "from tendril.sparse.ops.conv.register_source import KERNEL_NAME, SOURCE\n"
+        "from tendril.sparse.ops.conv.register.source import KERNEL_NAME, source\n"
         "job = json.load(sys.stdin)\n"
         "for options in job['options']:\n"
-        "    _cubin(SOURCE, KERNEL_NAME, tuple(options), tuple(job['capability']))\n"
+        "    _cubin(source(), KERNEL_NAME, tuple(options), tuple(job['capability']))\n"
     )
     processes = []
     for batch in (options[i::workers] for i in range(workers)):
@@ -87,7 +87,7 @@ def _kernel(plan: RegisterTilePlan) -> Kernel:
     options = compile_options(plan)
     kernel = _KERNELS.get(options)
     if kernel is None:
-        kernel = _KERNELS[options] = compile_kernel(SOURCE, KERNEL_NAME, options=options)
+        kernel = _KERNELS[options] = compile_kernel(source(), KERNEL_NAME, options=options)
     return kernel
 
 
@@ -104,7 +104,7 @@ def compile_for(plan: RegisterTilePlan, arch: str = "sm_90", extra_options: tupl
 
     options = (*compile_options(plan), f"--gpu-architecture={arch}", *extra_options)
     program = check(
-        nvrtc.nvrtcCreateProgram(SOURCE.encode(), f"{KERNEL_NAME}.cu".encode(), 0, [], []), "nvrtcCreateProgram"
+        nvrtc.nvrtcCreateProgram(source().encode(), f"{KERNEL_NAME}.cu".encode(), 0, [], []), "nvrtcCreateProgram"
     )
     try:
         (err,) = nvrtc.nvrtcCompileProgram(program, len(options), [o.encode() for o in options])

@@ -1,4 +1,4 @@
-"""The register-tiled kernel's algorithm (`register_cuda.py`) block for block on the CPU, for CI.
+"""The register-tiled kernel's algorithm (`kernel.py`) block for block on the CPU, for CI.
 
 Same grid (tiles × k-blocks × channel splits, blocks run in a caller-chosen order so that any block
 can be the last of its tile), same staging (input tile with halo, zeros in the padding; `c_chunk`
@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from tendril.sparse.ops.conv.register_tiling import RegisterTilePlan, RowMaskWeights
+from tendril.sparse.ops.conv.register.tiling import RegisterTilePlan, RowMaskWeights
 
 
 def conv(

@@ -1,0 +1,43 @@
+"""The CPU kernels as a `ConvKernel` (the `"cpu"` backend's only one, never tuned): they read the dense input,
+compress it only for SCNN's dataflow, and fuse bias, residual and ReLU (`kernel.conv_dense_input`). The weights
+in both dataflows' orders (`CpuConvPlan`, the layer's `cpu_plan`) are built on the first CPU forward."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from tendril.sparse.ops.conv.cpu import kernel
+from tendril.sparse.ops.conv.interface import ConvKernel
+
+if TYPE_CHECKING:
+    from tendril.sparse.steps import RunState, SparseConvStep
+
+
+class CpuKernel(ConvKernel):
+    name = "cpu"
+
+    def run(
+        self, step: SparseConvStep, x: torch.Tensor, residual: torch.Tensor | None, state: RunState
+    ) -> torch.Tensor:
+        if step.cpu_plan is None:
+            step.cpu_plan = kernel.CpuConvPlan.prepare(step.weights)
+        g = step.weights.geometry
+        y = torch.empty(x.shape[0], g.out_channels, *g.out_hw)
+        for b in range(x.shape[0]):
+            counts = kernel.conv_dense_input(
+                x[b],
+                step.cpu_plan,
+                step.bias,
+                out=y[b],
+                layout=step.layout,
+                residual=None if residual is None else residual[b],
+                relu=step.relu,
+                threads=state.threads,
+            )
+            state.count(step.name, counts, step.layout)
+        return y
+
+
+CPU = CpuKernel()
