@@ -4,9 +4,9 @@ at a time, against cuDNN fp32 (TF32 off), each variant replayed inside a CUDA gr
 Per layer: weights random and magnitude-pruned to the Deep Compression density of that layer,
 input a ReLU-like activation (|N(0,1)| kept with the layer's activation density as tendril measured
 it on VGG-16, benchmarks/results/sparse-cnn.json). Variants, as each runs inside a network:
-- `old`: the shared-memory SCNN kernel (`ops/conv/cuda.py`) with what it needs per layer in a
+- `old`: the shared-memory SCNN kernel (`ops/conv/cartesian_cuda/`) with what it needs per layer in a
   network: compression of the input (Triton), the init (bias) copy, the convolution with ReLU;
-- `register`: the register-tiled sparse-weight kernel (`ops/conv/register_cuda.py`) with the plan
+- `register`: the register-tiled sparse-weight kernel (`ops/conv/register/`) with the plan
   its planner picks (dense input, bias and ReLU fused, nothing else needed), and `ALTERNATES` more
   plans (`register alt N`): the next best-predicted ones that differ from those already taken in
   their register tile (ph, pw, kt) or warp count, to check the planner against the device;

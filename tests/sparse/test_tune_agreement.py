@@ -17,6 +17,7 @@ from torch import nn
 from tendril.sparse import convert, prune
 from tendril.sparse.network import SparseNetwork
 from tendril.sparse.ops.conv.cartesian_cuda.dataflow import CartesianCudaKernel
+from tendril.sparse.ops.conv.cartesian_triton.dataflow import CartesianTritonKernel
 from tendril.sparse.ops.conv.register import emulation as register_emulation
 from tendril.sparse.ops.conv.register import kernel as register_cuda
 from tendril.sparse.ops.conv.register import planner as register_planner
@@ -166,3 +167,55 @@ def test_the_fused_dense_kernel_passes_the_layer_geometry_and_residual_and_is_ch
         step.dense_weight = step.weights.to_dense()
         rejection = KernelTuner(net).rejection(step, inputs[step.name], "dense-fused")
         assert rejection == ("RuntimeError: CUDNN_STATUS_NOT_SUPPORTED" if fails else None), step.name
+
+
+def test_every_registered_kernel_is_timed_and_the_fastest_register_plan_is_kept(
+    overflowed_shared_memory_kernel, monkeypatch
+):
+    """`time_conv_kernels` on the CPU, with the device timer standing in: every registered kernel that can serve
+    the layer is timed under its name, the register kernel's fastest plan becomes the layer's, and the dense
+    copy is prepared for cuDNN's search at the sample's shape."""
+    from types import SimpleNamespace
+
+    from tendril.sparse import tuning
+    from tendril.sparse.ops.conv import registry
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(multi_processor_count=132))
+    monkeypatch.setattr(torch, "cudnn_convolution_add_relu", _cudnn_convolution_add_relu)
+    monkeypatch.setattr(
+        torch, "cudnn_convolution_relu", lambda x, w, b, *rest: _cudnn_convolution_add_relu(x, w, None, 1.0, b, *rest)
+    )
+    monkeypatch.setattr(CartesianTritonKernel, "convolve", lambda self, step, acts, init, state: init)
+    timings = iter(range(1000, 0, -1))  # every later variant measures faster
+
+    def device_ms(run, reps):
+        run()
+        return float(next(timings))
+
+    monkeypatch.setattr(tuning, "device_ms", device_ms)
+    net, inputs = _network_and_inputs(ResNetLike(BasicBlock, (1, 1)), 16)
+    step = next(s for s in net.steps if isinstance(s, SparseConvStep) and s.relu)
+    step.register = None
+    plans = KernelTuner(net).plans_for(step)
+    assert len(plans) > 1
+    times = KernelTuner(net).time_conv_kernels(step, inputs[step.name], reps=1)
+    assert list(times) == ["cuda", "triton", "register", *registry.dense_kernels_for(step)]
+    assert set(registry.dense_kernels_for(step)) == set(registry.DENSE_KERNELS)
+    assert step.register is not None and step.register.plan == plans[-1]
+    assert step.dense_weight is not None and step.benchmarked_shape == (1, *inputs[step.name][0][0].shape)
+    assert not net.rejected_kernels
+
+
+def test_the_registry_names_every_kernel_once_and_each_copy_is_a_layer_attribute():
+    from dataclasses import fields
+
+    from tendril.sparse.ops.conv import registry
+
+    assert [k.name for k in registry.KERNELS] == ["cuda", "triton", "register", "dense", "dense-fused", "gemm"]
+    assert registry.CHECKED_KERNELS == ("register", "dense", "dense-fused", "gemm")
+    assert registry.WEIGHT_COPIES == ("tiled", "register", "dense_weight")
+    assert set(registry.WEIGHT_COPIES) <= {f.name for f in fields(SparseConvStep)}
+    assert registry.kernel_for("cuda", "register") is registry.BY_NAME["register"]
+    assert registry.kernel_for("triton", "register").name == "triton"
+    with pytest.raises(ValueError, match="conv kernel 'nope'"):
+        registry.kernel_for("cuda", "nope")
