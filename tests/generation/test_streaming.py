@@ -131,10 +131,11 @@ def test_ring_receives_only_live_tokens_from_a_predicated_loop(gpt2):
 
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
 @pytest.mark.parametrize("sample", [False, True])
-def test_streamed_tokens_are_the_returned_tokens(family, sample):
+@pytest.mark.parametrize("step", ["eager", "fused"])
+def test_streamed_tokens_are_the_returned_tokens(family, sample, step):
     model = tiny_model(family)
     ids, _ = left_padded([6], seed=3)
-    options = dict(max_new_tokens=NEW, eos_token_id=[], do_sample=sample, seed=5)
+    options = dict(max_new_tokens=NEW, eos_token_id=[], do_sample=sample, seed=5, step=step)
     streamer = Collector()
     out = generate(model, ids, streamer=streamer, **options)
     assert torch.equal(out, generate(model, ids, **options))
@@ -156,12 +157,35 @@ def test_streamer_calls_match_hf_up_to_eos(gpt2):
         assert mine.shape == hf.shape and mine.dtype == hf.dtype and torch.equal(mine, hf)
 
 
-def test_a_ring_smaller_than_the_output_still_delivers_every_token(gpt2, monkeypatch):
+class LappedStreamer(Collector):
+    """Holds the first generated token until the loop has lapped the ring (token 1 overwritten)."""
+
+    def __init__(self, ring: TokenRing) -> None:
+        super().__init__()
+        self.ring = ring
+        self.saw_lap = False
+
+    def put(self, value: torch.Tensor) -> None:
+        deadline = time.monotonic() + 30
+        while len(self.values) == 1 and not self.saw_lap and time.monotonic() < deadline:
+            self.saw_lap = self.ring.read(1)[0] is Slot.LAPPED
+            time.sleep(0.001)
+        super().put(value)
+
+
+def test_a_ring_smaller_than_the_output_still_delivers_every_token(monkeypatch):
     monkeypatch.setattr(streaming, "RING_SLOTS", 2)
+    model = tiny_model("gpt2")
     ids, _ = left_padded([4], seed=7)
-    streamer = Collector(delay=0.003)
-    out = generate(gpt2, ids, max_new_tokens=20, eos_token_id=[], streamer=streamer)
-    assert streamer.tokens == out[0, ids.shape[1] :].tolist() and len(streamer.tokens) == 20
+    options = dict(max_new_tokens=20, eos_token_id=[])
+    first = Collector()
+    out = generate(model, ids, streamer=first, **options)
+    assert first.tokens == out[0, ids.shape[1] :].tolist()
+    ((plan, _, _), loop), = _state(model).runners.items()
+    assert plan.stream_slots == 2
+    lapped = LappedStreamer(loop.ring)  # type: ignore[attr-defined]
+    assert torch.equal(generate(model, ids, streamer=lapped, **options), out)
+    assert lapped.saw_lap and lapped.tokens == first.tokens and len(lapped.tokens) == 20
 
 
 def test_a_failing_streamer_stops_the_stream_and_generation_goes_on(gpt2):

@@ -16,13 +16,13 @@ from typing import Any
 import torch
 from torch import nn
 
+from tendril.generation import streaming
 from tendril.generation.architectures import DecoderArchitecture, UnsupportedModelError, decoder_for
 from tendril.generation.beam import beam_result
 from tendril.generation.greedy import greedy_result
 from tendril.generation.loop import DecodeLoop, Plan, Step, check_step
 from tendril.generation.noise import draw_key
 from tendril.generation.processors import LogitsProcessing
-from tendril.generation import streaming
 from tendril.generation.streaming import Streamer, TokenDelivery, check_streamable
 from tendril.graphs.callable import GraphedCallable, graphed
 

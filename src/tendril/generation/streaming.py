@@ -33,6 +33,7 @@ Like the loop's graphs and buffers, a ring serves one call at a time.
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import threading
 import warnings
@@ -138,7 +139,9 @@ class TokenDelivery:
         self._thread.start()
         return self
 
-    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, trace: TracebackType | None) -> None:
+    def __exit__(
+        self, kind: type[BaseException] | None, error: BaseException | None, trace: TracebackType | None
+    ) -> None:
         self._finished.set()
         self._thread.join()
         if self.failure is not None:
@@ -187,9 +190,7 @@ class TokenDelivery:
         except Exception as exc:  # any streamer error stops the stream, never the generation
             self.failure = exc
             if method != self.streamer.end:
-                try:
+                with contextlib.suppress(Exception):  # the stream is broken already; its first error is reported
                     self.streamer.end()
-                except Exception:  # the stream is already broken; its first error is the one reported
-                    pass
             return False
         return True
