@@ -6,15 +6,42 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tendril.cuda.mapped import MappedHostMemory
 from tendril.generation import generate, streaming
 from tendril.generation.api import graphed_runners
 from tendril.generation.noise import draw_key
-from tendril.generation.streaming import Slot
+from tendril.generation.streaming import Slot, TokenRing
 from tests.generation.models import left_padded, tiny_model
 from tests.generation.test_streaming import Collector, LappedStreamer
 
 pytestmark = pytest.mark.gpu
 NEW = 24
+
+
+def test_mapped_memory_is_one_allocation_seen_from_both_sides():
+    memory = MappedHostMemory(8 * 16, torch.device("cuda"))
+    device, host = memory.device_view(torch.int64), memory.host_view(torch.int64)
+    assert device.is_cuda and not host.is_cuda and device.shape == host.shape == (16,)
+    device.copy_(torch.arange(16, device="cuda"))
+    torch.cuda.synchronize()
+    assert host.tolist() == list(range(16))
+    del memory, device
+    assert host.sum() == 120  # the host view alone keeps the memory alive
+
+
+def test_a_cuda_ring_is_written_only_by_captured_graphs():
+    ring = TokenRing(4, torch.device("cuda"))
+    one, live = torch.ones((), dtype=torch.long, device="cuda"), torch.ones((), dtype=torch.bool, device="cuda")
+    token = torch.tensor([9], device="cuda")
+    ring.publish(live, one, token)  # an eager run (a graph's warm-up)
+    torch.cuda.synchronize()
+    assert ring.read(1)[0] is Slot.PENDING
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        ring.publish(live, one, token)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert ring.read(1) == (Slot.READY, 9)
 
 
 def _streaming_loop(model):

@@ -7,13 +7,19 @@ on the CPU a plain tensor the eager loop writes). The k-th generated token (k = 
 so it works inside the WHILE node and with every `step` (eager, compiled, fused) and nothing on the device
 waits for the host.
 
-Why one word: the step counter and the token travel in the same aligned 8-byte store, which the device
-performs as one access and the host reads with one load, so a slot is never seen half written and no
-fence or write order between two stores is needed. A slot's counter only grows (k, k + R, k + 2R, ...),
-so the host, waiting for token k, reads the slot and sees either an older counter (not yet written), k
-(the token), or a larger counter: the device lapped the host and token k is gone from the ring. The
-ring is zeroed on the host before each launch (the previous launch has finished), so no word from an
-earlier call is mistaken for this one's.
+Why one word: the counter and the token travel in one naturally aligned 8-byte store, so no order between
+two stores, and no fence, is needed. What this relies on, and nothing more: (1) an int64 element is stored
+by one aligned 64-bit store and the host reads it with one 64-bit load, so a word is seen whole, never half
+old and half new; (2) stores into mapped memory reach the host while the kernel runs, without a sync (the
+CUDA programming guide, "Mapped Memory": the memory is shared and accessed directly over the bus; only
+ordering needs streams or events, and none is needed here). Slots are independent: the host never infers
+anything about one slot from another. A slot's counter only grows (k, k + R, k + 2R, ...), so the host,
+waiting for token k, sees an older counter (not written yet), k (the token), or a larger one (the device
+lapped the host: token k is gone from the ring). The host zeroes the ring before each launch (the previous
+launch has finished), so no word of an earlier call is taken for this one's. If a store arrives late or is
+lapped, the token still reaches the streamer from the final tokens (below): visibility only decides how
+early a token streams, never whether or in which order. On the CPU the eager loop writes an ordinary tensor
+and the reader thread reads it; the interpreter's lock hand-offs order the two threads' accesses.
 
 Host side: `TokenDelivery` runs a thread that calls `streamer.put(prompt)`, then `streamer.put(tensor([token]))`
 per token as HF does, polling the ring with a short sleep back-off. When the launch returns, the final
