@@ -6,11 +6,13 @@ from __future__ import annotations
 import threading
 import time
 
+import numpy as np
 import pytest
 import torch
 import transformers
 from tokenizers import Tokenizer, models, pre_tokenizers
 
+from tendril.cuda.mapped import MappedHostMemory
 from tendril.generation import generate, streaming
 from tendril.generation.api import _state
 from tendril.generation.architectures import decoder_for
@@ -66,6 +68,16 @@ def test_ring_reads_ready_pending_and_lapped_slots():
     assert ring.read(1)[0] is Slot.PENDING and ring.read(5)[0] is Slot.PENDING
 
 
+def test_mapped_memory_host_view_reads_the_allocation_in_place():
+    """The host side of `MappedHostMemory` over an ordinary buffer (allocating mapped memory needs a GPU)."""
+    buffer = np.arange(4, dtype=np.int64)
+    memory = object.__new__(MappedHostMemory)
+    memory.nbytes, memory.host_pointer = buffer.nbytes, buffer.ctypes.data
+    view = memory.host_view(torch.int64)
+    buffer[1] = 42
+    assert view.tolist() == [0, 42, 2, 3]
+
+
 def _produce(ring: TokenRing, tokens: list[int], order: list[int], pause: float) -> threading.Thread:
     def write() -> None:
         for count in order:
@@ -91,6 +103,12 @@ def test_delivery_hands_every_token_in_order_whatever_the_ring_size(slots, delay
     assert streamer.tokens == tokens and streamer.ends == 1
 
 
+def _wait_for(streamer: Collector, tokens: int) -> None:
+    deadline = time.monotonic() + 30
+    while len(streamer.tokens) < tokens and time.monotonic() < deadline:
+        time.sleep(0.001)
+
+
 def test_delivery_waits_for_a_token_published_after_the_next_one():
     tokens = [5, 6, 7, 8]
     ring = TokenRing(16, CPU)
@@ -99,12 +117,11 @@ def test_delivery_waits_for_a_token_published_after_the_next_one():
         producer = _produce(ring, tokens, [1, 3, 4], 0.0)
         producer.start()
         producer.join()
+        _wait_for(streamer, 1)
         time.sleep(0.02)
         assert streamer.tokens == [5]  # 3 and 4 are in the ring, but 2 is not yet
         _publish(ring, 2, 6)
-        deadline = time.monotonic() + 5
-        while len(streamer.tokens) < 4 and time.monotonic() < deadline:
-            time.sleep(0.001)
+        _wait_for(streamer, 4)
         assert delivery.delivered_from_ring == 4
         delivery.finish(tokens)
     assert streamer.tokens == tokens

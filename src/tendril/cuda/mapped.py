@@ -40,7 +40,8 @@ class MappedHostMemory:
             raise ValueError(f"mapped host memory is for CUDA devices, got {device}")
         self.nbytes = nbytes
         self.device = device
-        with torch.cuda.device(device):
+        with torch.cuda.device(device):  # the allocation is mapped into this device's (primary) context
+            check(runtime.cudaSetDevice(torch.cuda.current_device()), "cudaSetDevice")
             self.host_pointer = int(check(runtime.cudaHostAlloc(nbytes, runtime.cudaHostAllocMapped),
                                           "cudaHostAlloc"))
             weakref.finalize(self, _free, self.host_pointer)
