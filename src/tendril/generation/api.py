@@ -163,7 +163,7 @@ def generate(
         raise ValueError(f"num_return_sequences ({num_return_sequences}) must be <= num_beams ({num_beams})")
     check_step(step)
     if streamer is not None:
-        check_streamable(num_beams, input_ids.shape[0] * (num_return_sequences if num_beams == 1 else 1))
+        check_streamable(num_beams, input_ids.shape[0] * num_return_sequences)
     eos = _eos_ids(model, eos_token_id)
     pad = _pad_id(model, pad_token_id, eos)
     try:

@@ -80,6 +80,8 @@ def check_streamable(num_beams: int, rows: int) -> None:
 
 
 class Slot(enum.Enum):
+    """What the host finds in the slot of the token it waits for."""
+
     READY = "ready"
     PENDING = "pending"
     LAPPED = "lapped"
@@ -133,7 +135,7 @@ class TokenDelivery:
         self.streamer = streamer
         self.ring = ring
         self.prompt = prompt.cpu()
-        self.failure: BaseException | None = None
+        self.failure: Exception | None = None
         self.delivered_from_ring = 0
         self._final: list[int] | None = None
         self._finished = threading.Event()
