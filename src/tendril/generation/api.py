@@ -16,18 +16,20 @@ from typing import Any
 import torch
 from torch import nn
 
+from tendril.generation import streaming
 from tendril.generation.architectures import DecoderArchitecture, UnsupportedModelError, decoder_for
 from tendril.generation.beam import beam_result
 from tendril.generation.greedy import greedy_result
 from tendril.generation.loop import DecodeLoop, Plan, Step, check_step
 from tendril.generation.noise import draw_key
 from tendril.generation.processors import LogitsProcessing
+from tendril.generation.streaming import Streamer, TokenDelivery, check_streamable
 from tendril.graphs.callable import GraphedCallable, graphed
 
 _SUPPORTED = (
     "attention_mask, max_new_tokens, eos_token_id, pad_token_id, do_sample, temperature, top_k, top_p, "
     "repetition_penalty, num_beams, length_penalty, early_stopping, num_return_sequences, seed, step, "
-    "unsupported"
+    "streamer, unsupported"
 )
 
 
@@ -122,6 +124,7 @@ def generate(
     num_return_sequences: int = 1,
     seed: int | None = None,
     step: Step = "eager",
+    streamer: Streamer | None = None,
     unsupported: str = "raise",
     **other: Any,
 ) -> torch.Tensor:
@@ -138,6 +141,11 @@ def generate(
     forward rounds, but its matrix products sum in another order than cuBLAS, so logits differ in the last
     bits and tokens can differ from HF's where two candidates are (nearly) tied: numerically equivalent, not
     bit-identical. Use "eager" or "compiled" for HF-exact fp16 tokens.
+    `streamer` (HF's `TextStreamer`, `TextIteratorStreamer`, or anything with their `put`/`end`) receives
+    the prompt, then each token as the device loop chooses it, then `end()`, as from HF's `generate`, with
+    no host sync per token (see `tendril.generation.streaming`). As in HF it needs one sequence (batch size
+    1) and no beam search; an exception in the streamer stops the stream with a `StreamerWarning` and the
+    result is still returned.
     `unsupported='hf'` runs HF's own `generate` eagerly for models tendril has no decode path for.
     """
     if other:
@@ -154,6 +162,8 @@ def generate(
     if num_beams > 1 and num_return_sequences > num_beams:
         raise ValueError(f"num_return_sequences ({num_return_sequences}) must be <= num_beams ({num_beams})")
     check_step(step)
+    if streamer is not None:
+        check_streamable(num_beams, input_ids.shape[0] * num_return_sequences)
     eos = _eos_ids(model, eos_token_id)
     pad = _pad_id(model, pad_token_id, eos)
     try:
@@ -161,10 +171,11 @@ def generate(
     except UnsupportedModelError:
         if unsupported != "hf":
             raise
-        return _hf_generate(model, input_ids, attention_mask, eos, pad, seed, max_new_tokens=max_new_tokens,
-                            do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p,
-                            repetition_penalty=repetition_penalty, num_beams=num_beams, length_penalty=length_penalty,
-                            early_stopping=early_stopping, num_return_sequences=num_return_sequences)
+        return _hf_generate(model, input_ids, attention_mask, eos, pad, seed, streamer=streamer,
+                            max_new_tokens=max_new_tokens, do_sample=do_sample, temperature=temperature, top_k=top_k,
+                            top_p=top_p, repetition_penalty=repetition_penalty, num_beams=num_beams,
+                            length_penalty=length_penalty, early_stopping=early_stopping,
+                            num_return_sequences=num_return_sequences)
     weight = next(model.parameters())
     if input_ids.device != weight.device:
         raise ValueError(f"input_ids are on {input_ids.device} but the model is on {weight.device}; move them with "
@@ -178,7 +189,8 @@ def generate(
     if early_stopping not in (True, False, "never"):
         raise ValueError(f"early_stopping must be True, False or 'never', got {early_stopping!r}")
     plan = Plan.build(max_new_tokens=max_new_tokens, processing=processing, eos=eos, pad=pad, num_beams=num_beams,
-                      length_penalty=length_penalty, early_stopping=early_stopping, step=step)
+                      length_penalty=length_penalty, early_stopping=early_stopping, step=step,
+                      stream_slots=streaming.RING_SLOTS if streamer is not None else 0)
     device = input_ids.device
     batch, prompt_len = input_ids.shape
     mask = _default_mask(input_ids, pad, eos) if attention_mask is None else attention_mask.to(device, torch.long)
@@ -186,10 +198,32 @@ def generate(
     prompt, mask = input_ids.repeat_interleave(copies, dim=0), mask.repeat_interleave(copies, dim=0)
     arch.check_length(prompt_len + max_new_tokens)
     with torch.inference_mode():
-        carried = runner(model, arch, plan)(prompt, mask, draw_key(device, seed))
+        run = runner(model, arch, plan)
+        if streamer is not None:
+            return _streamed(run, streamer, input_ids, prompt, mask, draw_key(device, seed))
+        carried = run(prompt, mask, draw_key(device, seed))
         if num_beams == 1:
             return greedy_result(carried, prompt_len).clone()
         return beam_result(carried, batch, prompt_len, num_return_sequences).clone()
+
+
+def _streamed(
+    run: Callable[..., tuple[torch.Tensor, ...]],
+    streamer: Streamer,
+    input_ids: torch.Tensor,
+    prompt: torch.Tensor,
+    mask: torch.Tensor,
+    noise_key: torch.Tensor,
+) -> torch.Tensor:
+    """One greedy/sampling launch whose tokens a host thread streams while it runs (see `streaming`)."""
+    prompt_len = prompt.shape[1]
+    with TokenDelivery(streamer, _unwrapped(run).ring, input_ids) as delivery:
+        carried = run(prompt, mask, noise_key)
+        if prompt.is_cuda:  # wait with the GIL released, so the delivery thread runs while the graph does
+            torch.cuda.current_stream(prompt.device).synchronize()
+        result = greedy_result(carried, prompt_len).clone()
+        delivery.finish(result[0, prompt_len:].tolist())
+    return result
 
 
 @dataclass
@@ -231,8 +265,11 @@ def runner(model: nn.Module, arch: DecoderArchitecture, plan: Plan) -> Callable[
 
 def decode_loop(model: nn.Module, plan: Plan) -> DecodeLoop:
     """The decode loop `generate` runs for (model, plan), built if it is not yet (unwrapped from its graph)."""
-    found = runner(model, _architecture(model), plan)
-    return found.fn if isinstance(found, GraphedCallable) else found  # type: ignore[return-value]
+    return _unwrapped(runner(model, _architecture(model), plan))
+
+
+def _unwrapped(run: Callable[..., tuple[torch.Tensor, ...]]) -> DecodeLoop:
+    return run.fn if isinstance(run, GraphedCallable) else run  # type: ignore[return-value]
 
 
 def graphed_runners(model: nn.Module) -> list[GraphedCallable]:

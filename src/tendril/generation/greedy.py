@@ -7,6 +7,9 @@ Carried state: (step, sequences, unfinished):
 The loop runs while `step < max_new_tokens` and some row is unfinished; one iteration forwards the last
 token, processes the logits, picks the next token and updates the stop mask, all on the device.
 
+With a `TokenRing`, each chosen token of the (single) row is also published for a streamer (see
+`streaming.py`); without one the loop is unchanged.
+
 The body is also safe to evaluate on a finished state (predicated loops do that and discard the result):
 indices are clamped into range and the cache write it repeats is idempotent.
 """
@@ -18,6 +21,7 @@ import torch
 from tendril.generation import kernels
 from tendril.generation.noise import gumbel
 from tendril.generation.state import Decoder
+from tendril.generation.streaming import TokenRing
 
 Carried = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
@@ -25,9 +29,10 @@ Carried = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 class TokenSearch:
     """cond/body/start of greedy decoding or sampling over one `Decoder` (its cache, prompt and options)."""
 
-    def __init__(self, decoder: Decoder, pad_token_id: int) -> None:
+    def __init__(self, decoder: Decoder, pad_token_id: int, ring: TokenRing | None = None) -> None:
         self.decoder = decoder
         self.pad_token_id = pad_token_id
+        self.ring = ring
 
     def start(self, prefill_logits: torch.Tensor) -> Carried:
         """The state after choosing the first token from the prompt's logits."""
@@ -56,11 +61,14 @@ class TokenSearch:
         if decoder.processing.do_sample:
             scores = scores + gumbel(decoder.noise_key, step, *scores.shape)
         tokens = kernels.argmax(scores)
+        still_unfinished = unfinished
         if decoder.has_eos:
             tokens = torch.where(unfinished, tokens, self.pad_token_id)
-            unfinished = unfinished & ~decoder.is_eos(tokens)
+            still_unfinished = unfinished & ~decoder.is_eos(tokens)
+        if self.ring is not None:  # publish only while the loop runs (a predicated body also runs after it stops)
+            self.ring.publish(self.cond(step, sequences, unfinished), step + 1, tokens[:1])
         sequences = sequences.scatter(1, length.expand(sequences.shape[0], 1), tokens[:, None])
-        return step + 1, sequences, unfinished
+        return step + 1, sequences, still_unfinished
 
 
 def greedy_result(carried: tuple[torch.Tensor, ...], prompt_len: int) -> torch.Tensor:

@@ -24,6 +24,7 @@ from tendril.generation.beam import BeamSearch
 from tendril.generation.greedy import TokenSearch
 from tendril.generation.processors import LogitsProcessing
 from tendril.generation.state import Decoder, StepForward
+from tendril.generation.streaming import TokenRing
 from tendril.graphs.control import while_loop
 
 Step = Literal["eager", "compiled", "fused"]
@@ -55,6 +56,8 @@ class Plan:
     early_stopping: bool | str
     step: Step = "eager"
     """How the one-token forward runs: one of `STEPS`."""
+    stream_slots: int = 0
+    """Slots of the token ring the loop publishes each token into (`streaming.TokenRing`); 0: no streaming."""
 
     @classmethod
     def build(
@@ -68,6 +71,7 @@ class Plan:
         length_penalty: float = 1.0,
         early_stopping: bool | str = False,
         step: Step = "eager",
+        stream_slots: int = 0,
     ) -> Plan:
         """The plan of a call with these options, each at HF's default when not given (eos and pad already resolved)."""
         return cls(
@@ -76,7 +80,7 @@ class Plan:
             # HF's fill value for beam outputs is `pad_token_id or eos_token_id[0]`: a pad id of 0 falls through
             beam_fill_token_id=pad if pad else (eos[0] if eos else -1),
             num_beams=num_beams, length_penalty=float(length_penalty), early_stopping=early_stopping,
-            step=check_step(step),
+            step=check_step(step), stream_slots=stream_slots,
         )
 
 
@@ -90,6 +94,8 @@ class DecodeLoop:
         self.cache_dtype = weight.dtype
         self.eos = torch.tensor(plan.eos, dtype=torch.long, device=weight.device)
         self.step_forward = step_forward(arch, plan.step)
+        self.ring = TokenRing(plan.stream_slots, weight.device) if plan.stream_slots else None
+        """Where each chosen token is published for a streamer (greedy and sampling only), if streaming."""
         self.__qualname__ = f"generate[{type(model).__name__}]"
 
     def __call__(self, prompt: torch.Tensor, mask: torch.Tensor, noise_key: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -106,7 +112,7 @@ class DecodeLoop:
         decoder = Decoder.build(self.arch, prompt, mask, plan.max_new_tokens, plan.processing, self.eos, noise_key,
                                 self.cache_dtype, self.step_forward)
         if plan.num_beams == 1:
-            return TokenSearch(decoder, plan.pad_token_id)
+            return TokenSearch(decoder, plan.pad_token_id, self.ring)
         return BeamSearch(decoder, prompt.shape[0] // plan.num_beams, plan.num_beams, plan.length_penalty,
                           plan.early_stopping, plan.beam_fill_token_id)
 
