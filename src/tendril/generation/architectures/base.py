@@ -92,8 +92,16 @@ def supported_model_types() -> list[str]:
     return sorted(_REGISTRY)
 
 
+DECODER_ATTRIBUTE = "tendril_decoder"
+"""A model whose `__dict__` holds a callable under this name is decoded by `callable(model)` instead of the
+registry's path for its model type (how `tendril.distributed` gives a tensor-parallel shard its decode path)."""
+
+
 def decoder_for(model: nn.Module) -> DecoderArchitecture:
     """The graph-safe decode path for `model`, or `UnsupportedModelError` saying what is supported."""
+    own_decoder = model.__dict__.get(DECODER_ATTRIBUTE)
+    if own_decoder is not None:
+        return own_decoder(model)  # type: ignore[no-any-return]
     config = getattr(model, "config", None)
     model_type = getattr(config, "model_type", None)
     cls = _REGISTRY.get(model_type) if isinstance(model_type, str) else None

@@ -27,6 +27,9 @@ from tendril.generation.architectures.base import (
 from tendril.generation.cache import StaticKVCache
 from tendril.generation.kernels import Norm, Projection, activation_for, decode_attention, fused_linear
 
+FusedLayer = tuple[Norm, Projection, Projection, Norm, Projection, Projection, float]
+"""One decoder layer as the fused step reads it (see `Llama.fused_weights`)."""
+
 _STATIC_ROPE = {"default", "linear", "llama3", "yarn"}
 """RoPE types whose frequencies do not depend on the sequence length (no host decision per step)."""
 
@@ -79,7 +82,10 @@ class Llama(DecoderArchitecture):
             hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
         return last_logits(self.model.lm_head, base.norm(hidden))
 
-    def fused_step(self) -> StepForward:
+    def fused_weights(self) -> tuple[str, list[FusedLayer], Norm, Projection]:
+        """What the fused step reads: the kernels' activation, per layer (input norm, q/k/v, o_proj,
+        post-attention norm, gate/up, down, attention scale), the final norm and the LM head. Raises
+        `UnsupportedModelError` when the model has no fused path."""
         activation = activation_for(self.config.hidden_act)
         require(activation is not None, f"step='fused' does not reproduce the activation "
                 f"{self.config.hidden_act!r}; use step='compiled'")
@@ -97,7 +103,11 @@ class Llama(DecoderArchitecture):
              float(layer.self_attn.scaling))
             for layer in base.layers
         ]
-        final_norm, head = Norm.of(base.norm), Projection.of(self.model.lm_head)
+        return activation, layers, Norm.of(base.norm), Projection.of(self.model.lm_head)
+
+    def fused_step(self) -> StepForward:
+        activation, layers, final_norm, head = self.fused_weights()
+        base = self.model.model
 
         def forward(
             tokens: torch.Tensor, positions: torch.Tensor, query_slots: torch.Tensor, cache: StaticKVCache
