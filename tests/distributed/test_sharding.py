@@ -6,8 +6,13 @@ import pytest
 import torch
 
 import tendril
-from tendril.distributed import ColumnParallelLinear, RowParallelLinear, TensorParallelLlama, VocabParallelHead
-from tendril.distributed import shard_llama
+from tendril.distributed import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    TensorParallelLlama,
+    VocabParallelHead,
+    shard_llama,
+)
 from tendril.generation.api import decode_loop
 from tendril.generation.loop import Plan
 from tendril.generation.processors import LogitsProcessing
