@@ -34,7 +34,8 @@ import transformers
 import tendril
 from benchmarks.registry import Context, Goal, register
 from tendril.distributed import Shard, shard_llama
-from tendril.generation.api import release_graphs
+from tendril.generation.api import graphed_runners, release_graphs
+from tendril.graphs.control import control_flow_stats
 from tendril.utils.timing import time_callable
 
 WORLD = 2
@@ -85,7 +86,12 @@ def decode_times(model: torch.nn.Module, ids: torch.Tensor, reps: int) -> dict[s
     full = time_callable(run, [(NEW_TOKENS,)], device=ids.device, warmup=2, reps=reps)
     first = time_callable(run, [(1,)], device=ids.device, warmup=2, reps=reps)
     step_ms = (full.median_ms - first.median_ms) / (NEW_TOKENS - 1)
-    return dict(call=full, first=first, step_ms=step_ms, tokens=run(NEW_TOKENS).cpu())
+    lowering = control_flow_stats()
+    graphs = "; ".join(f"{len(r.stats.graphs)} graphs, {r.stats.replays} replays, fallbacks "
+                       f"{dict(r.stats.fallback_details)}" for r in graphed_runners(model))
+    how = (f"loops so far: {lowering.conditional_node} conditional-node, {lowering.predication} predicated, "
+           f"{lowering.eager} eager {dict(lowering.fallback_reasons)}; {graphs}")
+    return dict(call=full, first=first, step_ms=step_ms, tokens=run(NEW_TOKENS).cpu(), how=how)
 
 
 def collectives_ms(shard: Shard, model: torch.nn.Module, device: torch.device, reps: int) -> float:
@@ -163,6 +169,7 @@ def run(ctx: Context) -> None:
         ctx.add_timing(name, times["first"], metric="ms_first_token")
         ctx.add_value(name, "ms_per_step", times["step_ms"])
         ctx.add_value(name, "weight_gib_per_token_per_rank", result[f"{name}_bytes"] / 2**30)
+        ctx.note(f"{name}: {times['how']}")
     ctx.add_value("tp2", "collectives_ms_per_step", result["collectives_ms"])
     ctx.add_value("hbm copy", "gb_per_s", result["bandwidth"] / 1e9)
     ideal_step_ms = result["tp1_bytes"] / result["bandwidth"] * 1e3

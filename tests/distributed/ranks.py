@@ -19,6 +19,7 @@ RUNS = {
     "llama eager": ("llama", dict(step="eager")),
     "qwen2 fused": ("qwen2", dict(step="fused")),
     "llama fused sampled": ("llama", dict(step="fused", do_sample=True, top_k=20, seed=7)),
+    "llama fused beams": ("llama", dict(step="fused", num_beams=2)),
 }
 """name -> (tiny model family, `generate` options) of each decode every rank runs."""
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -82,7 +83,8 @@ class _ShardLinear(nn.Linear):
         out_features, in_features = weight.shape
         super().__init__(in_features, out_features, bias=bias is not None, device="meta", dtype=weight.dtype)
         self.weight = _parameter(weight)
-        self.bias = None if bias is None else _parameter(bias)
+        if bias is not None:
+            self.bias = _parameter(bias)
         self.shard = shard
 
 
@@ -145,18 +147,19 @@ def shard_llama(model: nn.Module, rank: int, world: int, group: dist.ProcessGrou
     from tendril.distributed.llama import TensorParallelLlama
 
     shard = Shard(rank, world, group)
+    hf: Any = model
     if DECODER_ATTRIBUTE in model.__dict__:
         raise ValueError("the model is sharded already: shard a freshly loaded model")
     if type(decoder_for(model)) is not Llama:
         raise ValueError(f"shard_llama shards the Llama family (llama, mistral, qwen2), got model_type "
-                         f"{model.config.model_type!r}")
-    check_divisible(model.config, world)  # type: ignore[arg-type]
+                         f"{hf.config.model_type!r}")
+    check_divisible(hf.config, world)
     if world > 1 and dist.is_initialized() and (dist.get_rank(group), dist.get_world_size(group)) != (rank, world):
         raise ValueError(f"rank {rank} of {world} differs from the process group's rank {dist.get_rank(group)} of "
                          f"{dist.get_world_size(group)}")
     release_graphs(model)
     with torch.no_grad():
-        for layer in model.model.layers:  # type: ignore[union-attr]
+        for layer in hf.model.layers:
             attention, mlp = layer.self_attn, layer.mlp
             for name in ("q_proj", "k_proj", "v_proj"):
                 setattr(attention, name, ColumnParallelLinear.of(getattr(attention, name), shard))
@@ -164,7 +167,7 @@ def shard_llama(model: nn.Module, rank: int, world: int, group: dist.ProcessGrou
             mlp.gate_proj = ColumnParallelLinear.of(mlp.gate_proj, shard)
             mlp.up_proj = ColumnParallelLinear.of(mlp.up_proj, shard)
             mlp.down_proj = RowParallelLinear.of(mlp.down_proj, shard)
-        model.lm_head = VocabParallelHead.of(model.lm_head, shard)  # type: ignore[arg-type]
+        hf.lm_head = VocabParallelHead.of(hf.lm_head, shard)
     model.__dict__[DECODER_ATTRIBUTE] = functools.partial(TensorParallelLlama, shard=shard)
     return model
 

@@ -101,7 +101,7 @@ def decoder_for(model: nn.Module) -> DecoderArchitecture:
     """The graph-safe decode path for `model`, or `UnsupportedModelError` saying what is supported."""
     own_decoder = model.__dict__.get(DECODER_ATTRIBUTE)
     if own_decoder is not None:
-        return own_decoder(model)  # type: ignore[no-any-return]
+        return own_decoder(model)
     config = getattr(model, "config", None)
     model_type = getattr(config, "model_type", None)
     cls = _REGISTRY.get(model_type) if isinstance(model_type, str) else None
