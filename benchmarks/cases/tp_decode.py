@@ -21,7 +21,6 @@ same tokens (in bf16 the shards sum in another order, so near ties may go the ot
 from __future__ import annotations
 
 import os
-import socket
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -117,8 +116,8 @@ def collectives_ms(shard: Shard, model: torch.nn.Module, device: torch.device, r
 def _rank(rank: int, port: int, reps: int, out: str) -> None:
     device = torch.device("cuda", rank)
     torch.cuda.set_device(device)
-    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD,
-                            device_id=device)
+    store = dist.TCPStore("127.0.0.1", port, is_master=False)
+    dist.init_process_group("nccl", store=store, rank=rank, world_size=WORLD, device_id=device)
     try:
         model = llama_8b(device)
         ids = torch.randint(0, LLAMA_8B["vocab_size"], (1, PROMPT_LEN), generator=torch.Generator().manual_seed(0))
@@ -146,12 +145,6 @@ def _rank(rank: int, port: int, reps: int, out: str) -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
-
-
 @register("tp-decode", "needs 2 GPUs: Llama-3.1-8B shape (random bf16), 16-token prompt, 128 new tokens, greedy: "
           "tensor-parallel decode over 2 GPUs (NCCL in the loop graph) vs 1")
 def run(ctx: Context) -> None:
@@ -161,7 +154,8 @@ def run(ctx: Context) -> None:
     reps = 3 if ctx.quick else 10
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # no NVLink multicast: it can take a shared host's GPUs down
     with tempfile.TemporaryDirectory() as out:
-        mp.spawn(_rank, args=(_free_port(), reps, out), nprocs=WORLD, join=True)
+        store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)  # the ranks' rendezvous
+        mp.spawn(_rank, args=(store.port, reps, out), nprocs=WORLD, join=True)
         result = torch.load(Path(out) / "rank0.pt", weights_only=False)
     tp1, tp2 = result["tp1"], result["tp2"]
     for name, times in (("tp1", tp1), ("tp2", tp2)):

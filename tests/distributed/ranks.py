@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 from pathlib import Path
 
 import torch
@@ -36,16 +35,11 @@ def decode(model: torch.nn.Module, options: dict, device: str = "cpu") -> torch.
                             pad_token_id=0, **options).cpu()
 
 
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
-
-
 def _rank(rank: int, world: int, port: int, backend: str, out: str) -> None:
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
     torch.set_num_threads(1)
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    store = dist.TCPStore("127.0.0.1", port, is_master=False)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world)
     device = f"cuda:{rank}" if backend == "nccl" else "cpu"
     if backend == "nccl":
         torch.cuda.set_device(rank)
@@ -60,6 +54,8 @@ def _rank(rank: int, world: int, port: int, backend: str, out: str) -> None:
 
 
 def run_ranks(world: int, backend: str, out: Path) -> list[dict[str, torch.Tensor]]:
-    """Every rank's tokens of each of `RUNS`, decoded by `world` spawned ranks on 127.0.0.1."""
-    mp.spawn(_rank, args=(world, free_port(), backend, str(out)), nprocs=world, join=True)
+    """Every rank's tokens of each of `RUNS`, decoded by `world` spawned ranks on 127.0.0.1 (the rendezvous
+    store is served from here, on a port the system chose, so no other process can take it meanwhile)."""
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    mp.spawn(_rank, args=(world, store.port, backend, str(out)), nprocs=world, join=True)
     return [torch.load(out / f"rank{rank}.pt") for rank in range(world)]
