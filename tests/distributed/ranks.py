@@ -11,11 +11,13 @@ import torch.multiprocessing as mp
 
 import tendril
 from tendril.distributed import shard_llama
+from tendril.generation import loop
 from tests.generation.models import left_padded, tiny_model
 
 RUNS = {
     "llama fused": ("llama", dict(step="fused")),
     "llama eager": ("llama", dict(step="eager")),
+    "llama compiled": ("llama", dict(step="compiled")),
     "qwen2 fused": ("qwen2", dict(step="fused")),
     "llama fused sampled": ("llama", dict(step="fused", do_sample=True, top_k=20, seed=7)),
     "llama fused beams": ("llama", dict(step="fused", num_beams=2)),
@@ -43,6 +45,8 @@ def _rank(rank: int, world: int, port: int, backend: str, out: str) -> None:
     device = f"cuda:{rank}" if backend == "nccl" else "cpu"
     if backend == "nccl":
         torch.cuda.set_device(rank)
+    else:  # Dynamo traces the collectives; no code generation on the CPU (as in tests/generation/test_compile.py)
+        loop.COMPILE_BACKEND = "eager"
     try:
         results = {}
         for name, (family, options) in RUNS.items():

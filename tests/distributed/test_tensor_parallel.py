@@ -5,8 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tendril.generation import loop
 from tests.distributed.ranks import MAX_NEW_TOKENS, RUNS, decode, prompt, run_ranks
 from tests.generation.models import hf_generate, tiny_model
+
+
+@pytest.fixture(autouse=True)
+def _compile_without_code_generation(monkeypatch):
+    monkeypatch.setattr(loop, "COMPILE_BACKEND", "eager")
 
 
 @pytest.fixture(scope="module")

@@ -9,8 +9,8 @@ added for the residual. The KV cache of a rank holds its kv heads only.
 
 On CUDA the collectives are NCCL's, enqueued on the current stream's capture like any kernel, so they land
 inside the loop graph (the WHILE node's body included); the first, uncaptured call creates the
-communicators. `step="compiled"` is not supported for shards (`torch.compile` would have to trace the
-collectives).
+communicators. `step="compiled"` compiles the architecture's forward with the collectives of the sharded
+modules in it (Dynamo traces them as functional collectives).
 """
 
 from __future__ import annotations
