@@ -33,6 +33,7 @@ _LAZY: dict[str, str] = {
     "check_loop_bounds": "tendril.graphs.control",
     "LoopBoundExceeded": "tendril.graphs.control",
     "HostSyncInGraphError": "tendril.graphs.control",
+    "find_host_syncs": "tendril.graphs.syncs",
     "generate": "tendril.generation",
     "sparse": "tendril.sparse",
 }

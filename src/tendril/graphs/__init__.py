@@ -21,6 +21,7 @@ _LAZY: dict[str, str] = {
     "GraphStats": "tendril.graphs.stats",
     "StaleOutputError": "tendril.graphs.outputs",
     "NullBackend": "tendril.graphs.backend",
+    "find_host_syncs": "tendril.graphs.syncs",
     "CudaBackend": "tendril.graphs.cuda_backend",
     "GraphOptions": "tendril.graphs.options",
     "GraphMemoryPolicy": "tendril.graphs.options",

@@ -23,7 +23,10 @@ class Fallback(enum.Enum):
     MIXED_DEVICES = "tensor arguments on several devices"
     REQUIRES_GRAD = "grad mode is on and an argument or a parameter of the callable requires grad (graphs skip it)"
     LIMIT = "new key past max_graphs"
-    HOST_SYNC = "the function synchronises with the host while capturing (.item(), .cpu(), data-dependent shapes)"
+    HOST_SYNC = (
+        "the function synchronises with the host while capturing (.item(), .cpu(), data-dependent shapes; "
+        "tendril.find_host_syncs(fn, *args) names each one and its line)"
+    )
     MUTATES_INPUTS = "the function writes into its tensor arguments"
     CAPTURE_ERROR = "capturing raised an error (an operation that cannot be captured)"
     PADDED_OUTPUTS = "a bucket's outputs cannot be cut back to the call's length (they do not follow it one to one)"
