@@ -30,6 +30,25 @@ from tendril.generation.kernels import Norm, Projection, activation_for, decode_
 FusedLayer = tuple[Norm, Projection, Projection, Norm, Projection, Projection, float]
 """One decoder layer as the fused step reads it (see `Llama.fused_weights`)."""
 
+
+class Unsharded:
+    """How the fused step combines a layer's outputs when one device holds the whole model: each row projection
+    adds the residual itself, and nothing is reduced or gathered. `tendril.distributed.Shard` is the
+    tensor-parallel counterpart (a reduction after each row-parallel projection, a gather of the logits)."""
+
+    @staticmethod
+    def residual(hidden: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return (hidden,)
+
+    @staticmethod
+    def reduce(partial: torch.Tensor) -> torch.Tensor:
+        return partial
+
+    @staticmethod
+    def gather(local: torch.Tensor) -> torch.Tensor:
+        return local
+
+
 _STATIC_ROPE = {"default", "linear", "llama3", "yarn"}
 """RoPE types whose frequencies do not depend on the sequence length (no host decision per step)."""
 
@@ -105,9 +124,13 @@ class Llama(DecoderArchitecture):
         ]
         return activation, layers, Norm.of(base.norm), Projection.of(self.model.lm_head)
 
+    parallel: Any = Unsharded
+    """How row projections combine across devices (`Unsharded`, or a `tendril.distributed.Shard`)."""
+
     def fused_step(self) -> StepForward:
         activation, layers, final_norm, head = self.fused_weights()
         base = self.model.model
+        parallel = self.parallel
 
         def forward(
             tokens: torch.Tensor, positions: torch.Tensor, query_slots: torch.Tensor, cache: StaticKVCache
@@ -121,9 +144,9 @@ class Llama(DecoderArchitecture):
                 query, key, value = fused_linear(hidden, qkv, norm=norm_1).split(qkv.out_sizes, dim=1)
                 out = decode_attention(query, key, value, cache.keys[index], cache.values[index], cache.key_valid,
                                        query_slots, scale, rotary)
-                hidden = fused_linear(out, attn_out, addends=(hidden,))
+                hidden = parallel.reduce(fused_linear(out, attn_out, addends=parallel.residual(hidden)))
                 gated = fused_linear(hidden, gate_up, norm=norm_2, activation=activation, gated=True)
-                hidden = fused_linear(gated, down, addends=(hidden,))
-            return fused_linear(hidden, head, norm=final_norm, out_dtype=torch.float32)
+                hidden = parallel.reduce(fused_linear(gated, down, addends=parallel.residual(hidden)))
+            return parallel.gather(fused_linear(hidden, head, norm=final_norm, out_dtype=torch.float32))
 
         return forward
