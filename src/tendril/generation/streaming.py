@@ -134,7 +134,7 @@ class TokenDelivery:
     def __init__(self, streamer: Streamer, ring: TokenRing | None, prompt: torch.Tensor) -> None:
         self.streamer = streamer
         self.ring = ring
-        self.prompt = prompt.cpu()
+        self.prompt = prompt.cpu()  # before the launch, outside any capture: the first `put` gets the prompt
         self.failure: Exception | None = None
         self.delivered_from_ring = 0
         self._final: list[int] | None = None

@@ -46,6 +46,7 @@ ranges, pointer arrays, order, counts) with one host sync, except inside a CUDA 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -237,8 +238,32 @@ class SparseConvWeights:
         checks.raise_first()
 
 
+class _CompressedMatrix:
+    """What the two linear layouts share: their checks at construction and in `validate` (`_check_compressed_matrix`),
+    told apart by `_fields`: the index array's name, the pointer array's name and what one segment is."""
+
+    _fields: ClassVar[tuple[str, str, str]]
+    in_features: int
+    out_features: int
+    values: torch.Tensor
+
+    def __post_init__(self) -> None:
+        self._check(values_too=not capturing(self.values))
+
+    def validate(self) -> None:
+        """The construction checks again, values included (one host sync), e.g. after in-place changes."""
+        self._check(values_too=True)
+
+    def _check(self, values_too: bool) -> None:
+        index, ptr, segment = self._fields
+        _check_compressed_matrix(
+            type(self).__name__, (self.in_features, self.out_features), self.values, getattr(self, index), index,
+            getattr(self, ptr), ptr, segment, values_too=values_too,
+        )  # fmt: skip
+
+
 @dataclass(frozen=True)
-class CsrLinearWeights:
+class CsrLinearWeights(_CompressedMatrix):
     """A linear layer's weights row by row (CSR): the stored values of row `r` are
     `values[row_ptr[r]:row_ptr[r + 1]]`, at input features `cols[...]` (increasing). 8 bytes per nonzero
     (fp32 value, int32 column) plus 4 per row; made from `SparseLinearWeights.to_csr`. Checked at
@@ -250,18 +275,7 @@ class CsrLinearWeights:
     cols: torch.Tensor
     row_ptr: torch.Tensor
 
-    def __post_init__(self) -> None:
-        self._check(values_too=not capturing(self.values))
-
-    def validate(self) -> None:
-        """The construction checks again, values included (one host sync), e.g. after in-place changes."""
-        self._check(values_too=True)
-
-    def _check(self, values_too: bool) -> None:
-        _check_compressed_matrix(
-            "CsrLinearWeights", (self.in_features, self.out_features), self.values, self.cols, "cols", self.row_ptr,
-            "row_ptr", "row", values_too=values_too,
-        )  # fmt: skip
+    _fields = ("cols", "row_ptr", "row")
 
     @property
     def nbytes(self) -> int:
@@ -269,7 +283,7 @@ class CsrLinearWeights:
 
 
 @dataclass(frozen=True)
-class SparseLinearWeights:
+class SparseLinearWeights(_CompressedMatrix):
     """A linear layer's nonzero weights column by column (CSC, see the module docstring); checked at
     construction: positive feature counts, lengths, dtypes, one device, `col_ptr` from 0 to nnz and never
     decreasing, row indices in range and strictly increasing within a column, finite values."""
@@ -280,18 +294,7 @@ class SparseLinearWeights:
     rows: torch.Tensor
     col_ptr: torch.Tensor
 
-    def __post_init__(self) -> None:
-        self._check(values_too=not capturing(self.values))
-
-    def validate(self) -> None:
-        """The construction checks again, values included (one host sync), e.g. after in-place changes."""
-        self._check(values_too=True)
-
-    def _check(self, values_too: bool) -> None:
-        _check_compressed_matrix(
-            "SparseLinearWeights", (self.in_features, self.out_features), self.values, self.rows, "rows", self.col_ptr,
-            "col_ptr", "column", values_too=values_too,
-        )  # fmt: skip
+    _fields = ("rows", "col_ptr", "column")
 
     @property
     def nnz(self) -> int:

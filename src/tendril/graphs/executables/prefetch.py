@@ -99,7 +99,8 @@ class Prefetcher:
 
     @property
     def enabled(self) -> bool:
-        """Whether the cache prefetches (without, every driver call runs on the calling thread)."""
+        """Whether the cache makes predicted executables on its background thread (if not, every driver call is made
+        on the calling thread)."""
         return self.forecast.predict_next is not None
 
     @property
