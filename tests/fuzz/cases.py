@@ -267,9 +267,9 @@ def _allocated(device: str, collect: bool = False) -> int:
 
 
 def _warm_streams(device: str) -> None:
-    """Give the current stream (the eager reference's) and tendril's capture stream their cuBLAS workspaces
-    before the baseline: PyTorch keeps one per stream for the process's life, so the first case to multiply on a
-    stream would otherwise count it as its leak."""
+    """Give the current stream (the eager reference's) and tendril's capture stream their cuBLAS and cuBLASLt
+    workspaces (a product, and a linear layer with bias) before the baseline: PyTorch keeps them per stream for the
+    process's life, so the first case to multiply on a stream would otherwise count them as its leak."""
     if device != "cuda":
         return
     from tendril.graphs.capture import capture_stream
@@ -277,7 +277,9 @@ def _warm_streams(device: str) -> None:
     for stream in (torch.cuda.current_stream(), capture_stream(torch.device("cuda", torch.cuda.current_device()))):
         with torch.cuda.stream(stream):
             for dtype in (torch.float32, torch.float16, torch.bfloat16):
-                torch.ones(8, 8, device="cuda", dtype=dtype) @ torch.ones(8, 8, device="cuda", dtype=dtype)
+                weight = torch.ones(32, 32, device="cuda", dtype=dtype)
+                weight @ weight
+                torch.nn.functional.linear(weight, weight, weight[0])
     torch.cuda.synchronize()
 
 
