@@ -97,7 +97,8 @@ class Outcome:
     def message(self) -> str:
         return (f"seed {self.case.seed} {self.status}: {self.detail}\n  case: {self.case.describe()}\n"
                 f"  reproduce: {self.case.repro(self.device)}\n"
-                f"  or: PYTHONPATH=src python -m pytest tests/fuzz/test_differential.py "
+                f"  or: TENDRIL_FUZZ_GPU_SEEDS={self.case.seed + 1} PYTHONPATH=src python -m pytest "
+                f"tests/fuzz/test_differential.py "
                 f'-k "{self.device}_seed_{self.case.seed}"')
 
 
