@@ -70,6 +70,21 @@ def test_streamed_tokens_are_the_returned_tokens(family, dtype, sample, step):
     assert sum(s.eager_calls for s in stats) == 0, [s.fallback_details for s in stats]
 
 
+@pytest.mark.parametrize("step", ["eager", "fused"])
+def test_beam_search_streams_the_returned_sequence_at_the_end(step):
+    model = tiny_model("llama", device="cuda", dtype=torch.float16)
+    options = dict(max_new_tokens=NEW, eos_token_id=[], num_beams=4, step=step)
+    for seed in (3, 4):  # the first call captures the graph, the second replays it
+        ids, _ = left_padded([6], seed=seed, device="cuda")
+        streamer = Collector()
+        out = generate(model, ids, streamer=streamer, **options)
+        assert torch.equal(out, generate(model, ids, **options))
+        assert torch.equal(streamer.values[0], ids.cpu()) and streamer.ends == 1
+        assert streamer.tokens == out[0, ids.shape[1] :].tolist() and len(streamer.tokens) == NEW
+    stats = [run.stats for run in graphed_runners(model)]
+    assert sum(s.eager_calls for s in stats) == 0, [s.fallback_details for s in stats]
+
+
 def test_eos_ends_the_stream_where_the_result_ends():
     model = tiny_model("gpt2", device="cuda")
     ids, _ = left_padded([5], device="cuda")

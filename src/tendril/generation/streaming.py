@@ -21,6 +21,9 @@ lapped, the token still reaches the streamer from the final tokens (below): visi
 early a token streams, never whether or in which order. On the CPU the eager loop writes an ordinary tensor
 and the reader thread reads it; the interpreter's lock hand-offs order the two threads' accesses.
 
+Beam search has no ring: which beam wins is known only at the end, so the loop publishes nothing and the
+delivery thread streams the chosen sequence once the launch returns (the prompt, its tokens, `end()`).
+
 Host side: `TokenDelivery` runs a thread that calls `streamer.put(prompt)`, then `streamer.put(tensor([token]))`
 per token as HF does, polling the ring with a short sleep back-off. When the launch returns, the final
 tokens are known: every token the ring did not deliver (not read yet, or lapped) is delivered from them,
@@ -69,11 +72,8 @@ class StreamerWarning(UserWarning):
     """The streamer raised; streaming stopped, and generation went on."""
 
 
-def check_streamable(num_beams: int, rows: int) -> None:
-    """HF's streaming limits: no beam search, one sequence (a ValueError as HF raises otherwise)."""
-    if num_beams > 1:
-        raise ValueError("`streamer` cannot be used with beam search (as in HF's generate). "
-                         "Make sure that `num_beams` is set to 1.")
+def check_streamable(rows: int) -> None:
+    """HF's streaming limit: one sequence (a ValueError as HF raises otherwise)."""
     if rows > 1:
         raise ValueError(f"streaming supports one sequence (batch size 1, as HF's TextStreamer), got {rows} "
                          "(batch size times num_return_sequences)")
