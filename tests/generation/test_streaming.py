@@ -64,6 +64,7 @@ def test_ring_reads_ready_pending_and_lapped_slots():
     assert ring.read(6)[0] is Slot.PENDING and ring.read(7)[0] is Slot.PENDING
     _publish(ring, 6, 99, live=False)  # a finished loop's store lands in the discard slot
     assert ring.read(6)[0] is Slot.PENDING and int(ring.host_words[2]) != 0
+    assert ring.stamp(5) == 0 and ring.stamp(1) == 0  # device times are stamped on CUDA only
     ring.reset()
     assert ring.read(1)[0] is Slot.PENDING and ring.read(5)[0] is Slot.PENDING
 

@@ -3,9 +3,10 @@
 Device to host: each token the loop chooses is published into a `TokenRing`, R slots of one int64 word in
 host memory (on CUDA mapped page-locked memory, written by the captured graph through its device address;
 on the CPU a plain tensor the eager loop writes). The k-th generated token (k = 1, 2, ...) goes to slot
-(k - 1) % R as the word `k << 32 | token`, one ordinary indexed store (`index_copy_`) inside the loop body,
-so it works inside the WHILE node and with every `step` (eager, compiled, fused) and nothing on the device
-waits for the host.
+(k - 1) % R as the word `k << 32 | token`, one ordinary store inside the loop body (on CUDA one small
+kernel, `kernels.publish`, which also stores the device's global timer beside the word: when the token was
+chosen, for measuring delivery), so it works inside the WHILE node and with every `step` (eager, compiled,
+fused) and nothing on the device waits for the host.
 
 Why one word: the counter and the token travel in one naturally aligned 8-byte store, so no order between
 two stores, and no fence, is needed. What this relies on, and nothing more: (1) an int64 element is stored
@@ -88,7 +89,8 @@ class Slot(enum.Enum):
 
 
 class TokenRing:
-    """R one-word slots written by the decode loop and read by the host (see the module docstring)."""
+    """R one-word slots written by the decode loop and read by the host (see the module docstring), and beside
+    them each token's device time (`stamps`, on CUDA)."""
 
     def __init__(self, slots: int, device: torch.device) -> None:
         if slots < 1:
@@ -97,22 +99,29 @@ class TokenRing:
         if device.type == "cuda":
             from tendril.cuda.mapped import MappedHostMemory
 
-            memory = MappedHostMemory((slots + 1) * 8, device)
-            self.words, self.host_words = memory.device_view(torch.int64), memory.host_view(torch.int64)
+            memory = MappedHostMemory(2 * (slots + 1) * 8, device)
+            device_words, host_words = memory.device_view(torch.int64), memory.host_view(torch.int64)
         else:
-            self.words = self.host_words = torch.zeros(slots + 1, dtype=torch.int64, device=device)
-        self._host = self.host_words.numpy()
+            device_words = host_words = torch.zeros(2 * (slots + 1), dtype=torch.int64, device=device)
+        self.words, self.stamps = device_words[: slots + 1], device_words[slots + 1 :]
+        self.host_words, self.host_stamps = host_words[: slots + 1], host_words[slots + 1 :]
+        self._host = host_words.numpy()
 
     def publish(self, live: torch.Tensor, count: torch.Tensor, token: torch.Tensor) -> None:
         """Device side: token number `count` (0-d long, from 1) is `token` ([1] long); stored only if `live` (0-d
-        bool), else into the discard slot."""
-        if self.words.is_cuda and not torch.cuda.is_current_stream_capturing():
+        bool), else into the discard slot. On CUDA one kernel that also stamps the device time
+        (`kernels.publish`); elsewhere PyTorch operations, and no stamp."""
+        if self.words.is_cuda:
+            if torch.cuda.is_current_stream_capturing():
+                from tendril.generation.kernels import publish
+
+                publish.publish(self.words, self.stamps, live, count, token)
             return
         slot = torch.where(live, (count - 1) % self.slots, self.slots)
         self.words.index_copy_(0, slot.view(1), (count << _TOKEN_BITS) + token)
 
     def reset(self) -> None:
-        """Host side, between launches: forget every published word."""
+        """Host side, between launches: forget every published word and stamp."""
         self._host[:] = 0
 
     def read(self, count: int) -> tuple[Slot, int]:
@@ -122,6 +131,13 @@ class TokenRing:
         if seen == count:
             return Slot.READY, word & ((1 << _TOKEN_BITS) - 1)
         return (Slot.PENDING if seen < count else Slot.LAPPED), -1
+
+    def stamp(self, count: int) -> int:
+        """Host side, once the launch has returned: the device's global timer (ns) when token number `count` was
+        published (CUDA only; 0 elsewhere, or if the token was lapped or never published)."""
+        if self.read(count)[0] is not Slot.READY:
+            return 0
+        return int(self._host[self.slots + 1 + (count - 1) % self.slots])
 
 
 class TokenDelivery:
