@@ -59,3 +59,22 @@ def fastest_step(ctx: Context, label: str, model: nn.Module, prompt: torch.Tenso
             continue
         return step
     raise RuntimeError(f"{label}: no tendril step runs this model")
+
+
+TIE_ULPS = 8.0
+"""How far below HF's best logit (in ulps of the model's dtype at that logit) a greedy token may be and still
+count as a near tie (the rule of `benchmarks.cases.generation`, there in fp16 ulps)."""
+
+
+def tie_gap_ulps(model: nn.Module, tokens: torch.Tensor, prompt_len: int) -> float:
+    """The largest gap over the generated steps of greedy `tokens` [1, L] between HF's best logit and HF's logit of
+    the chosen token, teacher-forced (one HF forward over the sequence), in ulps of the model's dtype at the best
+    logit (fp16: 2**-10 relative, bf16: 2**-7; float32 counts in fp32 ulps)."""
+    dtype = next(model.parameters()).dtype
+    with torch.inference_mode():
+        logits = model(tokens[:, :-1]).logits[0, prompt_len - 1:].float()  # type: ignore[operator]
+    best = logits.max(-1).values
+    gap = best - logits.gather(1, tokens[0, prompt_len:, None]).squeeze(1)
+    _, exponent = torch.frexp(best.abs())
+    ulp = torch.ldexp(torch.full_like(best, torch.finfo(dtype).eps), exponent - 1)
+    return float((gap / ulp).max())
