@@ -46,6 +46,7 @@ PROMPT_LEN = 16
 NEW_TOKENS = 256
 CALIBRATIONS = 64
 """Rounds of one clock calibration (each a launch and a spin, some tens of microseconds)."""
+CLOCK_TIMEOUT_NS = 10**9
 
 
 class StampingStreamer:
@@ -83,7 +84,8 @@ class DeviceClock:
             before = time.perf_counter_ns()
             device_clock(self.device_word)
             while self.host_word[0] == 0:
-                pass
+                if time.perf_counter_ns() - before > CLOCK_TIMEOUT_NS:
+                    raise RuntimeError("the clock kernel's store never reached the host")
             after = time.perf_counter_ns()
             seen = int(self.host_word[0])
             low, high = max(low, seen - after), min(high, seen - before)

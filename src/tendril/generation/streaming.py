@@ -55,8 +55,10 @@ import torch
 RING_SLOTS = 256
 """Slots of a new ring (a module attribute, so tests can force a ring smaller than the output)."""
 
-POLL_SECONDS = (50e-6, 200e-6)
-"""The reader's sleep between empty polls: starts at the first, doubles up to the second."""
+POLL_SECONDS = (50e-6, 100e-6)
+"""The reader's sleep between empty polls: starts at the first, doubles up to the second. The second bounds how
+long a token that has reached host memory waits for the reader (plus the operating system's timer slack), and
+is well below a decode step of the models tendril serves, so the reader wakes a few times per token at most."""
 
 _TOKEN_BITS = 32
 
