@@ -215,10 +215,10 @@ def test_streaming_kernels_compile_for_hopper():
     words, stamps = torch.zeros(5, dtype=torch.long), torch.zeros(5, dtype=torch.long)
     one = torch.ones((), dtype=torch.long)
     assert hopper_compile(publish._publish_kernel, lambda: publish.publish(
-        words, stamps, torch.ones((), dtype=torch.bool), one, torch.ones(1, dtype=torch.long))) == 1
+        words, stamps, torch.ones((), dtype=torch.bool), one, torch.ones(1, dtype=torch.long), 32)) == 1
     assert hopper_compile(publish._clock_kernel, lambda: publish._clock_kernel[(1,)](words)) == 1
     with pytest.raises(ValueError, match="one shape"):
-        publish.publish(words, stamps[:4], torch.ones((), dtype=torch.bool), one, one)
+        publish.publish(words, stamps[:4], torch.ones((), dtype=torch.bool), one, one, 32)
     with pytest.raises(ValueError, match="CUDA tensor"):
         publish.device_clock(words)
 

@@ -117,7 +117,7 @@ class TokenRing:
             if torch.cuda.is_current_stream_capturing():
                 from tendril.generation.kernels import publish
 
-                publish.publish(self.words, self.stamps, live, count, token)
+                publish.publish(self.words, self.stamps, live, count, token, _TOKEN_BITS)
             return
         slot = torch.where(live, (count - 1) % self.slots, self.slots)
         self.words.index_copy_(0, slot.view(1), (count << _TOKEN_BITS) + token)

@@ -18,8 +18,6 @@ import torch
 import triton
 import triton.language as tl
 
-_TOKEN_BITS = 32
-
 
 @triton.jit
 def _publish_kernel(words_ptr, stamps_ptr, live_ptr, count_ptr, token_ptr, slots, TOKEN_BITS: tl.constexpr):
@@ -37,13 +35,14 @@ def _clock_kernel(out_ptr):
 
 
 def publish(words: torch.Tensor, stamps: torch.Tensor, live: torch.Tensor, count: torch.Tensor,
-            token: torch.Tensor) -> None:
-    """Token number `count` (0-d long) is `token` ([1] long): into slot (count - 1) % R of `words` and
-    `stamps` ([R + 1] int64 each) if `live` (0-d bool), else into their last (discard) slot."""
+            token: torch.Tensor, token_bits: int) -> None:
+    """Token number `count` (0-d long) is `token` ([1] long): the word `count << token_bits | token` and the
+    time, into slot (count - 1) % R of `words` and `stamps` ([R + 1] int64 each) if `live` (0-d bool), else
+    into their last (discard) slot."""
     if words.shape != stamps.shape or words.dtype != torch.int64 or stamps.dtype != torch.int64:
         raise ValueError(f"words and stamps must be int64 tensors of one shape, got {words.dtype} "
                          f"{tuple(words.shape)} and {stamps.dtype} {tuple(stamps.shape)}")
-    _publish_kernel[(1,)](words, stamps, live, count, token, words.shape[0] - 1, TOKEN_BITS=_TOKEN_BITS,
+    _publish_kernel[(1,)](words, stamps, live, count, token, words.shape[0] - 1, TOKEN_BITS=token_bits,
                           num_warps=1)
 
 
