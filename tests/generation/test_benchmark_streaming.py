@@ -49,3 +49,20 @@ def test_tiny_llama_has_the_1b_structure():
     config = model.config
     assert config.tie_word_embeddings and config.num_key_value_heads < config.num_attention_heads
     assert model.lm_head.weight is model.get_input_embeddings().weight
+
+
+@pytest.mark.gpu
+def test_device_clock_maps_the_rings_stamps_onto_the_host_clock():
+    cuda = torch.device("cuda")
+    clock = case.DeviceClock(cuda)
+    (first, offset, uncertainty), (later, offset_again, _) = clock.offset(), clock.offset()
+    assert first < later and uncertainty < 100e3  # ns
+    assert abs(offset_again - offset) < 100e3
+    model = decode_models.tiny_gpt2(cuda, torch.float16)
+    prompts = [torch.randint(0, 1024, (1, 8), device=cuda)]
+    _, streamed = case.calls(model, "fused", new_tokens=32)
+    streamed(prompts[0], case.StampingStreamer())  # capture
+    result = case.delivery(model, streamed, prompts, reps=2, clock=clock)
+    assert len(result.latencies_us) == 64 and result.uncertainty_us < 100
+    assert min(result.latencies_us) > -result.uncertainty_us - 5 and max(result.latencies_us) < 1e6
+    assert min(result.first_visible_ms) > 0 and max(result.first_visible_ms) <= max(result.call_ms)
