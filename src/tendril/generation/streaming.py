@@ -108,6 +108,17 @@ class TokenRing:
         self.words, self.stamps = device_words[: slots + 1], device_words[slots + 1 :]
         self.host_words, self.host_stamps = host_words[: slots + 1], host_words[slots + 1 :]
         self._host = host_words.numpy()
+        if device.type == "cuda":
+            self._load_kernel()
+
+    def _load_kernel(self) -> None:
+        """Compile and load the publishing kernel now, outside any capture (a kernel's first launch compiles
+        and loads a module, which a stream capture must not see), by publishing into the discard slot."""
+        from tendril.generation.kernels import publish
+
+        one = torch.ones((), dtype=torch.long, device=self.words.device)
+        publish.publish(self.words, self.stamps, torch.zeros((), dtype=torch.bool, device=self.words.device), one,
+                        one.view(1), _TOKEN_BITS)
 
     def publish(self, live: torch.Tensor, count: torch.Tensor, token: torch.Tensor) -> None:
         """Device side: token number `count` (0-d long, from 1) is `token` ([1] long); stored only if `live` (0-d
