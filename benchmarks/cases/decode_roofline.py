@@ -17,7 +17,9 @@ counted once, as the head) and the KV cache at the average length over the gener
 (new - 1) / 2 positions). Bandwidth is measured in the same run: the best of several `torch.sum` over a
 4 GiB float32 tensor (bytes read over time). Roofline time per token = bytes per step / bandwidth, and a
 variant's fraction = roofline time / its time per token (the whole call over the new tokens, prefill
-included: conservative).
+included: conservative). With 4 beams a step still reads the weights once; its fraction uses the greedy
+bytes (the 4 beams' KV cache is a small share), and HF static+compile is not run (the beam target is
+tendril's beam over greedy time).
 
 `TENDRIL_DECODE_ROOFLINE_MODELS` (comma-separated keys of `MODELS`) runs part of the models;
 `TENDRIL_DECODE_ROOFLINE_STEPS` (comma-separated) limits tendril's steps. `--quick`: tiny models of the
@@ -197,25 +199,33 @@ def measure_model(ctx: Context, key: str, spec: ModelSpec, steps: tuple[Step, ..
             times[(name, beams)] = ms
             ctx.add_value(label, "us_per_token", ms * 1e3 / new_tokens)
             ctx.add_value(label, "roofline_fraction", roofline_us / (ms * 1e3 / new_tokens))
-        reference = hf_eager(model, new_tokens, beams)(prompts[0])
-        agreed = {}
-        for step in steps:
-            name = f"tendril {step}"
-            if (name, beams) in times:
-                ours = tendril_generate(model, new_tokens, beams, step=step)(prompts[0])
-                agreed[name] = agreement(ctx, model, f"{key} {mode}: {name} vs hf eager", ours, reference, beams == 1)
-        tendril_times = {name: ms for (name, b), ms in times.items() if b == beams and name in agreed}
-        best[beams], identical = fastest(tendril_times, agreed)
-        for role, name in (("tendril fastest", best[beams]), ("tendril fastest identical", identical)):
-            if name is None:
-                ctx.note(f"{key} {mode}: no tendril variant for '{role}'")
-                continue
-            ms = tendril_times[name]
-            ctx.add_value(f"{key} {mode} {role}", "tok_per_s", new_tokens / (ms / 1e3))
-            ctx.add_value(f"{key} {mode} {role}", "roofline_fraction", roofline_us / (ms * 1e3 / new_tokens))
-            ctx.note(f"{key} {mode}: {role} is '{name}' ({agreed[name]} tokens)")
+        best[beams] = _pick_tendril(ctx, f"{key} {mode}", model, prompts[0], beams, steps,
+                                    {name: ms for (name, b), ms in times.items() if b == beams},
+                                    roofline_us, new_tokens)
     release_graphs(model)
     return ModelResult(times, best, roofline_us)
+
+
+def _pick_tendril(ctx: Context, label: str, model: nn.Module, prompt: torch.Tensor, beams: int, steps: tuple[Step, ...],
+                  times: dict[str, float], roofline_us: float, new_tokens: int) -> str | None:
+    """Judge each measured tendril step's tokens against HF eager's, report `tendril fastest` (agreeing) and
+    `tendril fastest identical`, and return the former's variant name (None if none agrees)."""
+    reference = hf_eager(model, new_tokens, beams)(prompt)
+    agreed = {}
+    for step in steps:
+        name = f"tendril {step}"
+        if name in times:
+            ours = tendril_generate(model, new_tokens, beams, step=step)(prompt)
+            agreed[name] = agreement(ctx, model, f"{label}: {name} vs hf eager", ours, reference, beams == 1)
+    best, identical = fastest(times, agreed)
+    for role, name in (("tendril fastest", best), ("tendril fastest identical", identical)):
+        if name is None:
+            ctx.note(f"{label}: no tendril variant for '{role}'")
+            continue
+        ctx.add_value(f"{label} {role}", "tok_per_s", new_tokens / (times[name] / 1e3))
+        ctx.add_value(f"{label} {role}", "roofline_fraction", roofline_us / (times[name] * 1e3 / new_tokens))
+        ctx.note(f"{label}: {role} is '{name}' ({agreed[name]} tokens)")
+    return best
 
 
 def report_targets(ctx: Context, results: dict[str, ModelResult], new_tokens: int) -> None:
