@@ -17,8 +17,11 @@ def main() -> None:
     assert check_linear(torch.float32, "cpu", rows=2, launches=((16, 16, 3),)) > 0  # split K, last share shorter
     assert check_linear(torch.float32, "cpu", rows=5, launches=((32, 64, 1),)) > 0  # two row groups, one a row
     assert check_linear(torch.float16, "cpu", rows=1, launches=((None, None, None),)) > 0
+    # bf16: Llama's projections (RMSNorm + gated SiLU; RMSNorm + three; with a residual)
+    assert check_linear(torch.bfloat16, "cpu", rows=1, launches=((None, None, None),), picked=(3, 4, 6)) > 0
     for dtype in (torch.float32, torch.float16):
         assert check_attention(dtype, "cpu") > 0  # the GPU test's cases, cache writes compared exactly
+    assert check_attention(torch.bfloat16, "cpu", slots=(20,), exact_cache=False) > 0  # see check_attention
     assert check_argmax("cpu") > 0
     print("interpreted checks passed")
 

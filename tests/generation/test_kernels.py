@@ -178,6 +178,51 @@ def test_decode_kernels_compile_for_hopper():
                                                                                      pdl=True)) == 1
 
 
+def test_bf16_llama_kernels_compile_for_hopper():
+    """A bf16 Llama step's launches (RMSNorm + q/k/v, rotary attention over a bf16 cache, RMSNorm + gated
+    SiLU, down + residual, the LM head widened to float32) compile for sm_90 with PDL on."""
+    from tendril.generation.kernels import attention, linear
+    from tests.generation.hopper_compile import hopper_compile
+
+    bf16 = torch.bfloat16
+    x = torch.zeros(1, 64, dtype=bf16)
+    rms = Norm("rms", torch.ones(64, dtype=bf16), None, 1e-5)
+    qkv = Projection(tuple(torch.zeros(n, 64, dtype=bf16) for n in (64, 32, 32)), (None, None, None))
+    gate_up = Projection((torch.zeros(96, 64, dtype=bf16), torch.zeros(96, 64, dtype=bf16)), (None, None))
+    down = Projection((torch.zeros(64, 96, dtype=bf16),), (None,))
+    head = Projection((torch.zeros(1000, 64, dtype=bf16),), (None,))
+    launches = [
+        lambda: linear.fused_linear(x, qkv, norm=rms, pdl=True),
+        lambda: linear.fused_linear(x, gate_up, norm=rms, activation="silu", gated=True, pdl=True),
+        lambda: linear.fused_linear(torch.zeros(1, 96, dtype=bf16), down, addends=(x,), pdl=True),
+        lambda: linear.fused_linear(x, head, norm=rms, out_dtype=torch.float32, pdl=True),
+    ]
+    for launch in launches:
+        assert hopper_compile(linear._fused_linear_kernel, launch) == 1
+    cache = torch.zeros(1, 2, 144, 16, dtype=bf16)
+    q, k, v = torch.zeros(1, 64, dtype=bf16), torch.zeros(1, 32, dtype=bf16), torch.zeros(1, 32, dtype=bf16)
+    tables = torch.zeros(1, 16, dtype=bf16)
+    assert hopper_compile(attention._decode_attention_kernel, lambda: attention.decode_attention(
+        q, k, v, cache, cache.clone(), torch.ones(1, 144, dtype=torch.bool), torch.zeros(1, dtype=torch.long),
+        0.25, ("half", tables, tables), pdl=True)) == 1
+
+
+def test_streaming_kernels_compile_for_hopper():
+    """The token ring's publishing kernel and the clock kernel (the device's global timer, inline PTX)."""
+    from tendril.generation.kernels import publish
+    from tests.generation.hopper_compile import hopper_compile
+
+    words, stamps = torch.zeros(5, dtype=torch.long), torch.zeros(5, dtype=torch.long)
+    one = torch.ones((), dtype=torch.long)
+    assert hopper_compile(publish._publish_kernel, lambda: publish.publish(
+        words, stamps, torch.ones((), dtype=torch.bool), one, torch.ones(1, dtype=torch.long), 32)) == 1
+    assert hopper_compile(publish._clock_kernel, lambda: publish._clock_kernel[(1,)](words)) == 1
+    with pytest.raises(ValueError, match="one shape"):
+        publish.publish(words, stamps[:4], torch.ones((), dtype=torch.bool), one, one, 32)
+    with pytest.raises(ValueError, match="CUDA tensor"):
+        publish.device_clock(words)
+
+
 def test_programmatic_launch_is_off_without_a_hopper_gpu(monkeypatch):
     from tendril import config
     from tendril.generation.kernels import pdl

@@ -1,11 +1,13 @@
 """On the GPU: the fused decode kernels against their references (every option, odd and GPT-2 124M sizes,
-NaN-poisoned outputs), and `step="fused"` graphed end to end, exact against HF for every family."""
+NaN-poisoned outputs), and `step="fused"` graphed end to end, exact against HF for every family (fp32, fp16
+on the tiny models) or up to near ties (bf16)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from benchmarks.cases.decode_models import TIE_ULPS, tie_gap_ulps
 from tendril.generation import generate
 from tendril.generation.api import graphed_runners, release_graphs
 from tendril.generation.kernels import linear, reference
@@ -31,7 +33,7 @@ def test_argmax_kernel_matches_torch():
 
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_attention_kernel_matches_reference(dtype):
     assert check_attention(dtype, "cuda") > 0
 
@@ -80,6 +82,48 @@ def test_fused_fp16_greedy_matches_hf(family):
     expected = hf_generate(model, ids, mask, None, max_new_tokens=NEW)
     got = generate(model, ids, mask, max_new_tokens=NEW, eos_token_id=[], pad_token_id=0, step="fused")
     assert torch.equal(got, expected)
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama", "qwen2"])
+def test_fused_bf16_greedy_is_hf_up_to_near_ties(family):
+    """bf16 through the fused step, graphed: HF's tokens, or tokens HF itself (teacher-forced) scores within
+    `TIE_ULPS` bf16 ulps of its best at every step, on several prompts."""
+    model = tiny_model(family, device="cuda", dtype=torch.bfloat16)
+    identical = 0
+    for seed in range(4):
+        ids, mask = left_padded([6], seed=seed, device="cuda")
+        expected = hf_generate(model, ids, mask, None, max_new_tokens=NEW)
+        got = generate(model, ids, mask, max_new_tokens=NEW, eos_token_id=[], pad_token_id=0, step="fused")
+        assert got.shape == expected.shape
+        identical += bool(torch.equal(got, expected))
+        assert torch.equal(got, expected) or tie_gap_ulps(model, got, ids.shape[1]) <= TIE_ULPS, (got, expected)
+    assert identical >= 2  # near ties are the exception
+    (runner,) = graphed_runners(model)
+    assert runner.stats.eager_calls == 0 and runner.stats.replays >= 3, runner.stats.fallback_details
+
+
+@pytest.mark.parametrize("num_beams", [1, 4])
+def test_fused_bf16_llama_1b_layer_shape_runs_graphed(num_beams):
+    """A layer of Llama-3.2-1B's shape (hidden 2048, 32/8 heads, head 64, intermediate 8192, a vocabulary past
+    one argmax chunk) in bf16: the fused step runs graphed, and greedy follows HF up to near ties."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(hidden_size=2048, intermediate_size=8192, num_hidden_layers=1, num_attention_heads=32,
+                         num_key_value_heads=8, vocab_size=20000, tie_word_embeddings=True,
+                         max_position_embeddings=256, rope_theta=500000.0)
+    with torch.device("cuda"):
+        model = LlamaForCausalLM(config).to(torch.bfloat16).eval()
+    ids = torch.randint(0, 20000, (1, 16), device="cuda")
+    mask = torch.ones_like(ids)
+    options = dict(max_new_tokens=NEW, num_beams=num_beams)
+    got = generate(model, ids, mask, eos_token_id=[], pad_token_id=0, step="fused", **options)
+    expected = hf_generate(model, ids, mask, None, **options)
+    assert got.shape == expected.shape and not (got < 0).any()
+    if num_beams == 1:
+        assert torch.equal(got, expected) or tie_gap_ulps(model, got, 16) <= TIE_ULPS, (got, expected)
+    (runner,) = graphed_runners(model)
+    assert runner.stats.eager_calls == 0, runner.stats.fallback_details
 
 
 def test_fused_replay_does_not_sync_with_the_host():

@@ -64,6 +64,7 @@ def test_ring_reads_ready_pending_and_lapped_slots():
     assert ring.read(6)[0] is Slot.PENDING and ring.read(7)[0] is Slot.PENDING
     _publish(ring, 6, 99, live=False)  # a finished loop's store lands in the discard slot
     assert ring.read(6)[0] is Slot.PENDING and int(ring.host_words[2]) != 0
+    assert ring.stamp(5) == 0 and ring.stamp(1) == 0  # device times are stamped on CUDA only
     ring.reset()
     assert ring.read(1)[0] is Slot.PENDING and ring.read(5)[0] is Slot.PENDING
 
@@ -214,17 +215,40 @@ def test_a_failing_streamer_stops_the_stream_and_generation_goes_on(gpt2):
     assert len(streamer.values) == 3 and streamer.ends == 1  # no put after the failure; end was attempted
 
 
-def test_beam_search_and_several_sequences_refuse_a_streamer_like_hf(gpt2):
+@pytest.mark.parametrize("sample", [False, True])
+def test_beam_search_streams_the_chosen_sequence_at_the_end(gpt2, sample):
+    ids, _ = left_padded([4], seed=6)
+    options = dict(max_new_tokens=NEW, num_beams=3, eos_token_id=[], do_sample=sample, seed=2)
+    streamer = Collector()
+    out = generate(gpt2, ids, streamer=streamer, **options)
+    assert torch.equal(out, generate(gpt2, ids, **options))
+    assert torch.equal(streamer.values[0], ids) and streamer.ends == 1
+    assert streamer.tokens == out[0, ids.shape[1] :].tolist() and len(streamer.tokens) == NEW
+    assert all(value.shape == (1,) for value in streamer.values[1:])
+    beams = [(plan, run) for (plan, _, _), run in _state(gpt2).runners.items() if plan.num_beams == 3]
+    assert beams and all(plan.stream_slots == 0 and run.ring is None for plan, run in beams)  # type: ignore[attr-defined]
+
+
+def test_beam_search_streams_up_to_eos_like_its_result(gpt2):
+    ids, _ = left_padded([5], seed=1)
+    free = generate(gpt2, ids, max_new_tokens=NEW, num_beams=2, eos_token_id=[])
+    eos = int(free[0, ids.shape[1] + 3])
+    streamer = Collector()
+    out = generate(gpt2, ids, max_new_tokens=NEW, num_beams=2, eos_token_id=eos, pad_token_id=0, streamer=streamer)
+    assert streamer.tokens == out[0, ids.shape[1] :].tolist() and streamer.ends == 1
+
+
+def test_several_sequences_refuse_a_streamer_like_hf(gpt2):
     ids, _ = left_padded([4])
-    with pytest.raises(ValueError, match="beam search"):
-        generate(gpt2, ids, max_new_tokens=4, num_beams=2, streamer=Collector())
-    with pytest.raises(ValueError, match="cannot be used with beam search"):
-        hf_generate(gpt2, ids, torch.ones_like(ids), None, max_new_tokens=4, num_beams=2, streamer=Collector())
     batch, _ = left_padded([4, 4])
     with pytest.raises(ValueError, match="batch size 1"):
         generate(gpt2, batch, max_new_tokens=4, streamer=Collector())
     with pytest.raises(ValueError, match="batch size 1"):
+        generate(gpt2, batch, max_new_tokens=4, num_beams=2, streamer=Collector())
+    with pytest.raises(ValueError, match="batch size 1"):
         generate(gpt2, ids, max_new_tokens=4, do_sample=True, num_return_sequences=2, streamer=Collector())
+    with pytest.raises(ValueError, match="batch size 1"):
+        generate(gpt2, ids, max_new_tokens=4, num_beams=2, num_return_sequences=2, streamer=Collector())
 
 
 def test_without_a_streamer_the_loop_has_no_ring():

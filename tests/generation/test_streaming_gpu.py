@@ -3,12 +3,15 @@ fused step) publishes each token into mapped host memory; the streamed tokens ar
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
 from tendril.cuda.mapped import MappedHostMemory
 from tendril.generation import generate, streaming
 from tendril.generation.api import graphed_runners
+from tendril.generation.kernels import publish
 from tendril.generation.noise import draw_key
 from tendril.generation.streaming import Slot, TokenRing
 from tests.generation.models import left_padded, tiny_model
@@ -39,9 +42,27 @@ def test_a_cuda_ring_is_written_only_by_captured_graphs():
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         ring.publish(live, one, token)
+    clock = torch.zeros(2, dtype=torch.long, device="cuda")
+    publish.device_clock(clock[0:])
     graph.replay()
+    publish.device_clock(clock[1:])
     torch.cuda.synchronize()
     assert ring.read(1) == (Slot.READY, 9)
+    assert int(clock[0]) <= ring.stamp(1) <= int(clock[1]) and ring.stamp(2) == 0
+
+
+def test_each_streamed_token_carries_its_device_time():
+    model = tiny_model("gpt2", device="cuda", dtype=torch.float16)
+    ids, _ = left_padded([5], device="cuda")
+    clock = torch.zeros(2, dtype=torch.long, device="cuda")
+    for _ in range(2):  # capture, then replay
+        publish.device_clock(clock[0:])
+        generate(model, ids, max_new_tokens=NEW, eos_token_id=[], step="fused", streamer=Collector())
+        publish.device_clock(clock[1:])
+        torch.cuda.synchronize()
+        stamps = [_streaming_loop(model).ring.stamp(count) for count in range(1, NEW + 1)]
+        assert int(clock[0]) < stamps[0] and stamps[-1] < int(clock[1])
+        assert all(a <= b for a, b in itertools.pairwise(stamps)) and stamps[0] < stamps[-1], stamps
 
 
 def _streaming_loop(model):
@@ -66,6 +87,21 @@ def test_streamed_tokens_are_the_returned_tokens(family, dtype, sample, step):
         ring = _streaming_loop(model).ring
         assert ring.words.is_cuda and not ring.host_words.is_cuda
         assert [ring.read(count) for count in range(1, NEW + 1)] == [(Slot.READY, t) for t in streamer.tokens]
+    stats = [run.stats for run in graphed_runners(model)]
+    assert sum(s.eager_calls for s in stats) == 0, [s.fallback_details for s in stats]
+
+
+@pytest.mark.parametrize("step", ["eager", "fused"])
+def test_beam_search_streams_the_returned_sequence_at_the_end(step):
+    model = tiny_model("llama", device="cuda", dtype=torch.float16)
+    options = dict(max_new_tokens=NEW, eos_token_id=[], num_beams=4, step=step)
+    for seed in (3, 4):  # the first call captures the graph, the second replays it
+        ids, _ = left_padded([6], seed=seed, device="cuda")
+        streamer = Collector()
+        out = generate(model, ids, streamer=streamer, **options)
+        assert torch.equal(out, generate(model, ids, **options))
+        assert torch.equal(streamer.values[0], ids.cpu()) and streamer.ends == 1
+        assert streamer.tokens == out[0, ids.shape[1] :].tolist() and len(streamer.tokens) == NEW
     stats = [run.stats for run in graphed_runners(model)]
     assert sum(s.eager_calls for s in stats) == 0, [s.fallback_details for s in stats]
 

@@ -9,6 +9,7 @@ defaults; options tendril does not implement are refused by name, never ignored.
 from __future__ import annotations
 
 import copy
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -144,7 +145,8 @@ def generate(
     `streamer` (HF's `TextStreamer`, `TextIteratorStreamer`, or anything with their `put`/`end`) receives
     the prompt, then each token as the device loop chooses it, then `end()`, as from HF's `generate`, with
     no host sync per token (see `tendril.generation.streaming`). As in HF it needs one sequence (batch size
-    1) and no beam search; an exception in the streamer stops the stream with a `StreamerWarning` and the
+    1, one returned sequence). With beam search the chosen sequence streams when the loop ends, since only
+    then is the winning beam known; an exception in the streamer stops the stream with a `StreamerWarning` and the
     result is still returned.
     `unsupported='hf'` runs HF's own `generate` eagerly for models tendril has no decode path for.
     """
@@ -163,7 +165,7 @@ def generate(
         raise ValueError(f"num_return_sequences ({num_return_sequences}) must be <= num_beams ({num_beams})")
     check_step(step)
     if streamer is not None:
-        check_streamable(num_beams, input_ids.shape[0] * num_return_sequences)
+        check_streamable(input_ids.shape[0] * num_return_sequences)
     eos = _eos_ids(model, eos_token_id)
     pad = _pad_id(model, pad_token_id, eos)
     try:
@@ -190,7 +192,7 @@ def generate(
         raise ValueError(f"early_stopping must be True, False or 'never', got {early_stopping!r}")
     plan = Plan.build(max_new_tokens=max_new_tokens, processing=processing, eos=eos, pad=pad, num_beams=num_beams,
                       length_penalty=length_penalty, early_stopping=early_stopping, step=step,
-                      stream_slots=streaming.RING_SLOTS if streamer is not None else 0)
+                      stream_slots=streaming.RING_SLOTS if streamer is not None and num_beams == 1 else 0)
     device = input_ids.device
     batch, prompt_len = input_ids.shape
     mask = _default_mask(input_ids, pad, eos) if attention_mask is None else attention_mask.to(device, torch.long)
@@ -199,31 +201,40 @@ def generate(
     arch.check_length(prompt_len + max_new_tokens)
     with torch.inference_mode():
         run = runner(model, arch, plan)
+        result = functools.partial(_result, num_beams=num_beams, batch=batch, prompt_len=prompt_len,
+                                   num_return_sequences=num_return_sequences)
         if streamer is not None:
-            return _streamed(run, streamer, input_ids, prompt, mask, draw_key(device, seed))
-        carried = run(prompt, mask, draw_key(device, seed))
-        if num_beams == 1:
-            return greedy_result(carried, prompt_len).clone()
-        return beam_result(carried, batch, prompt_len, num_return_sequences).clone()
+            return _streamed(run, result, streamer, input_ids, prompt, mask, draw_key(device, seed))
+        return result(run(prompt, mask, draw_key(device, seed)))
+
+
+def _result(carried: tuple[torch.Tensor, ...], *, num_beams: int, batch: int, prompt_len: int,
+            num_return_sequences: int) -> torch.Tensor:
+    """The ids `generate` returns from the loop's final state (one host sync)."""
+    if num_beams == 1:
+        return greedy_result(carried, prompt_len).clone()
+    return beam_result(carried, batch, prompt_len, num_return_sequences).clone()
 
 
 def _streamed(
     run: Callable[..., tuple[torch.Tensor, ...]],
+    result: Callable[[tuple[torch.Tensor, ...]], torch.Tensor],
     streamer: Streamer,
     input_ids: torch.Tensor,
     prompt: torch.Tensor,
     mask: torch.Tensor,
     noise_key: torch.Tensor,
 ) -> torch.Tensor:
-    """One greedy/sampling launch whose tokens a host thread streams while it runs (see `streaming`)."""
+    """One launch whose tokens a host thread streams (see `streaming`): while it runs from the loop's ring
+    (greedy, sampling), or all after it (beam search, whose loop has no ring)."""
     prompt_len = prompt.shape[1]
     with TokenDelivery(streamer, _unwrapped(run).ring, input_ids) as delivery:
         carried = run(prompt, mask, noise_key)
         if prompt.is_cuda:  # wait with the GIL released, so the delivery thread runs while the graph does
             torch.cuda.current_stream(prompt.device).synchronize()
-        result = greedy_result(carried, prompt_len).clone()
-        delivery.finish(result[0, prompt_len:].tolist())  # the launch has finished: this sync waits for nothing
-    return result
+        out = result(carried)
+        delivery.finish(out[0, prompt_len:].tolist())  # the launch has finished: this sync waits for nothing
+    return out
 
 
 @dataclass

@@ -3,9 +3,10 @@
 Device to host: each token the loop chooses is published into a `TokenRing`, R slots of one int64 word in
 host memory (on CUDA mapped page-locked memory, written by the captured graph through its device address;
 on the CPU a plain tensor the eager loop writes). The k-th generated token (k = 1, 2, ...) goes to slot
-(k - 1) % R as the word `k << 32 | token`, one ordinary indexed store (`index_copy_`) inside the loop body,
-so it works inside the WHILE node and with every `step` (eager, compiled, fused) and nothing on the device
-waits for the host.
+(k - 1) % R as the word `k << 32 | token`, one ordinary store inside the loop body (on CUDA one small
+kernel, `kernels.publish`, which also stores the device's global timer beside the word: when the token was
+chosen, for measuring delivery), so it works inside the WHILE node and with every `step` (eager, compiled,
+fused) and nothing on the device waits for the host.
 
 Why one word: the counter and the token travel in one naturally aligned 8-byte store, so no order between
 two stores, and no fence, is needed. What this relies on, and nothing more: (1) an int64 element is stored
@@ -20,6 +21,9 @@ launch has finished), so no word of an earlier call is taken for this one's. If 
 lapped, the token still reaches the streamer from the final tokens (below): visibility only decides how
 early a token streams, never whether or in which order. On the CPU the eager loop writes an ordinary tensor
 and the reader thread reads it; the interpreter's lock hand-offs order the two threads' accesses.
+
+Beam search has no ring: which beam wins is known only at the end, so the loop publishes nothing and the
+delivery thread streams the chosen sequence once the launch returns (the prompt, its tokens, `end()`).
 
 Host side: `TokenDelivery` runs a thread that calls `streamer.put(prompt)`, then `streamer.put(tensor([token]))`
 per token as HF does, polling the ring with a short sleep back-off. When the launch returns, the final
@@ -51,8 +55,10 @@ import torch
 RING_SLOTS = 256
 """Slots of a new ring (a module attribute, so tests can force a ring smaller than the output)."""
 
-POLL_SECONDS = (50e-6, 200e-6)
-"""The reader's sleep between empty polls: starts at the first, doubles up to the second."""
+POLL_SECONDS = (50e-6, 100e-6)
+"""The reader's sleep between empty polls: starts at the first, doubles up to the second. The second bounds how
+long a token that has reached host memory waits for the reader (plus the operating system's timer slack), and
+is well below a decode step of the models tendril serves, so the reader wakes a few times per token at most."""
 
 _TOKEN_BITS = 32
 
@@ -69,11 +75,8 @@ class StreamerWarning(UserWarning):
     """The streamer raised; streaming stopped, and generation went on."""
 
 
-def check_streamable(num_beams: int, rows: int) -> None:
-    """HF's streaming limits: no beam search, one sequence (a ValueError as HF raises otherwise)."""
-    if num_beams > 1:
-        raise ValueError("`streamer` cannot be used with beam search (as in HF's generate). "
-                         "Make sure that `num_beams` is set to 1.")
+def check_streamable(rows: int) -> None:
+    """HF's streaming limit: one sequence (a ValueError as HF raises otherwise)."""
     if rows > 1:
         raise ValueError(f"streaming supports one sequence (batch size 1, as HF's TextStreamer), got {rows} "
                          "(batch size times num_return_sequences)")
@@ -88,7 +91,8 @@ class Slot(enum.Enum):
 
 
 class TokenRing:
-    """R one-word slots written by the decode loop and read by the host (see the module docstring)."""
+    """R one-word slots written by the decode loop and read by the host (see the module docstring), and beside
+    them each token's device time (`stamps`, on CUDA)."""
 
     def __init__(self, slots: int, device: torch.device) -> None:
         if slots < 1:
@@ -97,22 +101,40 @@ class TokenRing:
         if device.type == "cuda":
             from tendril.cuda.mapped import MappedHostMemory
 
-            memory = MappedHostMemory((slots + 1) * 8, device)
-            self.words, self.host_words = memory.device_view(torch.int64), memory.host_view(torch.int64)
+            memory = MappedHostMemory(2 * (slots + 1) * 8, device)
+            device_words, host_words = memory.device_view(torch.int64), memory.host_view(torch.int64)
         else:
-            self.words = self.host_words = torch.zeros(slots + 1, dtype=torch.int64, device=device)
-        self._host = self.host_words.numpy()
+            device_words = host_words = torch.zeros(2 * (slots + 1), dtype=torch.int64, device=device)
+        self.words, self.stamps = device_words[: slots + 1], device_words[slots + 1 :]
+        self.host_words, self.host_stamps = host_words[: slots + 1], host_words[slots + 1 :]
+        self._host = host_words.numpy()
+        if device.type == "cuda":
+            self._load_kernel()
+
+    def _load_kernel(self) -> None:
+        """Compile and load the publishing kernel now, outside any capture (a kernel's first launch compiles
+        and loads a module, which a stream capture must not see), by publishing into the discard slot."""
+        from tendril.generation.kernels import publish
+
+        one = torch.ones((), dtype=torch.long, device=self.words.device)
+        publish.publish(self.words, self.stamps, torch.zeros((), dtype=torch.bool, device=self.words.device), one,
+                        one.view(1), _TOKEN_BITS)
 
     def publish(self, live: torch.Tensor, count: torch.Tensor, token: torch.Tensor) -> None:
         """Device side: token number `count` (0-d long, from 1) is `token` ([1] long); stored only if `live` (0-d
-        bool), else into the discard slot."""
-        if self.words.is_cuda and not torch.cuda.is_current_stream_capturing():
+        bool), else into the discard slot. On CUDA one kernel that also stamps the device time
+        (`kernels.publish`); elsewhere PyTorch operations, and no stamp."""
+        if self.words.is_cuda:
+            if torch.cuda.is_current_stream_capturing():
+                from tendril.generation.kernels import publish
+
+                publish.publish(self.words, self.stamps, live, count, token, _TOKEN_BITS)
             return
         slot = torch.where(live, (count - 1) % self.slots, self.slots)
         self.words.index_copy_(0, slot.view(1), (count << _TOKEN_BITS) + token)
 
     def reset(self) -> None:
-        """Host side, between launches: forget every published word."""
+        """Host side, between launches: forget every published word and stamp."""
         self._host[:] = 0
 
     def read(self, count: int) -> tuple[Slot, int]:
@@ -122,6 +144,13 @@ class TokenRing:
         if seen == count:
             return Slot.READY, word & ((1 << _TOKEN_BITS) - 1)
         return (Slot.PENDING if seen < count else Slot.LAPPED), -1
+
+    def stamp(self, count: int) -> int:
+        """Host side, once the launch has returned: the device's global timer (ns) when token number `count` was
+        published (CUDA only; 0 elsewhere, or if the token was lapped or never published)."""
+        if self.read(count)[0] is not Slot.READY:
+            return 0
+        return int(self._host[self.slots + 1 + (count - 1) % self.slots])
 
 
 class TokenDelivery:

@@ -32,7 +32,8 @@ def _argmax_kernel(scores_ptr, stride_row, columns, out_ptr, BLOCK: tl.constexpr
     for start in range(0, columns, BLOCK):
         index = start + lanes
         value = tl.load(scores_ptr + row * stride_row + index, mask=index < columns, other=float("-inf"))
-        value = tl.where(value != value, float("inf"), value.to(tl.float32))  # NaN wins
+        value = value.to(tl.float32)  # widened first: the interpreter holds bf16 as integers, never NaN
+        value = tl.where(value != value, float("inf"), value)  # NaN wins
         better = (value > best) | ((best_index == 2147483647) & (index < columns))
         best = tl.where(better, value, best)
         best_index = tl.where(better, index, best_index)
