@@ -15,7 +15,8 @@ products.
 The input is read zero-padded by the layer's padding (one `F.pad` copy for padded layers; none for the others),
 so the inner loop has no bounds checks; pixels past the output plane read pixel 0 and are not stored. The
 epilogue adds the bias and the residual, applies ReLU and stores in the input's dtype, undoing the tile's
-channel order.
+channel order. On the CPU (tests, CPU networks) `conv` runs the PyTorch emulation of the same algorithm
+(`emulation.py`), unless the Triton interpreter runs the kernel.
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from tendril import config
+from tendril.sparse.ops.conv.ell import emulation
 from tendril.sparse.ops.conv.ell.packing import EllConvWeights, padded_hw
 
 
@@ -100,9 +103,11 @@ def conv(
     bias: torch.Tensor,
     residual: torch.Tensor | None = None,
     relu: bool = False,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`relu(conv2d(x, weights) + bias + residual)` for a batch `x` (`[N, C, H, W]`, fp32, fp16 or bf16), in
-    `x`'s dtype; `residual` (`[N, K, OH, OW]`) and `bias` (`[K]`) in any float dtype."""
+    `x`'s dtype; `residual` (`[N, K, OH, OW]`) and `bias` (`[K]`) in any float dtype. Written into `out`
+    (contiguous, `x`'s dtype) where given, else into a new tensor."""
     g, cfg = packed.geometry, packed.config
     if x.dim() != 4 or tuple(x.shape[1:]) != (g.in_channels, *g.in_hw):
         raise ValueError(f"x: expected [N, {g.in_channels}, {g.in_hw[0]}, {g.in_hw[1]}], got {tuple(x.shape)}")
@@ -115,9 +120,14 @@ def conv(
         raise ValueError(f"bias: expected shape ({g.out_channels},), got {tuple(bias.shape)}")
     if residual is not None and tuple(residual.shape) != out_shape:
         raise ValueError(f"residual: expected shape {out_shape}, got {tuple(residual.shape)}")
+    if out is None:
+        out = torch.empty(out_shape, dtype=x.dtype, device=x.device)
+    elif tuple(out.shape) != out_shape or out.dtype != x.dtype or not out.is_contiguous() or out.device != x.device:
+        raise ValueError(f"out: expected a contiguous {x.dtype} tensor of shape {out_shape} on {x.device}")
+    if x.device.type == "cpu" and not config.settings.triton_interpret:
+        return out.copy_(emulation.conv(x, packed, bias, residual=residual, relu=relu))
     (ph, pw), (hp, wp) = g.padding, padded_hw(g)
     x = F.pad(x, (pw, pw, ph, ph)) if ph or pw else x.contiguous()
-    out = torch.empty(out_shape, dtype=x.dtype, device=x.device)
     pixels = g.out_hw[0] * g.out_hw[1]
     grid = (packed.tiles, triton.cdiv(pixels, cfg.pixels), x.shape[0])
     _ell_conv_kernel[grid](

@@ -1,0 +1,94 @@
+"""The ELL kernel as a `ConvKernel` (`"ell"`): reads the layer's dense input in its dtype (no compression, so no
+capacity to overflow) and its `EllConvWeights` (held in the layer's `ell` attribute: the weights packed for one
+tile config), and fuses bias, residual and ReLU.
+
+`tune` times one variant per tile config in `CONFIGS` that suits the layer (`configs_for`), each with its own
+packing, and keeps the fastest one's; it admits the kernel only once its output agrees with the layer's
+reference.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import TYPE_CHECKING
+
+import torch
+
+from tendril.sparse.format import ConvGeometry
+from tendril.sparse.ops.conv.ell import kernel
+from tendril.sparse.ops.conv.ell.packing import EllConfig, pack, padded_hw
+from tendril.sparse.ops.conv.interface import ConvKernel, TuneSample, Variant
+
+if TYPE_CHECKING:
+    from tendril.sparse.steps import RunState, SparseConvStep
+    from tendril.sparse.tuning import KernelTuner
+
+CONFIGS = (
+    EllConfig(channels=16, depth=4, pixels=64, warps=4),
+    EllConfig(channels=8, depth=8, pixels=64, warps=4),
+    EllConfig(channels=4, depth=16, pixels=64, warps=4),
+    EllConfig(channels=8, depth=4, pixels=128, warps=4),
+    EllConfig(channels=4, depth=8, pixels=32, warps=2),
+)
+"""The tile configs `tune` times: wide channel tiles with shallow steps for short channels; narrow, deep ones
+for long channels (fewer loop steps, each with more loads in flight) and more programs on small planes; long
+pixel runs for large planes. Each holds a `[depth, channels, pixels]` accumulator of 16 or 32 registers a
+thread."""
+MIN_PIXELS = 16
+"""The smallest pixel run `configs_for` keeps configs down to (below it every config is kept)."""
+
+
+def unsupported_reason(geometry: ConvGeometry) -> str | None:
+    """Why the kernel cannot run a layer of `geometry` (None: it can): its int32 input offsets must reach every
+    element of a zero-padded input sample."""
+    hp, wp = padded_hw(geometry)
+    if geometry.in_channels * hp * wp >= 1 << 31:
+        return f"a padded input sample of {geometry.in_channels * hp * wp} elements exceeds int32 offsets"
+    return None
+
+
+def configs_for(step: SparseConvStep) -> list[EllConfig]:
+    """The configs worth timing on `step`: those whose pixel run is not longer than the output plane needs, and
+    whose depth is not past the mean nonzero count of a channel (which would be mostly padding)."""
+    g = step.weights.geometry
+    plane = max(MIN_PIXELS, 1 << (g.out_hw[0] * g.out_hw[1] - 1).bit_length())
+    mean_nnz = max(4, -(-step.weights.nnz // g.out_channels))
+    kept = [c for c in CONFIGS if c.pixels <= plane and c.depth <= mean_nnz]
+    return kept or list(CONFIGS[:1])
+
+
+class EllKernel(ConvKernel):
+    name = "ell"
+    reads = "ell"
+    checked = True
+    kept_after_tune = False
+
+    def run(
+        self, step: SparseConvStep, x: torch.Tensor, residual: torch.Tensor | None, state: RunState
+    ) -> torch.Tensor:
+        packed = step.ell
+        if packed is None:
+            raise ValueError(f"{step.name}: the ell kernel was chosen but not prepared; SparseNetwork.tune builds it")
+        if state.count_inputs:
+            state.last_counts[step.name] = torch.count_nonzero(x[-1]).view(1)
+        return kernel.conv(x, packed, step.bias, residual=residual, relu=step.relu)
+
+    def variants(self, step: SparseConvStep, sample: TuneSample, tuner: KernelTuner) -> list[Variant]:
+        """One variant per config of `configs_for` (or the one packed before), each packed from the layer's
+        compressed weights; none where the geometry is unsupported or the kernel was rejected on this layer."""
+        rejected = self.name in tuner.net.rejected_kernels.get(step.name, {})
+        if unsupported_reason(step.weights.geometry) is not None or rejected:
+            return []
+        if step.ell is not None:
+            packs = [step.ell]
+        else:
+            packs = [pack(step.weights, config) for config in configs_for(step)]
+        x = sample.dense_input[None]
+        residual = None if sample.residual is None else sample.residual[None]
+        return [
+            Variant(packed, functools.partial(kernel.conv, x, packed, step.bias, residual=residual, relu=step.relu))
+            for packed in packs
+        ]
+
+
+ELL = EllKernel()
