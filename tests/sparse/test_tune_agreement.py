@@ -179,6 +179,7 @@ def test_every_registered_kernel_is_timed_and_the_fastest_register_plan_is_kept(
 
     from tendril.sparse import tuning
     from tendril.sparse.ops.conv import registry
+    from tendril.sparse.ops.conv.ell import dataflow as ell_dataflow
 
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(multi_processor_count=132))
     monkeypatch.setattr(torch, "cudnn_convolution_add_relu", _cudnn_convolution_add_relu)
@@ -202,6 +203,7 @@ def test_every_registered_kernel_is_timed_and_the_fastest_register_plan_is_kept(
     assert list(times) == ["cuda", "triton", "register", "ell", *registry.dense_kernels_for(step)]
     assert set(registry.dense_kernels_for(step)) == set(registry.DENSE_KERNELS)
     assert step.register is not None and step.register.plan == plans[-1]
+    assert step.ell is not None and step.ell.config == ell_dataflow.configs_for(step)[-1]
     assert step.dense_weight is not None and step.benchmarked_shape == (1, *inputs[step.name][0][0].shape)
     assert not net.rejected_kernels
 

@@ -34,8 +34,6 @@ CONFIGS = (
 for long channels (fewer loop steps, each with more loads in flight) and more programs on small planes; long
 pixel runs for large planes. Each holds a `[depth, channels, pixels]` accumulator of 16 or 32 registers a
 thread."""
-MIN_PIXELS = 16
-"""The smallest pixel run `configs_for` keeps configs down to (below it every config is kept)."""
 
 
 def unsupported_reason(geometry: ConvGeometry) -> str | None:
@@ -48,13 +46,16 @@ def unsupported_reason(geometry: ConvGeometry) -> str | None:
 
 
 def configs_for(step: SparseConvStep) -> list[EllConfig]:
-    """The configs worth timing on `step`: those whose pixel run is not longer than the output plane needs, and
-    whose depth is not past the mean nonzero count of a channel (which would be mostly padding)."""
+    """The configs worth timing on `step`: those whose pixel run is not longer than the output plane needs (else
+    the shortest), and of those, the ones whose depth is not past the mean nonzero count of a channel, which would
+    be mostly padding (else the shallowest)."""
     g = step.weights.geometry
-    plane = max(MIN_PIXELS, 1 << (g.out_hw[0] * g.out_hw[1] - 1).bit_length())
+    plane = 1 << (g.out_hw[0] * g.out_hw[1] - 1).bit_length()
     mean_nnz = max(4, -(-step.weights.nnz // g.out_channels))
-    kept = [c for c in CONFIGS if c.pixels <= plane and c.depth <= mean_nnz]
-    return kept or list(CONFIGS[:1])
+    shortest = min(c.pixels for c in CONFIGS)
+    fitting = [c for c in CONFIGS if c.pixels <= max(plane, shortest)]
+    shallowest = min(c.depth for c in fitting)
+    return [c for c in fitting if c.depth <= max(mean_nnz, shallowest)]
 
 
 class EllKernel(ConvKernel):
