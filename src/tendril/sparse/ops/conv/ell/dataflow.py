@@ -80,10 +80,7 @@ class EllKernel(ConvKernel):
         rejected = self.name in tuner.net.rejected_kernels.get(step.name, {})
         if unsupported_reason(step.weights.geometry) is not None or rejected:
             return []
-        if step.ell is not None:
-            packs = [step.ell]
-        else:
-            packs = [pack(step.weights, config) for config in configs_for(step)]
+        packs = [step.ell] if step.ell is not None else [pack(step.weights, c) for c in configs_for(step)]
         x = sample.dense_input[None]
         residual = None if sample.residual is None else sample.residual[None]
         return [
