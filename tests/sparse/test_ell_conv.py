@@ -18,7 +18,15 @@ from tendril.sparse import convert, prune
 from tendril.sparse.format import ConvGeometry
 from tendril.sparse.ops.conv.ell import dataflow as ell_dataflow
 from tendril.sparse.ops.conv.ell import kernel as ell_kernel
-from tendril.sparse.ops.conv.ell.packing import EllConfig, EllConvWeights, pack, padded_hw
+from tendril.sparse.ops.conv.ell.packing import (
+    POINTWISE,
+    SHIFTED,
+    EllConfig,
+    EllConvWeights,
+    pack,
+    padded_hw,
+    virtual_width,
+)
 from tendril.sparse.steps import RunState, SparseConvStep
 from tendril.sparse.tuning import KernelTuner
 from tests.sparse.ell_checks import CASES, SMALL_CONFIGS, EllCase, check_case, operands
@@ -40,7 +48,7 @@ def unpacked(packed: EllConvWeights) -> torch.Tensor:
     real = k >= 0
     assert (value[~real] == 0).all() and (packed.values[entry.numel() :] == 0).all()
     k, offset, value = k[real], offset[real], value[real]
-    if packed.pointwise:
+    if packed.mode == POINTWISE:
         c, r, s = offset, torch.zeros_like(offset), torch.zeros_like(offset)
     else:
         hp, wp = padded_hw(g)
@@ -51,7 +59,7 @@ def unpacked(packed: EllConvWeights) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("case", CASES)
-@pytest.mark.parametrize("config", [*SMALL_CONFIGS, EllConfig(16, 4, 64)])
+@pytest.mark.parametrize("config", [*SMALL_CONFIGS, EllConfig(16, 4, 64), EllConfig(2, 4, 512)])
 def test_packing_holds_every_nonzero_once_in_sorted_tiles(case, config):
     weights = operands(case, torch.float32, CPU)[0]
     packed = pack(weights, config)
@@ -65,6 +73,10 @@ def test_packing_holds_every_nonzero_once_in_sorted_tiles(case, config):
     for t in range(packed.tiles):  # each tile padded only up to its longest channel, rounded up to the depth
         longest = max(lane_counts[t * config.channels : (t + 1) * config.channels])
         assert int(packed.chunk_ptr[t + 1] - packed.chunk_ptr[t]) == -(-longest // config.depth)
+    if packed.mode == SHIFTED:  # the last pixel block's virtual pixels read inside the copy's slack
+        hq, wq = padded_hw(g)
+        blocks = -(-g.out_hw[0] * virtual_width(g) // config.pixels)
+        assert int(packed.offsets.max()) + blocks * config.pixels - 1 < g.in_channels * hq * wq
 
 
 def test_the_packed_layout_is_validated_at_construction():
@@ -141,7 +153,10 @@ def test_configs_suit_the_layer_and_huge_inputs_are_unsupported():
     configs = ell_dataflow.configs_for(step)  # type: ignore[arg-type]
     assert configs and all(c.pixels <= 64 for c in configs)
     tiny = SimpleStep(operands(EllCase(2, 4, (3, 3), (1, 1), 1, 0, 0.5), torch.float32, CPU)[0])
-    assert ell_dataflow.configs_for(tiny) == [EllConfig(4, 8, 32, 2)]  # type: ignore[arg-type]
+    shortest = min(c.pixels for c in ell_dataflow.CONFIGS)
+    assert ell_dataflow.configs_for(tiny) == [  # type: ignore[arg-type]
+        c for c in ell_dataflow.CONFIGS if c.pixels == shortest and c.depth == 4
+    ]
     assert ell_dataflow.unsupported_reason(case.geometry) is None
     huge = ConvGeometry(1 << 12, 8, (3, 3), (1, 1), (1, 1), 1, (1 << 10, 1 << 10))
     assert "int32" in str(ell_dataflow.unsupported_reason(huge))

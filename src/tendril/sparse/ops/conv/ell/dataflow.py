@@ -24,16 +24,17 @@ if TYPE_CHECKING:
     from tendril.sparse.tuning import KernelTuner
 
 CONFIGS = (
+    EllConfig(channels=8, depth=8, pixels=128, warps=4),
+    EllConfig(channels=4, depth=8, pixels=128, warps=4),
     EllConfig(channels=16, depth=4, pixels=64, warps=4),
     EllConfig(channels=8, depth=8, pixels=64, warps=4),
     EllConfig(channels=4, depth=16, pixels=64, warps=4),
-    EllConfig(channels=8, depth=4, pixels=128, warps=4),
-    EllConfig(channels=4, depth=8, pixels=32, warps=2),
+    EllConfig(channels=2, depth=16, pixels=64, warps=2),
 )
-"""The tile configs `tune` times: wide channel tiles with shallow steps for short channels; narrow, deep ones
-for long channels (fewer loop steps, each with more loads in flight) and more programs on small planes; long
-pixel runs for large planes. Each holds a `[depth, channels, pixels]` accumulator of 16 or 32 registers a
-thread."""
+"""The tile configs `tune` times: long pixel blocks for large planes (a thread then holds 16 pixels of each
+nonzero it loads); wide channel tiles with shallow steps for channels with few nonzeros; narrow, deep ones for
+channels with many (fewer loop steps, each with more loads in flight) and for small planes, where only narrow
+tiles make enough programs to fill the GPU. A thread's accumulator holds 32 or 64 fp32 values."""
 
 
 def unsupported_reason(geometry: ConvGeometry) -> str | None:

@@ -1,8 +1,8 @@
 """The `"ell"` kernel's algorithm on the CPU in PyTorch ops, for CI and CPU tensors: the same packed entries,
-the same offset arithmetic (flat offsets into the zero-padded input plus each output pixel's base, or
-channel × plane + pixel for pointwise layers), padding entries included, the same fp32 accumulation and the
-same epilogue (bias, residual, ReLU, the input's dtype, channels put back in their order). Entries are summed
-all at once (`index_add_`), not chunk by chunk: only the summation order differs from the kernel.
+the same reading modes and offset arithmetic on the same padded input copy (every virtual pixel computed, only
+the output's stored), padding entries included, the same fp32 accumulation and the same epilogue (bias,
+residual, ReLU, the input's dtype, channels put back in their order). Entries are summed all at once
+(`index_add_`), not chunk by chunk: only the summation order differs from the kernel.
 """
 
 from __future__ import annotations
@@ -10,19 +10,26 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from tendril.sparse.ops.conv.ell.packing import EllConvWeights, padded_hw
+from tendril.sparse.ops.conv.ell.packing import (
+    POINTWISE,
+    STRIDED,
+    EllConvWeights,
+    padded_hw,
+    slack_rows,
+    virtual_width,
+)
 from tendril.sparse.validation import segment_of
 
 
 def pixel_bases(packed: EllConvWeights) -> torch.Tensor:
-    """`[OH * OW]` int64: the offset each output pixel adds to an entry's offset (what the kernel's `base` is)."""
+    """`[OH * virtual width]` int64: the offset each virtual pixel adds to an entry's offset (the kernel's `base`)."""
     g = packed.geometry
-    oh, ow = g.out_hw
-    p = torch.arange(oh * ow, device=packed.values.device)
-    if packed.pointwise:
-        return p
-    wp = padded_hw(g)[1]
-    return (p // ow) * g.stride[0] * wp + (p % ow) * g.stride[1]
+    oh, vw = g.out_hw[0], virtual_width(g)
+    q = torch.arange(oh * vw, device=packed.values.device)
+    if packed.mode != STRIDED:
+        return q
+    wq = padded_hw(g)[1]
+    return (q // vw) * g.stride[0] * wq + (q % vw) * g.stride[1]
 
 
 def conv(
@@ -34,9 +41,8 @@ def conv(
 ) -> torch.Tensor:
     """What `kernel.conv` computes, for a batch `x` (`[N, C, H, W]`), in `x`'s dtype."""
     g, cfg = packed.geometry, packed.config
-    (ph, pw), (hp, wp) = g.padding, padded_hw(g)
-    xp = F.pad(x, (pw, pw, ph, ph)) if ph or pw else x
-    flat = xp.reshape(x.shape[0], -1).float()
+    (ph, pw), slack, (hq, wq) = g.padding, slack_rows(g), padded_hw(g)
+    flat = F.pad(x, (pw, pw, ph, ph + slack)).reshape(x.shape[0], -1).float()
     per_chunk = cfg.depth * cfg.channels
     used = int(packed.chunk_ptr[-1]) * per_chunk  # the spare chunk is never summed
     entry = torch.arange(used, device=x.device)
@@ -45,13 +51,14 @@ def conv(
     real = channel >= 0  # lanes past the last output channel hold only padding, which the kernel never stores
     entry, channel = entry[real], channel[real]
     offsets = packed.offsets[entry].long()
-    if packed.pointwise:
-        offsets = offsets * (hp * wp)
-    read = offsets[:, None] + pixel_bases(packed)[None, :]  # [entries, pixels]
-    products = packed.values[entry, None] * flat[:, read]  # [N, entries, pixels]
-    y = torch.zeros(x.shape[0], g.out_channels, g.out_hw[0] * g.out_hw[1], device=x.device)
+    if packed.mode == POINTWISE:
+        offsets = offsets * (hq * wq)
+    read = offsets[:, None] + pixel_bases(packed)[None, :]  # [entries, virtual pixels]
+    products = packed.values[entry, None] * flat[:, read]  # [N, entries, virtual pixels]
+    (oh, ow), vw = g.out_hw, virtual_width(g)
+    y = torch.zeros(x.shape[0], g.out_channels, oh * vw, device=x.device)
     y.index_add_(1, channel, products)
-    y = y.view(x.shape[0], g.out_channels, *g.out_hw) + bias.float().view(1, -1, 1, 1)
+    y = y.view(x.shape[0], g.out_channels, oh, vw)[..., :ow] + bias.float().view(1, -1, 1, 1)
     if residual is not None:
         y = y + residual.float()
     return (y.relu() if relu else y).to(x.dtype)

@@ -2,25 +2,26 @@
 with bias, residual and ReLU fused, in the input's dtype (fp32, fp16 or bf16) with fp32 accumulation.
 
 Grid: (channel tile, pixel block, sample). A program computes its tile's `channels` output channels at
-`pixels` consecutive output pixels (row-major over the output plane). It walks its tile's chunks: each step
-loads one chunk's `[depth, channels]` weights and offsets (the next chunk's are loaded one step ahead, so that
-their latency hides behind the gather), gathers the `[depth, channels, pixels]` input values they read (for a
-channel, a shifted run of the input's pixels: coalesced along the pixel axis) and accumulates their products in
-a `[depth, channels, pixels]` fp32 accumulator, reduced over the depth once at the end. Every product but the
-padding of the tile's ELL chunks is useful: work and input traffic follow the nonzero count, with one
-gathered load per multiply-add (an input value is shared by two lanes only when two channels of a tile hold
-the same tap, which unstructured pruning makes rare); weights and offsets are loaded once per `pixels`
-products.
+`pixels` consecutive pixels of the plane its reading mode computes (`packing.mode_of`: the output plane, or for
+`SHIFTED` layers a virtual plane `Wq` pixels wide whose extra columns are computed and not stored). It walks
+its tile's chunks: each step loads one chunk's `[depth, channels]` weights and offsets (the next chunk's one
+step ahead, so their latency hides behind the gather), gathers the input values they read for every pixel
+(for one channel, a shifted run of input pixels, coalesced along the pixel axis) and accumulates the products in
+a `[pixels / RUN, depth, channels, RUN]` fp32 accumulator, reduced over the depth once at the end. Every product
+but the padding of the tile's ELL chunks is useful, so work and input traffic follow the nonzero count.
 
-The input is read zero-padded by the layer's padding (one `F.pad` copy for padded layers; none for the others),
-so the inner loop has no bounds checks; pixels past the output plane read pixel 0 and are not stored. Pointwise
-layers (1×1, stride 1, no padding) read a channel's pixel run as contiguous memory instead, masked at the end of
-the plane: Triton then knows the run's alignment where the plane size is a multiple of 16 and loads it in
-vectors, a fraction of a load instruction per multiply-add. The
-epilogue adds the bias and the residual, applies ReLU and stores in the input's dtype, undoing the tile's
-channel order. On the CPU (tests, CPU networks) `conv` runs the PyTorch emulation of the same algorithm
-(`emulation.py`), unless the Triton interpreter runs the kernel.
-"""
+Cost per step and thread: one gathered load, one conversion to fp32 (none for fp32) and one multiply-add per
+product; the weight and offset of a nonzero are loaded once for the thread's `pixels / RUN` products of it; an
+input value is shared between lanes only when two channels of a tile hold the same tap (rare under unstructured
+pruning). Addresses cost nearly nothing in the `SHIFTED` and `POINTWISE` modes: every pixel sits at the same
+distance from its entry's offset, so a thread's loads of a nonzero are one address plus immediate offsets
+(`SHIFTED`) or 16-byte vectors where the plane size is a multiple of 16 (`POINTWISE`); `STRIDED` layers compute
+each pixel's address. The reads need no bounds checks: `SHIFTED` and padded layers read a zero-padded copy of the
+input (`padded_input`, one `F.pad`), `POINTWISE` ones mask the end of the plane.
+
+The epilogue adds the bias and the residual, applies ReLU and stores the real output pixels in the input's dtype,
+undoing the tile's channel order. On the CPU (tests, CPU networks) `conv` runs the PyTorch emulation of the same
+algorithm (`emulation.py`), unless the Triton interpreter runs the kernel."""
 
 from __future__ import annotations
 
@@ -30,8 +31,14 @@ import triton
 import triton.language as tl
 
 from tendril import config
+from tendril.sparse.format import ConvGeometry
 from tendril.sparse.ops.conv.ell import emulation
-from tendril.sparse.ops.conv.ell.packing import EllConvWeights, padded_hw
+from tendril.sparse.ops.conv.ell.packing import EllConvWeights, padded_hw, slack_rows, virtual_width
+
+RUN = 8
+"""Consecutive pixels a warp's neighbouring lanes compute for one channel and nonzero (one 16-byte segment of
+fp16 input): the rest of a program's `[pixels, depth, channels]` tile goes to the other lanes and to registers,
+so that a thread holds `pixels / RUN` pixels of each nonzero whose weight and offset it loads."""
 
 
 @triton.jit
@@ -46,51 +53,57 @@ def _ell_conv_kernel(
     channels_ptr,
     x_sample,
     plane,
+    virtual_pixels,
+    virtual_w,
     out_channels,
-    out_pixels,
+    out_h,
     out_w,
     row_step,
     col_step,
     HAS_RESIDUAL: tl.constexpr,
     RELU: tl.constexpr,
-    POINTWISE: tl.constexpr,
+    MODE: tl.constexpr,
     CHANNELS: tl.constexpr,
     DEPTH: tl.constexpr,
     PIXELS: tl.constexpr,
+    RUN: tl.constexpr,
 ):
     tile = tl.program_id(0)
-    p = tl.program_id(1) * PIXELS + tl.arange(0, PIXELS)
+    runs = tl.arange(0, PIXELS // RUN)[:, None] * RUN  # [RUNS, 1]: a program's pixels are runs of RUN
+    q = tl.program_id(1) * PIXELS + runs + tl.arange(0, RUN)[None, :]  # [RUNS, RUN] virtual pixels
     sample = tl.program_id(2).to(tl.int64)
-    in_plane = p < out_pixels
-    # pointwise: contiguous, so that with a plane size divisible by 16 the loads vectorise (masked at the end)
-    base = p if POINTWISE else tl.where(in_plane, (p // out_w) * row_step + (p % out_w) * col_step, 0)
+    in_plane = q < virtual_pixels
+    # POINTWISE, SHIFTED: the same distance for every entry (vector loads, or immediate offsets); STRIDED: computed
+    base = q if MODE != 2 else tl.where(in_plane, (q // out_w) * row_step + (q % out_w) * col_step, 0)
     x_sample_ptr = x_ptr + sample * x_sample
     entry = tl.arange(0, DEPTH)[:, None] * CHANNELS + tl.arange(0, CHANNELS)[None, :]  # [DEPTH, CHANNELS]
     first = tl.load(chunk_ptr + tile)
     last = tl.load(chunk_ptr + tile + 1)
     w = tl.load(values_ptr + first * (DEPTH * CHANNELS) + entry)
     offset = tl.load(offsets_ptr + first * (DEPTH * CHANNELS) + entry)
-    acc = tl.zeros([DEPTH, CHANNELS, PIXELS], dtype=tl.float32)
+    acc = tl.zeros([PIXELS // RUN, DEPTH, CHANNELS, RUN], dtype=tl.float32)
     for chunk in range(first, last):
-        if POINTWISE:
-            read = x_sample_ptr + (offset * plane)[:, :, None] + base[None, None, :]
-            x = tl.load(read, mask=in_plane[None, None, :], other=0.0).to(tl.float32)
+        if MODE == 0:  # POINTWISE: masked at the end of the plane, the only mode that reads the caller's input
+            read = x_sample_ptr + (offset * plane)[None, :, :, None] + base[:, None, None, :]
+            x = tl.load(read, mask=in_plane[:, None, None, :], other=0.0).to(tl.float32)
         else:
-            x = tl.load(x_sample_ptr + offset[:, :, None] + base[None, None, :]).to(tl.float32)
+            x = tl.load(x_sample_ptr + offset[None, :, :, None] + base[:, None, None, :]).to(tl.float32)
         following = (chunk + 1) * (DEPTH * CHANNELS) + entry
         w_next = tl.load(values_ptr + following)
         offset_next = tl.load(offsets_ptr + following)
-        acc += w[:, :, None] * x
+        acc += w[None, :, :, None] * x
         w = w_next
         offset = offset_next
-    y = tl.sum(acc, axis=0)  # [CHANNELS, PIXELS]
+    y = tl.sum(acc, axis=1)  # [RUNS, CHANNELS, RUN]
 
     channel = tl.load(channels_ptr + tile * CHANNELS + tl.arange(0, CHANNELS))
     used = channel >= 0
-    k = tl.where(used, channel, 0)
-    y += tl.load(bias_ptr + k).to(tl.float32)[:, None]
-    out_offset = (sample * out_channels + k[:, None]) * out_pixels + p[None, :]
-    mask = used[:, None] & in_plane[None, :]
+    k = tl.where(used, channel, 0)[None, :, None]
+    y += tl.load(bias_ptr + k).to(tl.float32)
+    oy = q // virtual_w
+    ox = q % virtual_w
+    out_offset = (sample * out_channels + k) * (out_h * out_w) + (oy * out_w + ox)[:, None, :]
+    mask = used[None, :, None] & ((oy < out_h) & (ox < out_w))[:, None, :]
     if HAS_RESIDUAL:
         y += tl.load(residual_ptr + out_offset, mask=mask, other=0.0).to(tl.float32)
     if RELU:
@@ -127,10 +140,10 @@ def conv(
         raise ValueError(f"out: expected a contiguous {x.dtype} tensor of shape {out_shape} on {x.device}")
     if x.device.type == "cpu" and not config.settings.triton_interpret:
         return out.copy_(emulation.conv(x, packed, bias, residual=residual, relu=relu))
-    (ph, pw), (hp, wp) = g.padding, padded_hw(g)
-    x = F.pad(x, (pw, pw, ph, ph)) if ph or pw else x.contiguous()
-    pixels = g.out_hw[0] * g.out_hw[1]
-    grid = (packed.tiles, triton.cdiv(pixels, cfg.pixels), x.shape[0])
+    x = padded_input(x, g)
+    hq, wq = padded_hw(g)
+    (oh, ow), vw = g.out_hw, virtual_width(g)
+    grid = (packed.tiles, triton.cdiv(oh * vw, cfg.pixels), x.shape[0])
     _ell_conv_kernel[grid](
         x,
         out,
@@ -140,19 +153,28 @@ def conv(
         packed.offsets,
         packed.chunk_ptr,
         packed.channels,
-        g.in_channels * hp * wp,
-        hp * wp,
+        g.in_channels * hq * wq,
+        hq * wq,
+        oh * vw,
+        vw,
         g.out_channels,
-        pixels,
-        g.out_hw[1],
-        g.stride[0] * wp,
+        oh,
+        ow,
+        g.stride[0] * wq,
         g.stride[1],
         HAS_RESIDUAL=residual is not None,
         RELU=relu,
-        POINTWISE=packed.pointwise,
+        MODE=packed.mode,
         CHANNELS=cfg.channels,
         DEPTH=cfg.depth,
         PIXELS=cfg.pixels,
+        RUN=min(RUN, cfg.pixels),
         num_warps=cfg.warps,
     )
     return out
+
+
+def padded_input(x: torch.Tensor, geometry: ConvGeometry) -> torch.Tensor:
+    """`x` as the kernel reads it (`packing.padded_hw`): zero-padded, with the slack rows, contiguous."""
+    (ph, pw), slack = geometry.padding, slack_rows(geometry)
+    return F.pad(x, (pw, pw, ph, ph + slack)) if ph or pw or slack else x.contiguous()

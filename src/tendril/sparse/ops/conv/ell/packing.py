@@ -7,14 +7,21 @@ channel's count rounded up to `depth`, so after sorting the padding is the sprea
 plus less than `depth` per channel, and a kernel program walks exactly its tile's chunks: work follows the
 nonzeros, and the inner loop holds no mask.
 
-Each entry is a weight (fp32, so half-precision weights are held exactly) and the input offset it reads:
-- general: the flat offset `c * Hp * Wp + r * Wp + s` of kernel tap `(r, s)` of input channel `c` in the
-  input zero-padded by the convolution's padding (`Hp * Wp` each channel), so that output pixel `(oy, ox)`
-  reads entry offset + `oy * sh * Wp + ox * sw`, in bounds with no check;
-- pointwise (1×1 kernel, stride 1, no padding): the input channel `c` alone; the kernel multiplies it by the
-  plane size, which Triton knows is a multiple of 16 where it is, so the loads of a pixel row vectorise.
-A padding entry is weight 0 at offset 0 (a valid address). One spare chunk of zeros follows the last tile, so
-the kernel's prefetch of the chunk after a tile's last stays in bounds.
+Each entry is a weight (fp32, so half-precision weights are held exactly) and the input offset it reads, in
+one of three reading modes (`mode_of`):
+- `POINTWISE` (1×1 kernel, stride 1, no padding): the input channel `c` alone; the kernel reads `c * H * W`
+  plus the pixel, masked at the end of the plane, and Triton knows the plane size is a multiple of 16 where it
+  is, so the loads of a pixel run vectorise;
+- `SHIFTED` (other stride-1 layers): the flat offset `c * Hq * Wq + r * Wq + s` of kernel tap `(r, s)` of input
+  channel `c` in a copy of the input zero-padded by the layer's padding plus `slack_rows` rows at the bottom
+  (`padded_hw`). The kernel computes a *virtual* output plane of `OH` rows of `Wq` pixels, pixel `q` reading
+  entry offset + `q`: the same constant distance for every entry, so that a thread's loads are one address
+  plus immediate offsets. The virtual columns past `OW` read the next row (or the slack) and are not stored;
+- `STRIDED` (stride above 1): the flat offset as in `SHIFTED` in the input zero-padded by the layer's padding
+  (no copy when there is none, no slack), output pixel `(oy, ox)` reading entry offset + `oy * sh * Wq + ox * sw`.
+Every read lies inside the (copied) input with no check. A padding entry is weight 0 at offset 0 (a valid
+address). One spare chunk of zeros follows the last tile, so the kernel's prefetch of the chunk after a tile's
+last stays in bounds.
 """
 
 from __future__ import annotations
@@ -42,18 +49,42 @@ class EllConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1 or value & (value - 1):
                 raise ValueError(f"EllConfig.{name}={value!r}: expected a positive power of two")
+        if self.pixels > MAX_PIXELS:
+            raise ValueError(f"EllConfig.pixels={self.pixels}: at most {MAX_PIXELS}")
 
 
-def is_pointwise(geometry: ConvGeometry) -> bool:
-    """Whether the layer is a plain matrix product over pixels (1×1 kernel, stride 1, no padding)."""
+POINTWISE, SHIFTED, STRIDED = 0, 1, 2
+"""The kernel's reading modes (module docstring)."""
+MAX_PIXELS = 512
+"""The longest pixel block of a config: what the `SHIFTED` copy's slack rows cover."""
+
+
+def mode_of(geometry: ConvGeometry) -> int:
     g = geometry
-    return g.kernel == (1, 1) and g.stride == (1, 1) and g.padding == (0, 0)
+    if g.stride != (1, 1):
+        return STRIDED
+    return POINTWISE if g.kernel == (1, 1) and g.padding == (0, 0) else SHIFTED
 
 
 def padded_hw(geometry: ConvGeometry) -> tuple[int, int]:
-    """Rows and columns of each input channel as the kernel reads it (zero-padded by the layer's padding)."""
+    """Rows and columns of each input channel as the kernel reads it: zero-padded by the layer's padding, plus
+    `slack_rows(geometry)` rows."""
     (h, w), (ph, pw) = geometry.in_hw, geometry.padding
-    return h + 2 * ph, w + 2 * pw
+    return h + 2 * ph + slack_rows(geometry), w + 2 * pw
+
+
+def slack_rows(geometry: ConvGeometry) -> int:
+    """Zero rows below the padded input of a `SHIFTED` layer, enough for the virtual pixels of the last pixel
+    block (up to `MAX_PIXELS` past the plane) to read inside the copy; none in the other modes."""
+    if mode_of(geometry) != SHIFTED:
+        return 0
+    return -(-MAX_PIXELS // (geometry.in_hw[1] + 2 * geometry.padding[1])) + 1
+
+
+def virtual_width(geometry: ConvGeometry) -> int:
+    """Pixels per row of the plane the kernel computes (`padded_hw`'s columns for `SHIFTED` layers, else the
+    output's)."""
+    return padded_hw(geometry)[1] if mode_of(geometry) == SHIFTED else geometry.out_hw[1]
 
 
 @dataclass(frozen=True)
@@ -68,7 +99,7 @@ class EllConvWeights:
     values: torch.Tensor
     """`[(chunks + 1) * depth * channels]` fp32 weights, chunk by chunk, each `[depth, channels]`."""
     offsets: torch.Tensor
-    """int32, alongside `values`: the input offset (general) or input channel (pointwise) each weight reads."""
+    """int32, alongside `values`: the input offset (the input channel for `POINTWISE`) each weight reads."""
     chunk_ptr: torch.Tensor
     """`[tiles + 1]` int32: tile `t`'s chunks are `chunk_ptr[t]:chunk_ptr[t + 1]`."""
     channels: torch.Tensor
@@ -80,8 +111,8 @@ class EllConvWeights:
             self._check_values()
 
     @property
-    def pointwise(self) -> bool:
-        return is_pointwise(self.geometry)
+    def mode(self) -> int:
+        return mode_of(self.geometry)
 
     @property
     def tiles(self) -> int:
@@ -112,7 +143,7 @@ class EllConvWeights:
         lanes = self.channels.long()
         checks.add(((lanes < -1) | (lanes >= g.out_channels)).any(), "channels: an entry outside [-1, out_channels)")
         offsets = self.offsets.long()
-        if self.pointwise:
+        if self.mode == POINTWISE:
             checks.in_range("offsets (input channel)", offsets, g.in_channels, "in_channels")
         else:
             hp, wp = padded_hw(g)
@@ -132,7 +163,7 @@ def nonzeros(weights: SparseConvWeights) -> tuple[torch.Tensor, torch.Tensor, to
     k, rp, sp = taps >> 16, (taps >> 8) & 0xFF, taps & 0xFF
     virtual = segment_of(weights.channel_ptr, weights.nnz)
     c, phase = virtual // g.phases, virtual % g.phases
-    if is_pointwise(g):
+    if mode_of(g) == POINTWISE:
         return k, c, weights.values
     (sh, sw), (hp, wp) = g.stride, padded_hw(g)
     r, s = rp * sh + phase // sw, sp * sw + phase % sw
