@@ -52,6 +52,9 @@ CASES = [
     EllCase(4, 9, (6, 5), (3, 3), 1, 1, 0.5, relu=True),
     EllCase(5, 6, (7, 7), (3, 3), 2, 1, 0.2, batch=2, residual=True, relu=True),
     EllCase(4, 6, (9, 8), (5, 5), 2, 2, 0.3, groups=2),
+    EllCase(3, 5, (13, 11), (7, 7), 2, 3, 0.3, relu=True),  # a stem: 7×7, stride 2
+    EllCase(3, 4, (19, 17), (11, 11), 4, 2, 0.3),  # stride 4
+    EllCase(4, 6, (8, 9), (3, 3), 2, 0, 0.4, residual=True),  # strided, unpadded
     EllCase(3, 5, (6, 6), (3, 1), 1, 0, 1.0, residual=True),
     EllCase(4, 5, (5, 5), (3, 3), 1, 1, 0.0, relu=True),  # no nonzeros at all: bias (+ ReLU) only
     EllCase(8, 17, (4, 4), (3, 3), 1, 1, 0.05, relu=True),  # most channels empty, a tile's lanes unused

@@ -18,15 +18,8 @@ from tendril.sparse import convert, prune
 from tendril.sparse.format import ConvGeometry
 from tendril.sparse.ops.conv.ell import dataflow as ell_dataflow
 from tendril.sparse.ops.conv.ell import kernel as ell_kernel
-from tendril.sparse.ops.conv.ell.packing import (
-    POINTWISE,
-    SHIFTED,
-    EllConfig,
-    EllConvWeights,
-    pack,
-    padded_hw,
-    virtual_width,
-)
+from tendril.sparse.ops.conv.ell.packing import EllConfig, EllConvWeights, pack
+from tendril.sparse.ops.conv.ell.planes import POINTWISE, SHIFTED, input_planes, plane_hw, virtual_width
 from tendril.sparse.steps import RunState, SparseConvStep
 from tendril.sparse.tuning import KernelTuner
 from tests.sparse.ell_checks import CASES, SMALL_CONFIGS, EllCase, check_case, operands
@@ -51,8 +44,10 @@ def unpacked(packed: EllConvWeights) -> torch.Tensor:
     if packed.mode == POINTWISE:
         c, r, s = offset, torch.zeros_like(offset), torch.zeros_like(offset)
     else:
-        hp, wp = padded_hw(g)
-        c, r, s = offset // (hp * wp), offset % (hp * wp) // wp, offset % wp
+        (rows, cols), (sh, sw) = plane_hw(g), g.stride
+        plane, inside = offset // (rows * cols), offset % (rows * cols)
+        c, phase = plane // (sh * sw), plane % (sh * sw)
+        r, s = inside // cols * sh + phase // sw, inside % cols * sw + phase % sw
     dense = torch.zeros(g.out_channels, g.in_channels // g.groups, *g.kernel, dtype=torch.float64)
     dense.index_put_((k, c % (g.in_channels // g.groups), r, s), value.double(), accumulate=True)
     return dense
@@ -73,10 +68,16 @@ def test_packing_holds_every_nonzero_once_in_sorted_tiles(case, config):
     for t in range(packed.tiles):  # each tile padded only up to its longest channel, rounded up to the depth
         longest = max(lane_counts[t * config.channels : (t + 1) * config.channels])
         assert int(packed.chunk_ptr[t + 1] - packed.chunk_ptr[t]) == -(-longest // config.depth)
-    if packed.mode == SHIFTED:  # the last pixel block's virtual pixels read inside the copy's slack
-        hq, wq = padded_hw(g)
+    if packed.mode == SHIFTED:  # the last pixel block's virtual pixels read inside the planes' slack
+        rows, cols = plane_hw(g)
         blocks = -(-g.out_hw[0] * virtual_width(g) // config.pixels)
-        assert int(packed.offsets.max()) + blocks * config.pixels - 1 < g.in_channels * hq * wq
+        last_read = int(packed.offsets.max()) + blocks * config.pixels - 1
+        assert last_read < g.in_channels * g.phases * rows * cols
+        assert tuple(input_planes(torch.zeros(1, g.in_channels, *g.in_hw), g).shape[1:]) == (
+            g.in_channels * g.phases,
+            rows,
+            cols,
+        )
 
 
 def test_the_packed_layout_is_validated_at_construction():
@@ -91,9 +92,9 @@ def test_the_packed_layout_is_validated_at_construction():
     far[0] = 10**6
     with pytest.raises(ValueError, match="offsets"):
         rebuilt(offsets=far)
-    wp = padded_hw(weights.geometry)[1]
+    cols = plane_hw(weights.geometry)[1]
     off_kernel = packed.offsets.clone()
-    off_kernel[0] = 3 * wp  # row 3 of a 3×3 kernel
+    off_kernel[0] = 3 * cols  # row 3 of a 3×3 kernel
     with pytest.raises(ValueError, match="kernel tap outside"):
         rebuilt(offsets=off_kernel)
     backwards = packed.chunk_ptr.clone()

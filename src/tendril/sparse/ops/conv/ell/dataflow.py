@@ -16,7 +16,8 @@ import torch
 
 from tendril.sparse.format import ConvGeometry
 from tendril.sparse.ops.conv.ell import kernel
-from tendril.sparse.ops.conv.ell.packing import EllConfig, pack, padded_hw
+from tendril.sparse.ops.conv.ell.packing import EllConfig, pack
+from tendril.sparse.ops.conv.ell.planes import plane_hw, planes_per_channel, virtual_width
 from tendril.sparse.ops.conv.interface import ConvKernel, TuneSample, Variant
 
 if TYPE_CHECKING:
@@ -38,11 +39,12 @@ tiles make enough programs to fill the GPU. A thread's accumulator holds 32 or 6
 
 
 def unsupported_reason(geometry: ConvGeometry) -> str | None:
-    """Why the kernel cannot run a layer of `geometry` (None: it can): its int32 input offsets must reach every
-    element of a zero-padded input sample."""
-    hp, wp = padded_hw(geometry)
-    if geometry.in_channels * hp * wp >= 1 << 31:
-        return f"a padded input sample of {geometry.in_channels * hp * wp} elements exceeds int32 offsets"
+    """Why the kernel cannot run a layer of `geometry` (None: it can): its int32 offsets must reach every element
+    of a sample's input planes (`planes.py`), and the virtual pixels of its last pixel block past them."""
+    rows, cols = plane_hw(geometry)
+    elements = geometry.in_channels * planes_per_channel(geometry) * rows * cols
+    if elements + geometry.out_hw[0] * virtual_width(geometry) >= 1 << 31:
+        return f"a sample's input planes of {elements} elements exceed int32 offsets"
     return None
 
 
@@ -51,7 +53,7 @@ def configs_for(step: SparseConvStep) -> list[EllConfig]:
     the shortest), and of those, the ones whose depth is not past the mean nonzero count of a channel, which would
     be mostly padding (else the shallowest)."""
     g = step.weights.geometry
-    plane = 1 << (g.out_hw[0] * g.out_hw[1] - 1).bit_length()
+    plane = 1 << (g.out_hw[0] * virtual_width(g) - 1).bit_length()
     mean_nnz = max(4, -(-step.weights.nnz // g.out_channels))
     shortest = min(c.pixels for c in CONFIGS)
     fitting = [c for c in CONFIGS if c.pixels <= max(plane, shortest)]

@@ -1,5 +1,5 @@
-"""The `"ell"` kernel's algorithm on the CPU in PyTorch ops, for CI and CPU tensors: the same packed entries,
-the same reading modes and offset arithmetic on the same padded input copy (every virtual pixel computed, only
+"""The `"ell"` kernel's algorithm on the CPU in PyTorch ops, for CI and CPU tensors: the same packed entries
+read from the same input planes (`planes.input_planes`) at the same offsets (every virtual pixel computed, only
 the output's stored), padding entries included, the same fp32 accumulation and the same epilogue (bias,
 residual, ReLU, the input's dtype, channels put back in their order). Entries are summed all at once
 (`index_add_`), not chunk by chunk: only the summation order differs from the kernel.
@@ -8,28 +8,10 @@ residual, ReLU, the input's dtype, channels put back in their order). Entries ar
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
-from tendril.sparse.ops.conv.ell.packing import (
-    POINTWISE,
-    STRIDED,
-    EllConvWeights,
-    padded_hw,
-    slack_rows,
-    virtual_width,
-)
+from tendril.sparse.ops.conv.ell.packing import EllConvWeights
+from tendril.sparse.ops.conv.ell.planes import POINTWISE, input_planes, plane_hw, virtual_width
 from tendril.sparse.validation import segment_of
-
-
-def pixel_bases(packed: EllConvWeights) -> torch.Tensor:
-    """`[OH * virtual width]` int64: the offset each virtual pixel adds to an entry's offset (the kernel's `base`)."""
-    g = packed.geometry
-    oh, vw = g.out_hw[0], virtual_width(g)
-    q = torch.arange(oh * vw, device=packed.values.device)
-    if packed.mode != STRIDED:
-        return q
-    wq = padded_hw(g)[1]
-    return (q // vw) * g.stride[0] * wq + (q % vw) * g.stride[1]
 
 
 def conv(
@@ -41,8 +23,7 @@ def conv(
 ) -> torch.Tensor:
     """What `kernel.conv` computes, for a batch `x` (`[N, C, H, W]`), in `x`'s dtype."""
     g, cfg = packed.geometry, packed.config
-    (ph, pw), slack, (hq, wq) = g.padding, slack_rows(g), padded_hw(g)
-    flat = F.pad(x, (pw, pw, ph, ph + slack)).reshape(x.shape[0], -1).float()
+    flat = input_planes(x, g).reshape(x.shape[0], -1).float()
     per_chunk = cfg.depth * cfg.channels
     used = int(packed.chunk_ptr[-1]) * per_chunk  # the spare chunk is never summed
     entry = torch.arange(used, device=x.device)
@@ -52,10 +33,11 @@ def conv(
     entry, channel = entry[real], channel[real]
     offsets = packed.offsets[entry].long()
     if packed.mode == POINTWISE:
-        offsets = offsets * (hq * wq)
-    read = offsets[:, None] + pixel_bases(packed)[None, :]  # [entries, virtual pixels]
-    products = packed.values[entry, None] * flat[:, read]  # [N, entries, virtual pixels]
+        rows, cols = plane_hw(g)
+        offsets = offsets * (rows * cols)
     (oh, ow), vw = g.out_hw, virtual_width(g)
+    read = offsets[:, None] + torch.arange(oh * vw, device=x.device)[None, :]  # [entries, virtual pixels]
+    products = packed.values[entry, None] * flat[:, read]  # [N, entries, virtual pixels]
     y = torch.zeros(x.shape[0], g.out_channels, oh * vw, device=x.device)
     y.index_add_(1, channel, products)
     y = y.view(x.shape[0], g.out_channels, oh, vw)[..., :ow] + bias.float().view(1, -1, 1, 1)

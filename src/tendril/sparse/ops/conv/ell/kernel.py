@@ -2,22 +2,21 @@
 with bias, residual and ReLU fused, in the input's dtype (fp32, fp16 or bf16) with fp32 accumulation.
 
 Grid: (channel tile, pixel block, sample). A program computes its tile's `channels` output channels at
-`pixels` consecutive pixels of the plane its reading mode computes (`packing.mode_of`: the output plane, or for
-`SHIFTED` layers a virtual plane `Wq` pixels wide whose extra columns are computed and not stored). It walks
-its tile's chunks: each step loads one chunk's `[depth, channels]` weights and offsets (the next chunk's one
-step ahead, so their latency hides behind the gather), gathers the input values they read for every pixel
-(for one channel, a shifted run of input pixels, coalesced along the pixel axis) and accumulates the products in
-a `[pixels / RUN, depth, channels, RUN]` fp32 accumulator, reduced over the depth once at the end. Every product
+`pixels` consecutive pixels of the plane its reading mode computes (`planes.py`: the output plane, or for
+`SHIFTED` layers a virtual plane whose extra columns are computed and not stored). It walks its tile's chunks:
+each step loads one chunk's `[depth, channels]` weights and offsets (the next chunk's one step ahead, so their
+latency hides behind the gather), gathers the input values they read for every pixel (for one channel, a run
+of input pixels, coalesced along the pixel axis) and accumulates the products in a
+`[pixels / RUN, depth, channels, RUN]` fp32 accumulator, reduced over the depth once at the end. Every product
 but the padding of the tile's ELL chunks is useful, so work and input traffic follow the nonzero count.
 
 Cost per step and thread: one gathered load, one conversion to fp32 (none for fp32) and one multiply-add per
 product; the weight and offset of a nonzero are loaded once for the thread's `pixels / RUN` products of it; an
 input value is shared between lanes only when two channels of a tile hold the same tap (rare under unstructured
-pruning). Addresses cost nearly nothing in the `SHIFTED` and `POINTWISE` modes: every pixel sits at the same
-distance from its entry's offset, so a thread's loads of a nonzero are one address plus immediate offsets
-(`SHIFTED`) or 16-byte vectors where the plane size is a multiple of 16 (`POINTWISE`); `STRIDED` layers compute
-each pixel's address. The reads need no bounds checks: `SHIFTED` and padded layers read a zero-padded copy of the
-input (`padded_input`, one `F.pad`), `POINTWISE` ones mask the end of the plane.
+pruning). Addresses cost nearly nothing: every pixel sits at the same distance from its entry's offset, so a
+thread's loads of a nonzero are one address plus immediate offsets (`SHIFTED`), or 16-byte vectors where the
+plane size is a multiple of 16 (`POINTWISE`). The reads need no bounds checks (`planes.input_planes` makes the
+planes: one copy for padded or strided layers, none for the others).
 
 The epilogue adds the bias and the residual, applies ReLU and stores the real output pixels in the input's dtype,
 undoing the tile's channel order. On the CPU (tests, CPU networks) `conv` runs the PyTorch emulation of the same
@@ -26,14 +25,13 @@ algorithm (`emulation.py`), unless the Triton interpreter runs the kernel."""
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 
 from tendril import config
-from tendril.sparse.format import ConvGeometry
 from tendril.sparse.ops.conv.ell import emulation
-from tendril.sparse.ops.conv.ell.packing import EllConvWeights, padded_hw, slack_rows, virtual_width
+from tendril.sparse.ops.conv.ell.packing import EllConvWeights
+from tendril.sparse.ops.conv.ell.planes import input_planes, plane_hw, virtual_width
 
 RUN = 8
 """Consecutive pixels a warp's neighbouring lanes compute for one channel and nonzero (one 16-byte segment of
@@ -58,8 +56,6 @@ def _ell_conv_kernel(
     out_channels,
     out_h,
     out_w,
-    row_step,
-    col_step,
     HAS_RESIDUAL: tl.constexpr,
     RELU: tl.constexpr,
     MODE: tl.constexpr,
@@ -73,8 +69,6 @@ def _ell_conv_kernel(
     q = tl.program_id(1) * PIXELS + runs + tl.arange(0, RUN)[None, :]  # [RUNS, RUN] virtual pixels
     sample = tl.program_id(2).to(tl.int64)
     in_plane = q < virtual_pixels
-    # POINTWISE, SHIFTED: the same distance for every entry (vector loads, or immediate offsets); STRIDED: computed
-    base = q if MODE != 2 else tl.where(in_plane, (q // out_w) * row_step + (q % out_w) * col_step, 0)
     x_sample_ptr = x_ptr + sample * x_sample
     entry = tl.arange(0, DEPTH)[:, None] * CHANNELS + tl.arange(0, CHANNELS)[None, :]  # [DEPTH, CHANNELS]
     first = tl.load(chunk_ptr + tile)
@@ -83,11 +77,11 @@ def _ell_conv_kernel(
     offset = tl.load(offsets_ptr + first * (DEPTH * CHANNELS) + entry)
     acc = tl.zeros([PIXELS // RUN, DEPTH, CHANNELS, RUN], dtype=tl.float32)
     for chunk in range(first, last):
-        if MODE == 0:  # POINTWISE: masked at the end of the plane, the only mode that reads the caller's input
-            read = x_sample_ptr + (offset * plane)[None, :, :, None] + base[:, None, None, :]
+        if MODE == 0:  # POINTWISE: masked at the end of the plane
+            read = x_sample_ptr + (offset * plane)[None, :, :, None] + q[:, None, None, :]
             x = tl.load(read, mask=in_plane[:, None, None, :], other=0.0).to(tl.float32)
-        else:
-            x = tl.load(x_sample_ptr + offset[None, :, :, None] + base[:, None, None, :]).to(tl.float32)
+        else:  # SHIFTED: inside the slack rows
+            x = tl.load(x_sample_ptr + offset[None, :, :, None] + q[:, None, None, :]).to(tl.float32)
         following = (chunk + 1) * (DEPTH * CHANNELS) + entry
         w_next = tl.load(values_ptr + following)
         offset_next = tl.load(offsets_ptr + following)
@@ -140,8 +134,8 @@ def conv(
         raise ValueError(f"out: expected a contiguous {x.dtype} tensor of shape {out_shape} on {x.device}")
     if x.device.type == "cpu" and not config.settings.triton_interpret:
         return out.copy_(emulation.conv(x, packed, bias, residual=residual, relu=relu))
-    x = padded_input(x, g)
-    hq, wq = padded_hw(g)
+    x = input_planes(x, g)
+    rows, cols = plane_hw(g)
     (oh, ow), vw = g.out_hw, virtual_width(g)
     grid = (packed.tiles, triton.cdiv(oh * vw, cfg.pixels), x.shape[0])
     _ell_conv_kernel[grid](
@@ -153,15 +147,13 @@ def conv(
         packed.offsets,
         packed.chunk_ptr,
         packed.channels,
-        g.in_channels * hq * wq,
-        hq * wq,
+        x[0].numel(),
+        rows * cols,
         oh * vw,
         vw,
         g.out_channels,
         oh,
         ow,
-        g.stride[0] * wq,
-        g.stride[1],
         HAS_RESIDUAL=residual is not None,
         RELU=relu,
         MODE=packed.mode,
@@ -172,9 +164,3 @@ def conv(
         num_warps=cfg.warps,
     )
     return out
-
-
-def padded_input(x: torch.Tensor, geometry: ConvGeometry) -> torch.Tensor:
-    """`x` as the kernel reads it (`packing.padded_hw`): zero-padded, with the slack rows, contiguous."""
-    (ph, pw), slack = geometry.padding, slack_rows(geometry)
-    return F.pad(x, (pw, pw, ph, ph + slack)) if ph or pw or slack else x.contiguous()

@@ -7,21 +7,9 @@ channel's count rounded up to `depth`, so after sorting the padding is the sprea
 plus less than `depth` per channel, and a kernel program walks exactly its tile's chunks: work follows the
 nonzeros, and the inner loop holds no mask.
 
-Each entry is a weight (fp32, so half-precision weights are held exactly) and the input offset it reads, in
-one of three reading modes (`mode_of`):
-- `POINTWISE` (1×1 kernel, stride 1, no padding): the input channel `c` alone; the kernel reads `c * H * W`
-  plus the pixel, masked at the end of the plane, and Triton knows the plane size is a multiple of 16 where it
-  is, so the loads of a pixel run vectorise;
-- `SHIFTED` (other stride-1 layers): the flat offset `c * Hq * Wq + r * Wq + s` of kernel tap `(r, s)` of input
-  channel `c` in a copy of the input zero-padded by the layer's padding plus `slack_rows` rows at the bottom
-  (`padded_hw`). The kernel computes a *virtual* output plane of `OH` rows of `Wq` pixels, pixel `q` reading
-  entry offset + `q`: the same constant distance for every entry, so that a thread's loads are one address
-  plus immediate offsets. The virtual columns past `OW` read the next row (or the slack) and are not stored;
-- `STRIDED` (stride above 1): the flat offset as in `SHIFTED` in the input zero-padded by the layer's padding
-  (no copy when there is none, no slack), output pixel `(oy, ox)` reading entry offset + `oy * sh * Wq + ox * sw`.
-Every read lies inside the (copied) input with no check. A padding entry is weight 0 at offset 0 (a valid
-address). One spare chunk of zeros follows the last tile, so the kernel's prefetch of the chunk after a tile's
-last stays in bounds.
+Each entry is a weight (fp32, so half-precision weights are held exactly) and the offset it reads in the
+input planes the kernel reads (`planes.py`). A padding entry is weight 0 at offset 0 (a valid address). One spare
+chunk of zeros follows the last tile, so the kernel's prefetch of the chunk after a tile's last stays in bounds.
 """
 
 from __future__ import annotations
@@ -31,6 +19,14 @@ from dataclasses import dataclass
 import torch
 
 from tendril.sparse.format import ConvGeometry, SparseConvWeights
+from tendril.sparse.ops.conv.ell.planes import (
+    MAX_PIXELS,
+    POINTWISE,
+    entry_offsets,
+    mode_of,
+    plane_hw,
+    planes_per_channel,
+)
 from tendril.sparse.validation import ValueChecks, capturing, check_tensor, segment_of
 
 
@@ -51,40 +47,6 @@ class EllConfig:
                 raise ValueError(f"EllConfig.{name}={value!r}: expected a positive power of two")
         if self.pixels > MAX_PIXELS:
             raise ValueError(f"EllConfig.pixels={self.pixels}: at most {MAX_PIXELS}")
-
-
-POINTWISE, SHIFTED, STRIDED = 0, 1, 2
-"""The kernel's reading modes (module docstring)."""
-MAX_PIXELS = 512
-"""The longest pixel block of a config: what the `SHIFTED` copy's slack rows cover."""
-
-
-def mode_of(geometry: ConvGeometry) -> int:
-    g = geometry
-    if g.stride != (1, 1):
-        return STRIDED
-    return POINTWISE if g.kernel == (1, 1) and g.padding == (0, 0) else SHIFTED
-
-
-def padded_hw(geometry: ConvGeometry) -> tuple[int, int]:
-    """Rows and columns of each input channel as the kernel reads it: zero-padded by the layer's padding, plus
-    `slack_rows(geometry)` rows."""
-    (h, w), (ph, pw) = geometry.in_hw, geometry.padding
-    return h + 2 * ph + slack_rows(geometry), w + 2 * pw
-
-
-def slack_rows(geometry: ConvGeometry) -> int:
-    """Zero rows below the padded input of a `SHIFTED` layer, enough for the virtual pixels of the last pixel
-    block (up to `MAX_PIXELS` past the plane) to read inside the copy; none in the other modes."""
-    if mode_of(geometry) != SHIFTED:
-        return 0
-    return -(-MAX_PIXELS // (geometry.in_hw[1] + 2 * geometry.padding[1])) + 1
-
-
-def virtual_width(geometry: ConvGeometry) -> int:
-    """Pixels per row of the plane the kernel computes (`padded_hw`'s columns for `SHIFTED` layers, else the
-    output's)."""
-    return padded_hw(geometry)[1] if mode_of(geometry) == SHIFTED else geometry.out_hw[1]
 
 
 @dataclass(frozen=True)
@@ -143,31 +105,29 @@ class EllConvWeights:
         lanes = self.channels.long()
         checks.add(((lanes < -1) | (lanes >= g.out_channels)).any(), "channels: an entry outside [-1, out_channels)")
         offsets = self.offsets.long()
-        if self.mode == POINTWISE:
-            checks.in_range("offsets (input channel)", offsets, g.in_channels, "in_channels")
-        else:
-            hp, wp = padded_hw(g)
-            checks.in_range("offsets (input channel)", offsets // (hp * wp), g.in_channels, "in_channels")
-            inside = offsets % (hp * wp)
-            outside = (inside // wp >= g.kernel[0]) | (inside % wp >= g.kernel[1])
-            checks.add(outside.any(), f"offsets: a kernel tap outside the {g.kernel[0]}×{g.kernel[1]} kernel")
+        rows, cols = plane_hw(g)
+        planes = g.in_channels * planes_per_channel(g)
+        checks.in_range("offsets (input plane)", offsets // (rows * cols), planes, f"{planes} input planes")
+        if self.mode != POINTWISE:
+            inside = offsets % (rows * cols)
+            (kr, ks) = g.plane_kernel
+            outside = (inside // cols >= kr) | (inside % cols >= ks)
+            checks.add(outside.any(), f"offsets: a kernel tap outside the {kr}×{ks} kernel of a stride phase")
         checks.add(~torch.isfinite(self.values).all(), "values holds NaN or infinity")
         checks.raise_first()
 
 
 def nonzeros(weights: SparseConvWeights) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Each nonzero's output channel, input offset (as `EllConvWeights.offsets`) and value, decoded from the
-    compressed layout's virtual channels and taps (int64 indices)."""
+    """Each nonzero's output channel, offset (`planes.entry_offsets`) and value, decoded from the compressed
+    layout's virtual channels and taps (int64 indices)."""
     g = weights.geometry
     taps = weights.taps.long()
     k, rp, sp = taps >> 16, (taps >> 8) & 0xFF, taps & 0xFF
     virtual = segment_of(weights.channel_ptr, weights.nnz)
     c, phase = virtual // g.phases, virtual % g.phases
-    if mode_of(g) == POINTWISE:
-        return k, c, weights.values
-    (sh, sw), (hp, wp) = g.stride, padded_hw(g)
+    (sh, sw) = g.stride
     r, s = rp * sh + phase // sw, sp * sw + phase % sw
-    return k, c * (hp * wp) + r * wp + s, weights.values
+    return k, entry_offsets(g, c, r, s), weights.values
 
 
 def pack(weights: SparseConvWeights, config: EllConfig) -> EllConvWeights:
