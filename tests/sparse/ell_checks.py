@@ -59,7 +59,12 @@ CASES = [
     EllCase(4, 5, (5, 5), (3, 3), 1, 1, 0.0, relu=True),  # no nonzeros at all: bias (+ ReLU) only
     EllCase(8, 17, (4, 4), (3, 3), 1, 1, 0.05, relu=True),  # most channels empty, a tile's lanes unused
 ]
-SMALL_CONFIGS = [EllConfig(4, 2, 16, 1), EllConfig(2, 4, 32, 1), EllConfig(8, 1, 16, 2)]
+SMALL_CONFIGS = [
+    EllConfig(4, 2, 16, 1),
+    EllConfig(2, 4, 32, 1, splits=2),
+    EllConfig(8, 2, 16, 2),
+    EllConfig(4, 2, 16, 1, splits=4),
+]
 """Tile configs small enough for the tiny cases to span several channel tiles, pixel blocks and chunks."""
 
 

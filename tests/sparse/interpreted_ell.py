@@ -14,8 +14,8 @@ CPU = torch.device("cpu")
 
 def main() -> None:
     assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
-    for i, case in enumerate(CASES):
-        for dtype in (torch.float32, torch.float16, torch.bfloat16):
+    for i, case in enumerate(CASES):  # every config on several cases; bf16 on every other case (time)
+        for dtype in (torch.float32, torch.float16, torch.bfloat16)[: 3 if i % 2 == 0 else 2]:
             check_case(case, SMALL_CONFIGS[i % len(SMALL_CONFIGS)], dtype, CPU)
     print("interpreted ell checks passed")
 

@@ -156,8 +156,10 @@ def test_configs_suit_the_layer_and_huge_inputs_are_unsupported():
     tiny = SimpleStep(operands(EllCase(2, 4, (3, 3), (1, 1), 1, 0, 0.5), torch.float32, CPU)[0])
     shortest = min(c.pixels for c in ell_dataflow.CONFIGS)
     assert ell_dataflow.configs_for(tiny) == [  # type: ignore[arg-type]
-        c for c in ell_dataflow.CONFIGS if c.pixels == shortest and c.depth == 4
+        c for c in ell_dataflow.CONFIGS if c.pixels == shortest and c.depth == 4 and c.splits == 1
     ]
+    deep = SimpleStep(operands(EllCase(512, 64, (7, 7), (3, 3), 1, 1, 0.1), torch.float32, CPU)[0])
+    assert any(c.splits > 1 for c in ell_dataflow.configs_for(deep))  # type: ignore[arg-type]
     assert ell_dataflow.unsupported_reason(case.geometry) is None
     huge = ConvGeometry(1 << 12, 8, (3, 3), (1, 1), (1, 1), 1, (1 << 10, 1 << 10))
     assert "int32" in str(ell_dataflow.unsupported_reason(huge))

@@ -31,11 +31,17 @@ CONFIGS = (
     EllConfig(channels=8, depth=8, pixels=64, warps=4),
     EllConfig(channels=4, depth=16, pixels=64, warps=4),
     EllConfig(channels=2, depth=16, pixels=64, warps=2),
+    EllConfig(channels=4, depth=16, pixels=64, warps=4, splits=4),
+    EllConfig(channels=2, depth=16, pixels=64, warps=2, splits=8),
 )
 """The tile configs `tune` times: long pixel blocks for large planes (a thread then holds 16 pixels of each
 nonzero it loads); wide channel tiles with shallow steps for channels with few nonzeros; narrow, deep ones for
 channels with many (fewer loop steps, each with more loads in flight) and for small planes, where only narrow
-tiles make enough programs to fill the GPU. A thread's accumulator holds 32 or 64 fp32 values."""
+tiles make enough programs to fill the GPU; and for small planes of long channels (deep layers), tiles whose
+chunks are split between programs, the loop's length divided by `splits` (`configs_for`). A thread's
+accumulator holds 32 or 64 fp32 values."""
+FEW_PROGRAMS = 1024
+"""Below this many programs (tiles × pixel blocks) a layer is also timed with the split configs."""
 
 
 def unsupported_reason(geometry: ConvGeometry) -> str | None:
@@ -50,15 +56,23 @@ def unsupported_reason(geometry: ConvGeometry) -> str | None:
 
 def configs_for(step: SparseConvStep) -> list[EllConfig]:
     """The configs worth timing on `step`: those whose pixel run is not longer than the output plane needs (else
-    the shortest), and of those, the ones whose depth is not past the mean nonzero count of a channel, which would
-    be mostly padding (else the shallowest)."""
+    the shortest); of those, the ones whose depth is not past the mean nonzero count of a channel, which would be
+    mostly padding (else the shallowest); split ones only where the layer makes fewer than `FEW_PROGRAMS`
+    programs unsplit and a channel's mean count fills two steps of each split."""
     g = step.weights.geometry
-    plane = 1 << (g.out_hw[0] * virtual_width(g) - 1).bit_length()
+    pixels = g.out_hw[0] * virtual_width(g)
+    plane = 1 << (pixels - 1).bit_length()
     mean_nnz = max(4, -(-step.weights.nnz // g.out_channels))
     shortest = min(c.pixels for c in CONFIGS)
     fitting = [c for c in CONFIGS if c.pixels <= max(plane, shortest)]
     shallowest = min(c.depth for c in fitting)
-    return [c for c in fitting if c.depth <= max(mean_nnz, shallowest)]
+
+    def worth_splitting(c: EllConfig) -> bool:
+        programs = -(-g.out_channels // c.channels) * -(-pixels // c.pixels)
+        return programs < FEW_PROGRAMS and mean_nnz >= 2 * c.splits * c.depth
+
+    kept = [c for c in fitting if c.depth <= max(mean_nnz, shallowest)]
+    return [c for c in kept if c.splits == 1 or worth_splitting(c)]
 
 
 class EllKernel(ConvKernel):

@@ -49,6 +49,8 @@ def _ell_conv_kernel(
     offsets_ptr,
     chunk_ptr,
     channels_ptr,
+    partial_ptr,
+    ticket_ptr,
     x_sample,
     plane,
     virtual_pixels,
@@ -63,20 +65,26 @@ def _ell_conv_kernel(
     DEPTH: tl.constexpr,
     PIXELS: tl.constexpr,
     RUN: tl.constexpr,
+    SPLITS: tl.constexpr,
 ):
-    tile = tl.program_id(0)
+    tile = tl.program_id(0) // SPLITS
+    split = tl.program_id(0) % SPLITS
+    block = tl.program_id(1)
     runs = tl.arange(0, PIXELS // RUN)[:, None] * RUN  # [RUNS, 1]: a program's pixels are runs of RUN
-    q = tl.program_id(1) * PIXELS + runs + tl.arange(0, RUN)[None, :]  # [RUNS, RUN] virtual pixels
+    q = block * PIXELS + runs + tl.arange(0, RUN)[None, :]  # [RUNS, RUN] virtual pixels
     sample = tl.program_id(2).to(tl.int64)
     in_plane = q < virtual_pixels
     x_sample_ptr = x_ptr + sample * x_sample
     entry = tl.arange(0, DEPTH)[:, None] * CHANNELS + tl.arange(0, CHANNELS)[None, :]  # [DEPTH, CHANNELS]
     first = tl.load(chunk_ptr + tile)
-    last = tl.load(chunk_ptr + tile + 1)
-    w = tl.load(values_ptr + first * (DEPTH * CHANNELS) + entry)
-    offset = tl.load(offsets_ptr + first * (DEPTH * CHANNELS) + entry)
+    count = tl.load(chunk_ptr + tile + 1) - first
+    share = (count + SPLITS - 1) // SPLITS
+    start = first + tl.minimum(split * share, count)
+    stop = first + tl.minimum(split * share + share, count)
+    w = tl.load(values_ptr + start * (DEPTH * CHANNELS) + entry)
+    offset = tl.load(offsets_ptr + start * (DEPTH * CHANNELS) + entry)
     acc = tl.zeros([PIXELS // RUN, DEPTH, CHANNELS, RUN], dtype=tl.float32)
-    for chunk in range(first, last):
+    for chunk in range(start, stop):
         if MODE == 0:  # POINTWISE: masked at the end of the plane
             read = x_sample_ptr + (offset * plane)[None, :, :, None] + q[:, None, None, :]
             x = tl.load(read, mask=in_plane[:, None, None, :], other=0.0).to(tl.float32)
@@ -93,11 +101,34 @@ def _ell_conv_kernel(
     channel = tl.load(channels_ptr + tile * CHANNELS + tl.arange(0, CHANNELS))
     used = channel >= 0
     k = tl.where(used, channel, 0)[None, :, None]
-    y += tl.load(bias_ptr + k).to(tl.float32)
     oy = q // virtual_w
     ox = q % virtual_w
     out_offset = (sample * out_channels + k) * (out_h * out_w) + (oy * out_w + ox)[:, None, :]
     mask = used[None, :, None] & ((oy < out_h) & (ox < out_w))[:, None, :]
+    if SPLITS == 1:
+        _epilogue(y, k, out_offset, mask, out_ptr, bias_ptr, residual_ptr, HAS_RESIDUAL, RELU)
+    else:
+        # this split's partial sums, then a ticket: the last of the tile's splits to take one sums them all in
+        # split order (deterministic) and stores the output
+        tiles = tl.num_programs(0) // SPLITS
+        slot = (sample * tiles + tile) * tl.num_programs(1) + block
+        local = (tl.arange(0, PIXELS // RUN)[:, None, None] * CHANNELS + tl.arange(0, CHANNELS)[None, :, None]) * RUN
+        local += tl.arange(0, RUN)[None, None, :]  # [RUNS, CHANNELS, RUN]
+        tl.store(partial_ptr + (slot * SPLITS + split) * (PIXELS * CHANNELS) + local, y)
+        tl.debug_barrier()  # every thread's partial sums are written before the ticket releases them
+        ticket = tl.atomic_add(ticket_ptr + slot, 1, sem="acq_rel")
+        if ticket == SPLITS - 1:
+            total = tl.zeros([PIXELS // RUN, CHANNELS, RUN], dtype=tl.float32)
+            for part in tl.static_range(SPLITS):
+                read = partial_ptr + (slot * SPLITS + part) * (PIXELS * CHANNELS) + local
+                total += tl.load(read, cache_modifier=".cg")
+            _epilogue(total, k, out_offset, mask, out_ptr, bias_ptr, residual_ptr, HAS_RESIDUAL, RELU)
+
+
+@triton.jit
+def _epilogue(y, k, out_offset, mask, out_ptr, bias_ptr, residual_ptr, HAS_RESIDUAL: tl.constexpr, RELU: tl.constexpr):
+    """Bias, residual and ReLU on the fp32 sums `y`, stored in the output's dtype where `mask` holds."""
+    y += tl.load(bias_ptr + k).to(tl.float32)
     if HAS_RESIDUAL:
         y += tl.load(residual_ptr + out_offset, mask=mask, other=0.0).to(tl.float32)
     if RELU:
@@ -137,7 +168,13 @@ def conv(
     x = input_planes(x, g)
     rows, cols = plane_hw(g)
     (oh, ow), vw = g.out_hw, virtual_width(g)
-    grid = (packed.tiles, triton.cdiv(oh * vw, cfg.pixels), x.shape[0])
+    grid = (packed.tiles * cfg.splits, triton.cdiv(oh * vw, cfg.pixels), x.shape[0])
+    slots = packed.tiles * grid[1] * grid[2]
+    if cfg.splits > 1:  # partial sums need no initial value; tickets start at zero on every call (graph replays)
+        partial = torch.empty(slots * cfg.splits * cfg.channels * cfg.pixels, dtype=torch.float32, device=x.device)
+        tickets = torch.zeros(slots, dtype=torch.int32, device=x.device)
+    else:
+        partial, tickets = out, packed.chunk_ptr  # not read
     _ell_conv_kernel[grid](
         x,
         out,
@@ -147,6 +184,8 @@ def conv(
         packed.offsets,
         packed.chunk_ptr,
         packed.channels,
+        partial,
+        tickets,
         x[0].numel(),
         rows * cols,
         oh * vw,
@@ -161,6 +200,7 @@ def conv(
         DEPTH=cfg.depth,
         PIXELS=cfg.pixels,
         RUN=min(RUN, cfg.pixels),
+        SPLITS=cfg.splits,
         num_warps=cfg.warps,
     )
     return out

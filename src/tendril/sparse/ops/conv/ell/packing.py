@@ -33,15 +33,17 @@ from tendril.sparse.validation import ValueChecks, capturing, check_tensor, segm
 @dataclass(frozen=True)
 class EllConfig:
     """One tile shape of the kernel: a program computes `channels` output channels × `pixels` output pixels,
-    `depth` nonzeros per channel per loop step, with `warps` warps. All but `warps` are powers of two."""
+    `depth` nonzeros per channel per loop step, with `warps` warps, over `1 / splits` of its tile's chunks
+    (`splits` programs share a tile's work; the last to finish sums their partial sums). All powers of two."""
 
     channels: int
     depth: int
     pixels: int
     warps: int = 4
+    splits: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("channels", "depth", "pixels", "warps"):
+        for name in ("channels", "depth", "pixels", "warps", "splits"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1 or value & (value - 1):
                 raise ValueError(f"EllConfig.{name}={value!r}: expected a positive power of two")
