@@ -13,7 +13,7 @@ import torch
 from tendril.sparse import convert, prune
 from tendril.sparse.ops.conv.ell import dataflow as ell_dataflow
 from tendril.sparse.ops.conv.ell import kernel as ell_kernel
-from tendril.sparse.ops.conv.ell.packing import pack
+from tendril.sparse.ops.conv.ell.packing import EllConfig, pack
 from tendril.sparse.steps import SparseConvStep
 from tests.sparse.checks import assert_network_matches_dense
 from tests.sparse.ell_checks import CASES, TOLERANCE, EllCase, check_case, operands, relative_error
@@ -81,15 +81,17 @@ def test_random_geometries_match_the_float64_reference(index, dtype):
 def test_network_sized_layers_match_under_every_config(layer, density):
     c, k, size, kernel, stride, padding = layer
     case = EllCase(c, k, (size, size), (kernel, kernel), stride, padding, density, residual=True, relu=True)
-    for config in ell_dataflow.CONFIGS:
+    for config in ell_dataflow.CONFIGS:  # split ones included, whatever configs_for would keep
         check_case(case, config, torch.float16, CUDA)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_a_cuda_graph_replays_the_kernel_on_new_inputs(dtype):
-    case = EllCase(32, 48, (14, 14), (3, 3), 1, 1, 0.1, residual=True, relu=True)
+@pytest.mark.parametrize("splits", [1, 4])
+def test_a_cuda_graph_replays_the_kernel_on_new_inputs(dtype, splits):
+    """Split configs included: their tickets start from zero on every replay."""
+    case = EllCase(64, 48, (14, 14), (3, 3), 1, 1, 0.2, residual=True, relu=True)
     weights, x, bias, residual, _ = operands(case, dtype, CUDA)
-    packed = pack(weights, ell_dataflow.CONFIGS[1])
+    packed = pack(weights, EllConfig(4, 4, 64, 4, splits=splits))
     ell_kernel.conv(x, packed, bias, residual=residual, relu=True)  # compiled outside the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()

@@ -4,7 +4,8 @@ tile config), and fuses bias, residual and ReLU.
 
 `tune` times one variant per tile config in `CONFIGS` that suits the layer (`configs_for`), each with its own
 packing, and keeps the fastest one's; it admits the kernel only once its output agrees with the layer's
-reference.
+reference. Every geometry the compressed layout holds is supported (any stride, padding, groups), within int32
+offsets (`unsupported_reason`).
 """
 
 from __future__ import annotations

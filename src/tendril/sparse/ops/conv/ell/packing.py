@@ -55,8 +55,9 @@ class EllConfig:
 class EllConvWeights:
     """A layer's nonzeros in the ELL chunks of `config` (module docstring); checked at construction like the
     compressed layouts (`tendril.sparse.validation`): dtypes, lengths, one device, `chunk_ptr` from 0 to the
-    chunk count and never decreasing, channels in range (-1: a tile's unused lane), offsets inside the
-    padded input for every output pixel."""
+    chunk count and never decreasing, channels in range (-1: a tile's unused lane), offsets in an input plane
+    of the layer and at a kernel tap of its stride phase (so every read stays inside the planes), finite
+    values."""
 
     geometry: ConvGeometry
     config: EllConfig
