@@ -179,6 +179,7 @@ def test_every_registered_kernel_is_timed_and_the_fastest_register_plan_is_kept(
 
     from tendril.sparse import tuning
     from tendril.sparse.ops.conv import registry
+    from tendril.sparse.ops.conv.ell import dataflow as ell_dataflow
 
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(multi_processor_count=132))
     monkeypatch.setattr(torch, "cudnn_convolution_add_relu", _cudnn_convolution_add_relu)
@@ -199,9 +200,10 @@ def test_every_registered_kernel_is_timed_and_the_fastest_register_plan_is_kept(
     plans = KernelTuner(net).plans_for(step)
     assert len(plans) > 1
     times = KernelTuner(net).time_conv_kernels(step, inputs[step.name], reps=1)
-    assert list(times) == ["cuda", "triton", "register", *registry.dense_kernels_for(step)]
+    assert list(times) == ["cuda", "triton", "register", "ell", *registry.dense_kernels_for(step)]
     assert set(registry.dense_kernels_for(step)) == set(registry.DENSE_KERNELS)
     assert step.register is not None and step.register.plan == plans[-1]
+    assert step.ell is not None and step.ell.config == ell_dataflow.configs_for(step)[-1]
     assert step.dense_weight is not None and step.benchmarked_shape == (1, *inputs[step.name][0][0].shape)
     assert not net.rejected_kernels
 
@@ -211,9 +213,9 @@ def test_the_registry_names_every_kernel_once_and_each_copy_is_a_layer_attribute
 
     from tendril.sparse.ops.conv import registry
 
-    assert [k.name for k in registry.KERNELS] == ["cuda", "triton", "register", "dense", "dense-fused", "gemm"]
-    assert registry.CHECKED_KERNELS == ("register", "dense", "dense-fused", "gemm")
-    assert registry.WEIGHT_COPIES == ("tiled", "register", "dense_weight")
+    assert [k.name for k in registry.KERNELS] == ["cuda", "triton", "register", "ell", "dense", "dense-fused", "gemm"]
+    assert registry.CHECKED_KERNELS == ("register", "ell", "dense", "dense-fused", "gemm")
+    assert registry.WEIGHT_COPIES == ("tiled", "register", "ell", "dense_weight")
     assert set(registry.WEIGHT_COPIES) <= {f.name for f in fields(SparseConvStep)}
     assert registry.kernel_for("cuda", "register") is registry.BY_NAME["register"]
     assert registry.kernel_for("triton", "register").name == "triton"

@@ -35,6 +35,7 @@ from tendril.sparse.ops.compress import triton as compress_triton
 from tendril.sparse.ops.conv import registry
 from tendril.sparse.ops.conv.cartesian_cuda.tiling import TiledWeights
 from tendril.sparse.ops.conv.cpu.kernel import CpuConvPlan
+from tendril.sparse.ops.conv.ell.packing import EllConvWeights
 from tendril.sparse.ops.conv.interface import batched
 from tendril.sparse.ops.conv.register.kernel import RegisterConvLayer
 from tendril.sparse.ops.linear import cpu as linear_cpu
@@ -93,6 +94,8 @@ class SparseConvStep:
     inputs of this shape use the measured algorithm, others cuDNN's heuristic (no search inside a graph capture)."""
     register: RegisterConvLayer | None = None
     """The weights and buffers of the register-tiled kernel (built by `tune` where it supports the layer)."""
+    ell: EllConvWeights | None = None
+    """The weights packed for the ELL kernel's chosen tile config (built by `tune`)."""
     cpu_plan: CpuConvPlan | None = None
     """The weights re-ordered for the CPU kernels (built on the first CPU forward)."""
 

@@ -9,6 +9,7 @@ from tendril.sparse.ops.conv.cartesian_cuda.dataflow import CARTESIAN_CUDA
 from tendril.sparse.ops.conv.cartesian_triton.dataflow import CARTESIAN_TRITON
 from tendril.sparse.ops.conv.cpu.dataflow import CPU
 from tendril.sparse.ops.conv.dense.dataflow import CUDNN, CUDNN_FUSED, DenseWeightKernel
+from tendril.sparse.ops.conv.ell.dataflow import ELL
 from tendril.sparse.ops.conv.gemm.dataflow import GEMM
 from tendril.sparse.ops.conv.interface import ConvKernel
 from tendril.sparse.ops.conv.register.dataflow import REGISTER
@@ -16,7 +17,7 @@ from tendril.sparse.ops.conv.register.dataflow import REGISTER
 if TYPE_CHECKING:
     from tendril.sparse.steps import SparseConvStep
 
-KERNELS: tuple[ConvKernel, ...] = (CARTESIAN_CUDA, CARTESIAN_TRITON, REGISTER, CUDNN, CUDNN_FUSED, GEMM)
+KERNELS: tuple[ConvKernel, ...] = (CARTESIAN_CUDA, CARTESIAN_TRITON, REGISTER, ELL, CUDNN, CUDNN_FUSED, GEMM)
 """The `"cuda"` backend's kernels, in the order `tune` prepares, times and checks them."""
 BY_NAME = {kernel.name: kernel for kernel in KERNELS}
 DEFAULT_KERNEL = CARTESIAN_CUDA
