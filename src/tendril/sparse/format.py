@@ -370,9 +370,9 @@ def _check_compressed_matrix(
     values_too: bool,
 ) -> None:
     """A compressed `[out_features, in_features]` matrix (`segment` "column": CSC, "row": CSR): positive feature
-    counts, values (one of `VALUE_DTYPES`) with one int32 index each, `ptr` one entry per segment plus one, all on one device; with
-    `values_too`, `ptr` from 0 to nnz and never decreasing, `index` inside the matrix and strictly increasing
-    within a segment, finite values."""
+    counts, values (one of `VALUE_DTYPES`) with one int32 index each, `ptr` one entry per segment plus one, all on
+    one device; with `values_too`, `ptr` from 0 to nnz and never decreasing, `index` inside the matrix and strictly
+    increasing within a segment, finite values."""
     in_features, out_features = features
     check_count(owner, "in_features", in_features)
     check_count(owner, "out_features", out_features)

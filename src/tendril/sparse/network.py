@@ -102,8 +102,8 @@ class SparseNetwork:
         `sparse-conv-kernels` benchmark for how they compare with tile plans); `convert(..., pixel_runs=False)`
         leaves them out."""
         self.dense_fallback = True
-        """Whether `tune` also times dense math in the network's dtype (cuDNN, and cuBLAS as one matrix product) on each convolution's
-        dense pruned weights and keeps it where it is faster than every sparse kernel
+        """Whether `tune` also times dense math in the network's dtype (cuDNN, and cuBLAS as one matrix product) on
+        each convolution's dense pruned weights and keeps it where it is faster than every sparse kernel
         (`convert(..., dense_fallback=False)`: sparse kernels only). The layers that fell back, with every
         candidate's time, are in `kernel_times` and the layer report."""
         self._released = False
@@ -175,8 +175,9 @@ class SparseNetwork:
         """Pick each convolution's kernel by timing the candidates on `x`: shared-memory CUDA (`"cuda"`),
         Triton atomics (`"triton"`), where its planner supports the geometry, the register-tiled
         sparse-weight kernel (`"register"`, timed on the layer's dense input, as it runs) and, with
-        `dense_fallback`, dense math in the network's dtype on the dense pruned weights (`ops.conv.registry.dense_kernels_for`:
-        cuDNN's `"dense"`, `"dense-fused"` for layers with a ReLU, and cuBLAS's `"gemm"` for ungrouped ones): the
+        `dense_fallback`, dense math in the network's dtype on the dense pruned weights
+        (`ops.conv.registry.dense_kernels_for`: cuDNN's `"dense"`, `"dense-fused"` for layers with a ReLU, and
+        cuBLAS's `"gemm"` for ungrouped ones), each where it runs the network's dtype (`ConvKernel.dtypes`): the
         registered kernels (`ops.conv.registry.KERNELS`); and each fully-connected layer's two kernels
         (`SparseLinearStep.fc_kernel`), the row kernel in each of `linear_triton.ROWS_CONFIGS`.
 

@@ -148,10 +148,10 @@ def linear_rows(
     relu: bool,
     config: RowsConfig = DEFAULT_ROWS_CONFIG,
 ) -> torch.Tensor:
-    """`relu?(bias + W @ x)` for a dense `[in_features]` vector `x` in the weights' dtype (output alike), row by row over the weight's CSR copy:
-    each program reduces `config.block_r` rows, gathering `x` at their stored columns, `config.block_k` entries
-    at a time (no atomics; every stored weight is read once, zero activations included). Returns a new
-    `[out_features]` tensor."""
+    """`relu?(bias + W @ x)` for a dense `[in_features]` vector `x` in the weights' dtype (the output's too), row by
+    row over the weight's CSR copy: each program reduces `config.block_r` rows, gathering `x` at their stored
+    columns, `config.block_k` entries at a time (no atomics; every stored weight is read once, zero activations
+    included). Returns a new `[out_features]` tensor."""
     if tuple(x.shape) != (weights.in_features,) or x.dtype != weights.values.dtype or not x.is_contiguous():
         raise ValueError(
             f"x must be a contiguous {weights.values.dtype} [{weights.in_features}] vector, got {x.dtype} "
