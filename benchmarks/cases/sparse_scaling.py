@@ -180,10 +180,10 @@ def _layer_table(layers: list[dict[str, Any]]) -> list[str]:
         if r["kind"] != "conv" or r["best_sparse_ms"] is None:
             continue
         dense = r["best_dense_fp16_ms"]
-        ratio = f"{r['best_sparse_ms'] / dense:.2f}" if dense else "-"
+        dense_text, ratio = (f"{dense:.4f}", f"{r['best_sparse_ms'] / dense:.2f}") if dense else ("-", "-")
         lines.append(
             f"| {r['layer']} | {r['weight_density']:.3f} | {r['activation_density']:.3f} | {r['kernel_sparse_only']} "
-            f"| {r['best_sparse_ms']:.4f} | {r['compress_ms']:.4f} | {dense if dense else '-'} | {ratio} |"
+            f"| {r['best_sparse_ms']:.4f} | {r['compress_ms']:.4f} | {dense_text} | {ratio} |"
         )
     return lines
 
