@@ -38,15 +38,15 @@ HALF_AGREEMENT_RTOL = {torch.float16: 5e-3, torch.bfloat16: 4e-2}
 """The same for half networks: a correct kernel's error is the rounding of its output to the dtype (unit roundoff
 2^-11 for fp16, 2^-8 for bf16, a root-mean-square error of about a third of it), plus the order of fp32 sums; the
 limits leave room for that and catch a wrong kernel, whose error is of order 1."""
+TUNE_SLEEP_CYCLES = 20_000_000
+"""GPU sleep ahead of each candidate's timed calls, longer than the host needs to enqueue them: the time is the
+kernels' on the device, as inside a CUDA graph, not the host's launch cost (which, timed eagerly, favours
+kernels with fewer launches on small layers)."""
 
 
 def agreement_rtol(dtype: torch.dtype) -> float:
     """The admission limit of `tune` for a network of `dtype`."""
     return HALF_AGREEMENT_RTOL.get(dtype, AGREEMENT_RTOL)
-TUNE_SLEEP_CYCLES = 20_000_000
-"""GPU sleep ahead of each candidate's timed calls, longer than the host needs to enqueue them: the time is the
-kernels' on the device, as inside a CUDA graph, not the host's launch cost (which, timed eagerly, favours
-kernels with fewer launches on small layers)."""
 
 
 def device_ms(run: Callable[[], object], reps: int) -> float:
