@@ -47,6 +47,7 @@ from tendril.utils.timing import Timing, time_callable
 
 MODELS = ("resnet50", "vgg16", "alexnet")
 DENSITIES = (0.3, 0.2, 0.1, 0.05)
+IMAGE_SIZE = 224
 TUNE_REPS = 10
 """Calls per candidate kernel in `tune` (its times are for all of them; the profile divides)."""
 SPEEDUP_GOALS = {
@@ -241,8 +242,9 @@ def _bench(ctx: Context, name: str, density: float, cpu: bool, cpu_dense: dict[s
     reps = 10 if ctx.quick else 50
     model = pruned_model(ctx, name, density)
     generator = torch.Generator(device=ctx.device).manual_seed(1)
-    inputs = [torch.randn(1, 3, 224, 224, device=ctx.device, generator=generator) for _ in range(3)]
-    check = torch.randn(1, 3, 224, 224, device=ctx.device, generator=generator)
+    shape = (1, 3, IMAGE_SIZE, IMAGE_SIZE)
+    inputs = [torch.randn(shape, device=ctx.device, generator=generator) for _ in range(3)]
+    check = torch.randn(shape, device=ctx.device, generator=generator)
     with torch.no_grad():
         set_tf32(False)
         reference = model(check).clone()

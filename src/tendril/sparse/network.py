@@ -38,6 +38,7 @@ import torch
 from tendril.sparse.ops.conv.register.tiling import RegisterTilePlan
 from tendril.sparse.steps import DenseStep, RunState, SparseConvStep, SparseLinearStep, Step
 from tendril.sparse.tuning import KernelTuner
+from tendril.sparse.validation import VALUE_DTYPES
 
 BACKENDS = ("cuda", "triton", "cpu")
 
@@ -87,6 +88,8 @@ class SparseNetwork:
         self.steps = steps
         self.input_name = input_name
         self.output_name = output_name
+        if dtype not in VALUE_DTYPES:
+            raise ValueError(f"dtype {dtype}: expected one of {VALUE_DTYPES}")
         self.device = device
         self.dtype = dtype
         """The dtype of inputs, weights, activations and outputs (fp32, fp16 or bf16)."""
