@@ -151,6 +151,39 @@ def sparse_conv_kernels(result: Result) -> Figure:
     return figure
 
 
+SCALING_VARIANTS = {
+    "dense cuDNN fp32 CUDA graph": "cuDNN fp32",
+    "dense TF32 CUDA graph": "cuDNN TF32",
+    "dense cuDNN fp16 channels_last benchmark-mode CUDA graph": "cuDNN fp16 channels_last",
+    "tendril fp16 CUDA graph": "tendril fp16",
+    "tendril fp16 sparse-kernels-only CUDA graph": "tendril fp16, sparse kernels only",
+}
+
+
+def sparse_scaling(result: Result) -> Figure:
+    """Per network, time against weight density for each variant (a variant whose time follows the work falls
+    towards the left)."""
+    points: dict[tuple[str, str], list[tuple[float, float]]] = {}
+    for variant, row in _rows(result, "ms_per_call").items():
+        match = re.fullmatch(r"(\w+)_d([0-9.]+) (.+)", variant)
+        if match and match[3] in SCALING_VARIANTS:
+            points.setdefault((match[1], match[3]), []).append((float(match[2]), row["median"]))
+    networks = [name for name in NETWORK_NAMES if any(net == name for net, _ in points)]
+    if not networks:
+        raise ValueError("sparse-scaling results hold no timed network to plot")
+    figure, axes = _figure(columns=len(networks), width=4.6)
+    for ax, network in zip(axes, networks, strict=True):
+        for suffix, label in SCALING_VARIANTS.items():
+            curve = sorted(points.get((network, suffix), []))
+            if curve:
+                ax.plot([d for d, _ in curve], [ms for _, ms in curve], "o-", label=label, linewidth=1.2, markersize=3)
+        ax.set(xlabel="weight density", ylabel="ms per forward (CUDA graph)", title=NETWORK_NAMES[network])
+        ax.set_ylim(bottom=0)
+    axes[0].legend(fontsize=7)
+    figure.suptitle(_title(result, "pruned CNNs, batch 1, 224x224: time against weight density"), fontsize=10)
+    return figure
+
+
 GENERATION_LABELS = {
     "tendril": 'tendril step="eager"',
     "tendril compiled step": 'tendril step="compiled"',
@@ -185,6 +218,7 @@ PLOTS: dict[str, Callable[[Result], Figure]] = {
     "graphs-memory": graphs_memory,
     "sparse-cnn": sparse_cnn,
     "sparse-conv-kernels": sparse_conv_kernels,
+    "sparse-scaling": sparse_scaling,
     "generation": generation,
 }
 

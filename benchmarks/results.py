@@ -62,6 +62,8 @@ def markdown(result: dict[str, Any]) -> str:
             lines.append(f"| `{name}` | {value:.4g} | {goal['goal'] if goal else '-'} | {met} |")
     if result["notes"]:
         lines += ["", *[f"- {note}" for note in result["notes"]]]
+    for title, table in result.get("extra", {}).get("markdown_tables", {}).items():  # a case's own tables
+        lines += ["", f"## {title}", "", *table]
     return "\n".join(lines) + "\n"
 
 

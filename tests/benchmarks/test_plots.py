@@ -15,6 +15,8 @@ PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 @pytest.mark.parametrize("name", sorted(plots.PLOTS))
 def test_each_plot_draws_its_committed_results(name, tmp_path):
+    if not (RESULTS / f"{name}.json").exists():
+        pytest.skip(f"no committed {name} results yet (test_sparse_scaling_case draws synthetic ones)")
     json_path = tmp_path / f"{name}.json"
     shutil.copy(RESULTS / f"{name}.json", json_path)
     png_path = plots.plot_file(json_path)

@@ -24,6 +24,14 @@ from tests.sparse.checks import (
     check_linear_rows,
     relative_error,
 )
+from tests.sparse.half_checks import (
+    HALF_DTYPES,
+    check_conv_gemm_half,
+    check_conv_half,
+    check_linear_half,
+    check_linear_rows_half,
+    check_network_half,
+)
 from tests.sparse.models import Bottleneck, ResNetLike, randomize_batchnorm, vgg_like
 
 CPU = torch.device("cpu")
@@ -59,7 +67,28 @@ def main() -> None:
         with torch.no_grad():
             assert relative_error(net(x), model(x)) <= REL_TOL
         net.check_overflow()
+    half_checks()
     print("interpreted checks passed")
+
+
+def half_checks() -> None:
+    """fp16 and bf16: compression, the Triton conv and FC kernels, the GEMM epilogue, a converted network."""
+    conv = lambda a, w, i: conv_triton.conv(a, w, i, block_a=64, block_w=32)  # noqa: E731
+    for dtype in HALF_DTYPES:
+        for case in (CONV_CASES[1], CONV_CASES[3]):
+            check_conv_half(case, _compress, conv, dtype, CPU)
+        check_linear_half(53, 21, _compress, linear_triton.linear, dtype, CPU)
+        check_linear_rows_half(53, 21, dtype, CPU)
+        check_conv_gemm_half(GEMM_CASES[-1], dtype, CPU)
+        torch.manual_seed(1)
+        model = randomize_batchnorm(ResNetLike(Bottleneck, (1, 1), width=4)).eval()
+        prune(model, 0.3)
+        model = model.to(dtype)
+        x = torch.randn(1, 3, 16, 16).to(dtype)
+        net = convert(model, x)
+        assert net.backend == "triton" and net.dtype == dtype
+        check_network_half(model, x, dtype, net)
+        net.check_overflow()
 
 
 if __name__ == "__main__":

@@ -76,7 +76,7 @@ def _conv_malformations():
         ("taps length", {"taps": taps[:-1].clone()}, ValueError, "taps: expected shape"),
         ("values length", {"values": w.values[:-1].clone()}, ValueError, "taps: expected shape"),
         ("taps dtype", {"taps": taps.long()}, TypeError, "taps: expected dtype torch.int32"),
-        ("values dtype", {"values": w.values.double()}, TypeError, "values: expected dtype torch.float32"),
+        ("values dtype", {"values": w.values.double()}, TypeError, "values: expected dtype one of torch.float32"),
         ("2-D values", {"values": w.values.view(1, -1)}, ValueError, "values: expected a 1-D tensor"),
         ("not a tensor", {"taps": taps.tolist()}, TypeError, "taps: expected a torch.Tensor"),
         ("strided taps", {"taps": torch.stack([taps, taps], 1)[:, 0]}, ValueError, "taps: expected a contiguous"),

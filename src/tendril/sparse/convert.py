@@ -11,6 +11,10 @@ it; a residual add into the conv producing one of its operands (its accumulator 
 the other operand); a ReLU into the conv or linear layer before it. A fused step runs where the last
 node it absorbed stood, so every operand (e.g. a ResNet downsample branch traced after the main
 branch) exists by then.
+
+Precision: the network takes the dtype of the example input (fp32, fp16 or bf16), which must be the model's
+parameters' dtype. BatchNorm is folded in fp32, then weights and bias are rounded once to the network's dtype;
+kernels accumulate in fp32 and output that dtype.
 """
 
 from __future__ import annotations
@@ -27,8 +31,10 @@ from torch.fx.passes.shape_prop import ShapeProp
 
 from tendril.sparse.format import ActivationLayout, ConvGeometry, SparseConvWeights, SparseLinearWeights
 from tendril.sparse.network import SparseNetwork
+from tendril.sparse.ops.conv import registry
 from tendril.sparse.ops.conv.cartesian_cuda.dataflow import CARTESIAN_CUDA
 from tendril.sparse.steps import DenseStep, SparseConvStep, SparseLinearStep, Step
+from tendril.sparse.validation import VALUE_DTYPES
 
 
 class UnsupportedLayerError(ValueError):
@@ -60,27 +66,31 @@ class _SparseBuilder:
     relu: bool = False
     residual: str | None = None
 
-    def build(self, capacity: float) -> Step:
+    def build(self, capacity: float, dtype: torch.dtype) -> Step:
+        """The layer's step, its weights and bias rounded to the network's `dtype`."""
+        bias = self.bias.to(dtype)
         if isinstance(self.module, nn.Conv2d):
             geometry = ConvGeometry.of(self.module, self.in_hw)
             inputs = [self.input] if self.residual is None else [self.input, self.residual]
-            weights = SparseConvWeights.from_dense(self.weight, geometry)
+            weights = SparseConvWeights.from_dense(self.weight, geometry, dtype)
             step = SparseConvStep(
                 self.name,
                 inputs,
                 self.output,
                 weights,
-                self.bias,
+                bias,
                 ActivationLayout.for_conv(geometry, capacity),
                 self.relu,
                 self.residual is not None,
             )
-            if weights.values.is_cuda:  # the default kernel's weight copy: it runs the layer until `tune` chooses
-                step.tiled = CARTESIAN_CUDA.prepare(weights)
+            if weights.values.is_cuda and CARTESIAN_CUDA.unsupported_dtype(dtype) is None:
+                step.tiled = CARTESIAN_CUDA.prepare(weights)  # the default kernel's copy: it runs until `tune` chooses
+            elif weights.values.is_cuda:
+                step.conv_kernel = registry.HALF_DEFAULT_KERNEL.name
             return step
-        linear = SparseLinearWeights.from_dense(self.weight)
+        linear = SparseLinearWeights.from_dense(self.weight, dtype)
         layout = ActivationLayout.for_vector(linear.in_features, capacity)
-        return SparseLinearStep(self.name, [self.input], self.output, linear, self.bias, layout, self.relu)
+        return SparseLinearStep(self.name, [self.input], self.output, linear, bias, layout, self.relu)
 
 
 def _fold_batchnorm(layer: _SparseBuilder, bn: nn.BatchNorm2d) -> None:
@@ -97,8 +107,9 @@ def _fold_batchnorm(layer: _SparseBuilder, bn: nn.BatchNorm2d) -> None:
 
 
 class _Converter:
-    def __init__(self, gm: fx.GraphModule, capacity: float) -> None:
+    def __init__(self, gm: fx.GraphModule, capacity: float, dtype: torch.dtype) -> None:
         self.gm = gm
+        self.dtype = dtype
         self.modules = dict(gm.named_modules())
         self.capacity = capacity
         self.alias: dict[str, str] = {}
@@ -159,9 +170,9 @@ class _Converter:
             ((layer.position if isinstance(layer, _SparseBuilder) else position), i, layer)
             for i, (position, layer) in enumerate(self.entries)
         )
-        steps = [e.build(self.capacity) if isinstance(e, _SparseBuilder) else e for _, _, e in ordered]
+        steps = [e.build(self.capacity, self.dtype) if isinstance(e, _SparseBuilder) else e for _, _, e in ordered]
         device = next((p.device for p in self.gm.parameters()), torch.device("cpu"))
-        return SparseNetwork(steps, self.input_name, self.output_name, device)
+        return SparseNetwork(steps, self.input_name, self.output_name, device, self.dtype)
 
     def module_node(self, node: fx.Node, position: int) -> None:
         module = self.modules[str(node.target)]
@@ -256,6 +267,18 @@ class _Converter:
             raise UnsupportedLayerError(f"tensor method {method!r} ({node.name}) is not supported")
 
 
+def _check_model_dtype(model: nn.Module, dtype: torch.dtype) -> None:
+    """Every floating-point parameter and buffer of `model` must be in the network's `dtype` (the example input's):
+    a mismatch would convert silently at one precision and run at another."""
+    tensors = [*model.named_parameters(), *model.named_buffers()]
+    for name, t in tensors:
+        if t.is_floating_point() and t.dtype != dtype:
+            raise ValueError(
+                f"example_input is {dtype} but the model's {name} is {t.dtype}: convert a model and an example "
+                "input of one dtype (e.g. model.half() with x.half())"
+            )
+
+
 def convert(
     model: nn.Module,
     example_input: torch.Tensor,
@@ -275,14 +298,19 @@ def convert(
     `pixel_runs=False` keeps `tune` from timing the register-tiled kernel's 1×1 pixel-run plans
     (`SparseNetwork.pixel_runs`); `dense_fallback=False` keeps it from running a convolution densely (cuDNN, cuBLAS)
     where that measures faster than the sparse kernels (`SparseNetwork.dense_fallback`).
+
+    The network's dtype is `example_input`'s: float32, float16 or bfloat16 (`convert(model.half(), x.half())`),
+    and must be that of the model's floating-point parameters and buffers. Half networks run on the GPU (the CPU
+    backend is fp32 only; see `tendril.sparse.network`).
     """
     if model.training:
         raise ValueError("convert needs an eval-mode model (dropout and batch norm behave differently in training)")
-    if example_input.dim() != 4 or example_input.dtype != torch.float32:
+    if example_input.dim() != 4 or example_input.dtype not in VALUE_DTYPES:
         raise ValueError(
-            f"example_input: expected a float32 [N, C, H, W] tensor, got {example_input.dtype} "
+            f"example_input: expected a float32, float16 or bfloat16 [N, C, H, W] tensor, got {example_input.dtype} "
             f"{tuple(example_input.shape)}"
         )
+    _check_model_dtype(model, example_input.dtype)
     try:
         gm = fx.symbolic_trace(model)
     except Exception as error:
@@ -291,7 +319,7 @@ def convert(
         ) from error
     with torch.no_grad():
         ShapeProp(gm).propagate(example_input)
-    network = _Converter(gm, activation_capacity).run()
+    network = _Converter(gm, activation_capacity, example_input.dtype).run()
     network.pixel_runs = pixel_runs
     network.dense_fallback = dense_fallback
     if tune and network.device.type == "cuda":

@@ -10,7 +10,8 @@ computed and discarded, unlike masking stride² of the products) and lands at ou
 `(k, iy - r', ix - s')`, a sum of a weight-only and an activation-only address: SCNN's Cartesian
 product. Padding costs nothing: padded positions are zeros and are never stored.
 
-Layouts (all on one device; int32 indices, fp32 values):
+Layouts (all on one device; int32 indices; values in one of `VALUE_DTYPES`, the network's dtype: fp32, fp16 or
+bf16; the byte counts below are for fp32, a half value takes 2 of the 4 bytes):
 
 `SparseConvWeights` (bytes per nonzero: 8, plus 4 per virtual channel)
     `values[nnz]`, `taps[nnz]` = `k << 16 | r' << 8 | s'`, and `channel_ptr[Cv + 1]`: the nonzeros of
@@ -50,7 +51,15 @@ from typing import ClassVar
 
 import torch
 
-from tendril.sparse.validation import ValueChecks, capturing, check_count, check_tensor, segment_of
+from tendril.sparse.validation import (
+    VALUE_DTYPES,
+    ValueChecks,
+    capturing,
+    check_count,
+    check_tensor,
+    segment_of,
+    value_dtype,
+)
 
 MAX_OUT_CHANNELS = 1 << 15
 MAX_PLANE_TAPS = 1 << 8
@@ -161,18 +170,21 @@ class SparseConvWeights:
 
     @property
     def nbytes(self) -> int:
-        return 4 * (2 * self.nnz + self.channel_ptr.numel())
+        return (self.values.element_size() + 4) * self.nnz + 4 * self.channel_ptr.numel()
 
     @classmethod
-    def from_dense(cls, weight: torch.Tensor, geometry: ConvGeometry) -> SparseConvWeights:
-        """Compress a dense `[K, C/groups, R, S]` weight (zeros are dropped) into the CSR layout."""
+    def from_dense(
+        cls, weight: torch.Tensor, geometry: ConvGeometry, dtype: torch.dtype | None = None
+    ) -> SparseConvWeights:
+        """Compress a dense `[K, C/groups, R, S]` weight (zeros are dropped) into the CSR layout, its values in
+        `dtype` (default: the weight's; rounded first, so a value that rounds to zero is dropped too)."""
         g = geometry
         expected = (g.out_channels, g.in_channels // g.groups, *g.kernel)
         if tuple(weight.shape) != expected:
             raise ValueError(f"weight shape {tuple(weight.shape)} does not match the geometry's {expected}")
         if not torch.isfinite(weight).all():
             raise ValueError("weight holds NaN or infinity; compress finite weights only")
-        w = weight.detach().float()
+        w = weight.detach().to(value_dtype(dtype, weight))
         k, c_local, r, s = w.nonzero(as_tuple=True)
         values = w[k, c_local, r, s]
         group = k // (g.out_channels // g.groups)
@@ -196,7 +208,8 @@ class SparseConvWeights:
         taps = self.taps.long()
         k, rp, sp = taps >> 16, (taps >> 8) & 0xFF, taps & 0xFF
         r, s = rp * sh + phase // sw, sp * sw + phase % sw
-        dense = torch.zeros(g.out_channels, g.in_channels // g.groups, *g.kernel, device=self.values.device)
+        shape = (g.out_channels, g.in_channels // g.groups, *g.kernel)
+        dense = torch.zeros(shape, dtype=self.values.dtype, device=self.values.device)
         dense[k, c % (g.in_channels // g.groups), r, s] = self.values
         return dense
 
@@ -209,7 +222,7 @@ class SparseConvWeights:
         owner, g = "SparseConvWeights", self.geometry
         if not isinstance(g, ConvGeometry):
             raise TypeError(f"{owner}.geometry: expected a ConvGeometry, got {type(g).__name__}")
-        values = check_tensor(owner, "values", self.values, torch.float32)
+        values = check_tensor(owner, "values", self.values, VALUE_DTYPES)
         check_tensor(owner, "taps", self.taps, torch.int32, (values.numel(),), device=values.device)
         check_tensor(
             owner, "channel_ptr", self.channel_ptr, torch.int32, (g.virtual_channels + 1,), device=values.device
@@ -266,7 +279,7 @@ class _CompressedMatrix:
 class CsrLinearWeights(_CompressedMatrix):
     """A linear layer's weights row by row (CSR): the stored values of row `r` are
     `values[row_ptr[r]:row_ptr[r + 1]]`, at input features `cols[...]` (increasing). 8 bytes per nonzero
-    (fp32 value, int32 column) plus 4 per row; made from `SparseLinearWeights.to_csr`. Checked at
+    (fp32 value, int32 column; 6 for a half value) plus 4 per row; made from `SparseLinearWeights.to_csr`. Checked at
     construction like `SparseLinearWeights`, rows for columns."""
 
     in_features: int
@@ -279,7 +292,7 @@ class CsrLinearWeights(_CompressedMatrix):
 
     @property
     def nbytes(self) -> int:
-        return 4 * (2 * self.values.numel() + self.row_ptr.numel())
+        return (self.values.element_size() + 4) * self.values.numel() + 4 * self.row_ptr.numel()
 
 
 @dataclass(frozen=True)
@@ -306,16 +319,17 @@ class SparseLinearWeights(_CompressedMatrix):
 
     @property
     def nbytes(self) -> int:
-        return 4 * (2 * self.nnz + self.col_ptr.numel())
+        return (self.values.element_size() + 4) * self.nnz + 4 * self.col_ptr.numel()
 
     @classmethod
-    def from_dense(cls, weight: torch.Tensor) -> SparseLinearWeights:
-        """Compress a dense `[out_features, in_features]` weight into CSC (zeros are dropped)."""
+    def from_dense(cls, weight: torch.Tensor, dtype: torch.dtype | None = None) -> SparseLinearWeights:
+        """Compress a dense `[out_features, in_features]` weight into CSC (zeros are dropped), its values in
+        `dtype` (default: the weight's)."""
         if weight.dim() != 2:
             raise ValueError(f"expected a 2-D linear weight, got shape {tuple(weight.shape)}")
         if not torch.isfinite(weight).all():
             raise ValueError("weight holds NaN or infinity; compress finite weights only")
-        w_t = weight.detach().float().t()
+        w_t = weight.detach().to(value_dtype(dtype, weight)).t()
         cols, rows = w_t.nonzero(as_tuple=True)
         counts = torch.bincount(cols, minlength=w_t.shape[0])
         col_ptr = torch.zeros(w_t.shape[0] + 1, dtype=torch.int32, device=w_t.device)
@@ -328,7 +342,7 @@ class SparseLinearWeights(_CompressedMatrix):
         return torch.repeat_interleave(torch.arange(self.in_features, device=counts.device), counts)
 
     def to_dense(self) -> torch.Tensor:
-        dense = torch.zeros(self.out_features, self.in_features, device=self.values.device)
+        dense = torch.zeros(self.out_features, self.in_features, dtype=self.values.dtype, device=self.values.device)
         dense[self.rows.long(), self._columns()] = self.values
         return dense
 
@@ -356,13 +370,13 @@ def _check_compressed_matrix(
     values_too: bool,
 ) -> None:
     """A compressed `[out_features, in_features]` matrix (`segment` "column": CSC, "row": CSR): positive feature
-    counts, fp32 values with one int32 index each, `ptr` one entry per segment plus one, all on one device; with
-    `values_too`, `ptr` from 0 to nnz and never decreasing, `index` inside the matrix and strictly increasing
-    within a segment, finite values."""
+    counts, values (one of `VALUE_DTYPES`) with one int32 index each, `ptr` one entry per segment plus one, all on
+    one device; with `values_too`, `ptr` from 0 to nnz and never decreasing, `index` inside the matrix and strictly
+    increasing within a segment, finite values."""
     in_features, out_features = features
     check_count(owner, "in_features", in_features)
     check_count(owner, "out_features", out_features)
-    check_tensor(owner, "values", values, torch.float32)
+    check_tensor(owner, "values", values, VALUE_DTYPES)
     check_tensor(owner, index_name, index, torch.int32, (values.numel(),), device=values.device)
     segments, bound = (in_features, out_features) if segment == "column" else (out_features, in_features)
     check_tensor(owner, ptr_name, ptr, torch.int32, (segments + 1,), device=values.device)
@@ -448,7 +462,7 @@ class CompressedActivations:
         if not isinstance(layout, ActivationLayout):
             raise TypeError(f"{owner}.layout: expected an ActivationLayout, got {type(layout).__name__}")
         shape = (layout.virtual_channels, layout.capacity)
-        values = check_tensor(owner, "values", self.values, torch.float32, shape)
+        values = check_tensor(owner, "values", self.values, VALUE_DTYPES, shape)
         check_tensor(owner, "positions", self.positions, torch.int32, shape, device=values.device)
         row_ptr_shape = (layout.virtual_channels, layout.plane_hw[0] + 1)
         check_tensor(owner, "row_ptr", self.row_ptr, torch.int32, row_ptr_shape, device=values.device)
@@ -478,11 +492,14 @@ class CompressedActivations:
         checks.raise_first()
 
     @classmethod
-    def empty(cls, layout: ActivationLayout, device: torch.device) -> CompressedActivations:
+    def empty(
+        cls, layout: ActivationLayout, device: torch.device, dtype: torch.dtype = torch.float32
+    ) -> CompressedActivations:
+        """Buffers for `layout` on `device`, the values in `dtype` (the activation's own)."""
         shape = (layout.virtual_channels, layout.capacity)
         return cls(
             layout,
-            torch.empty(shape, dtype=torch.float32, device=device),
+            torch.empty(shape, dtype=dtype, device=device),
             torch.empty(shape, dtype=torch.int32, device=device),
             torch.empty(layout.virtual_channels, layout.plane_hw[0] + 1, dtype=torch.int32, device=device),
             torch.empty(layout.virtual_channels, dtype=torch.int32, device=device),

@@ -3,7 +3,7 @@
 Backends: `"cuda"` (the default on a GPU: each convolution by the shared-memory CUDA C++ kernel,
 with bias, residual and ReLU fused, by the Triton kernel, by the register-tiled sparse-weight
 kernel (`ops/conv/register/`, which reads the dense input, so that layer skips compression),
-or by cuDNN fp32 on the dense pruned weights (alone, or fused with bias, residual and ReLU in one
+or by cuDNN in the network's dtype on the dense pruned weights (alone, or fused with bias, residual and ReLU in one
 call) or cuBLAS (the convolution as one matrix product, `ops/conv/gemm/`), whichever `tune` measured
 fastest for that layer (`tendril.sparse.tuning`); compression and FC layers by Triton kernels),
 `"triton"` (every op a Triton kernel, convolutions accumulating by global atomics; also runs on
@@ -18,6 +18,13 @@ row kernel) only in `tune`, `profile` or with `count_activations`. The GPU forwa
 the host: every buffer has a static size, nonzero counts stay on the device, overflow of a reduced
 activation capacity raises a device flag that `check_overflow()` turns into an error after the run.
 So a whole network replays inside one CUDA graph.
+
+A network has one dtype (`dtype`: fp32, fp16 or bf16, the converted model's), its inputs, weights, activations and
+output alike; kernels accumulate in fp32. The `"cpu"` backend runs fp32 only: `set_backend("cpu")` on a half
+network raises (convert an fp32 copy of the model for the CPU), and a half network converted on the CPU starts on
+the `"triton"` backend (which needs `TRITON_INTERPRET=1` there). On a GPU, `tune` skips the kernels that do not
+run the network's dtype (`ConvKernel.dtypes`; the CUDA C++ ones are fp32 only), with the reason in
+`rejected_kernels`.
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ import torch
 from tendril.sparse.ops.conv.register.tiling import RegisterTilePlan
 from tendril.sparse.steps import DenseStep, RunState, SparseConvStep, SparseLinearStep, Step
 from tendril.sparse.tuning import KernelTuner
+from tendril.sparse.validation import VALUE_DTYPES
 
 BACKENDS = ("cuda", "triton", "cpu")
 
@@ -69,12 +77,23 @@ class StepCall:
 class SparseNetwork:
     """Runs a plan built by `tendril.sparse.convert`; call it like the model it came from."""
 
-    def __init__(self, steps: list[Step], input_name: str, output_name: str, device: torch.device) -> None:
+    def __init__(
+        self,
+        steps: list[Step],
+        input_name: str,
+        output_name: str,
+        device: torch.device,
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
         self.steps = steps
         self.input_name = input_name
         self.output_name = output_name
+        if dtype not in VALUE_DTYPES:
+            raise ValueError(f"dtype {dtype}: expected one of {VALUE_DTYPES}")
         self.device = device
-        self.backend = "cuda" if device.type == "cuda" else "cpu"
+        self.dtype = dtype
+        """The dtype of inputs, weights, activations and outputs (fp32, fp16 or bf16)."""
+        self.backend = "cuda" if device.type == "cuda" else ("cpu" if dtype == torch.float32 else "triton")
         self.threads = 1
         self.state = RunState(self.backend, self.threads, torch.zeros(1, dtype=torch.int32, device=device))
         """What every forward's steps share: backend, threads, the device overflow flag, the last nonzero counts."""
@@ -86,8 +105,8 @@ class SparseNetwork:
         `sparse-conv-kernels` benchmark for how they compare with tile plans); `convert(..., pixel_runs=False)`
         leaves them out."""
         self.dense_fallback = True
-        """Whether `tune` also times fp32 dense math (cuDNN, and cuBLAS as one matrix product) on each convolution's
-        dense pruned weights and keeps it where it is faster than every sparse kernel
+        """Whether `tune` also times dense math in the network's dtype (cuDNN, and cuBLAS as one matrix product) on
+        each convolution's dense pruned weights and keeps it where it is faster than every sparse kernel
         (`convert(..., dense_fallback=False)`: sparse kernels only). The layers that fell back, with every
         candidate's time, are in `kernel_times` and the layer report."""
         self._released = False
@@ -105,6 +124,11 @@ class SparseNetwork:
             raise ValueError(f"backend {backend!r}: expected one of {BACKENDS}")
         if backend == "cpu" and self.device.type != "cpu":
             raise ValueError("the cpu backend needs a network converted on the CPU (convert a CPU copy of the model)")
+        if backend == "cpu" and self.dtype != torch.float32:
+            raise ValueError(
+                f"backend 'cpu': runs float32 networks only, this one is {self.dtype}; convert a float32 copy of the "
+                "model (model.float()) for the CPU"
+            )
         if backend == "cuda" and self.device.type != "cuda":
             raise ValueError("the cuda backend needs a network converted on a GPU")
         if threads < 1:
@@ -115,8 +139,8 @@ class SparseNetwork:
 
     @torch.no_grad()
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.device != self.device or x.dtype != torch.float32:
-            raise ValueError(f"expected a float32 input on {self.device}, got {x.dtype} on {x.device}")
+        if x.device != self.device or x.dtype != self.dtype:
+            raise ValueError(f"x: expected a {self.dtype} input on {self.device}, got {x.dtype} on {x.device}")
         self.state.count_inputs = self.count_activations
         values = {self.input_name: x}
         for step in self.steps:
@@ -154,8 +178,9 @@ class SparseNetwork:
         """Pick each convolution's kernel by timing the candidates on `x`: shared-memory CUDA (`"cuda"`),
         Triton atomics (`"triton"`), where its planner supports the geometry, the register-tiled
         sparse-weight kernel (`"register"`, timed on the layer's dense input, as it runs) and, with
-        `dense_fallback`, fp32 dense math on the dense pruned weights (`ops.conv.registry.dense_kernels_for`:
-        cuDNN's `"dense"`, `"dense-fused"` for layers with a ReLU, and cuBLAS's `"gemm"` for ungrouped ones): the
+        `dense_fallback`, dense math in the network's dtype on the dense pruned weights
+        (`ops.conv.registry.dense_kernels_for`: cuDNN's `"dense"`, `"dense-fused"` for layers with a ReLU, and
+        cuBLAS's `"gemm"` for ungrouped ones), each where it runs the network's dtype (`ConvKernel.dtypes`): the
         registered kernels (`ops.conv.registry.KERNELS`); and each fully-connected layer's two kernels
         (`SparseLinearStep.fc_kernel`), the row kernel in each of `linear_triton.ROWS_CONFIGS`.
 
@@ -221,7 +246,7 @@ class SparseNetwork:
                 dense_w = step.weights.dense_numel
             else:
                 dense_w = step.weights.in_features * step.weights.out_features
-            bias_bytes = 4 * step.bias.numel()
+            bias_bytes = step.bias.nbytes
             reports.append(
                 LayerReport(
                     step.name,
@@ -229,7 +254,7 @@ class SparseNetwork:
                     step.weights.density,
                     act,
                     step.held_bytes(),
-                    4 * dense_w + bias_bytes,
+                    step.bias.element_size() * dense_w + bias_bytes,
                 )
             )
         return reports
@@ -247,7 +272,7 @@ class SparseNetwork:
 
     def weight_bytes(self, in_use_only: bool = False) -> tuple[int, int]:
         """Total weight bytes held (`LayerReport.weight_bytes`; `in_use_only`: what `release_unused_kernels` would
-        leave) and the dense fp32 weights' bytes."""
+        leave) and the dense weights' bytes (in the network's dtype)."""
         layers = self.layers()
         if in_use_only:
             held = sum(s.held_bytes(in_use_only=True) for s in self.steps if not isinstance(s, DenseStep))

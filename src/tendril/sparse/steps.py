@@ -12,6 +12,9 @@ A step runs under a `RunState` (backend, threads, overflow flag, last nonzero co
 for batch-1 latency), except by cuDNN and cuBLAS, which take it whole; a batch of one is a view of the
 sample's output, not a copy. A convolution runs by the kernel its backend and `conv_kernel` name: one
 `ConvKernel` per dataflow (`tendril.sparse.ops.conv.registry`).
+
+A network's values (weights, bias, activations) are all in its dtype: fp32, fp16 or bf16. Kernels accumulate in
+fp32 and return that dtype; a kernel that does not run it (`ConvKernel.dtypes`) raises rather than converting.
 """
 
 from __future__ import annotations
@@ -142,6 +145,9 @@ class SparseConvStep:
         """The layer's output on the batch `values[0]` (and its residual `values[1]`), by the kernel the backend
         and `conv_kernel` name (`registry.kernel_for`)."""
         kernel = registry.kernel_for(state.backend, self.conv_kernel)
+        unsupported = kernel.unsupported_dtype(self.weights.values.dtype)
+        if unsupported is not None:
+            raise ValueError(f"{self.name}: {unsupported}")
         return kernel.run(self, values[0], values[1] if self.residual else None, state)
 
 
@@ -194,6 +200,8 @@ class SparseLinearStep:
         if x.dim() != 2 or x.shape[1] != self.weights.in_features:
             raise ValueError(f"{self.name}: expected input [N, {self.weights.in_features}], got {tuple(x.shape)}")
         if state.backend == "cpu":
+            if x.dtype != torch.float32:
+                raise ValueError(f"{self.name}: the cpu backend runs float32 networks only, got {x.dtype}")
             y = torch.empty(x.shape[0], self.weights.out_features)
             for b in range(x.shape[0]):
                 counts = linear_cpu.linear_dense_input(
@@ -214,8 +222,8 @@ class SparseLinearStep:
                     state.last_counts[self.name] = torch.count_nonzero(x[b]).view(1)
                 continue
             acts = state.compress(self.name, x[b].reshape(1, 1, -1), self.layout)
-            y = linear_triton.linear(acts, self.weights, self.bias.clone())
-            outputs.append(y.relu_() if self.relu else y)
+            y = linear_triton.linear(acts, self.weights, self.bias.to(torch.float32, copy=True))
+            outputs.append((y.relu_() if self.relu else y).to(x.dtype))
         return batched(outputs)
 
 

@@ -7,7 +7,9 @@ registered kernels' variants (`ops.conv.registry`, `ConvKernel.variants`; the re
 planner's best plans, the fastest stays). The checked ones (the register-tiled and dense kernels) are
 admitted only once the layer's output agrees with `SparseConvStep.reference` (`AGREEMENT_RTOL`): the
 reference is not another kernel, since the shared-memory kernel is wrong by design when a reduced
-activation capacity overflows, and would make a correct register kernel look wrong.
+activation capacity overflows, and would make a correct register kernel look wrong. A kernel that does not run the
+network's dtype (`ConvKernel.dtypes`) is not a candidate: `tune` records why in `rejected_kernels`, once per layer,
+and warns once per kernel.
 """
 
 from __future__ import annotations
@@ -31,11 +33,20 @@ if TYPE_CHECKING:
 
 AGREEMENT_RTOL = 1e-5
 """Largest relative error (Frobenius norm) of a checked kernel's layer output against the layer's
-float64 dense reference (`SparseConvStep.reference`) for `tune` to admit it."""
+float64 dense reference (`SparseConvStep.reference`) for `tune` to admit it, in an fp32 network."""
+HALF_AGREEMENT_RTOL = {torch.float16: 5e-3, torch.bfloat16: 4e-2}
+"""The same for half networks: a correct kernel's error is the rounding of its output to the dtype (unit roundoff
+2^-11 for fp16, 2^-8 for bf16, a root-mean-square error of about a third of it), plus the order of fp32 sums; the
+limits leave room for that and catch a wrong kernel, whose error is of order 1."""
 TUNE_SLEEP_CYCLES = 20_000_000
 """GPU sleep ahead of each candidate's timed calls, longer than the host needs to enqueue them: the time is the
 kernels' on the device, as inside a CUDA graph, not the host's launch cost (which, timed eagerly, favours
 kernels with fewer launches on small layers)."""
+
+
+def agreement_rtol(dtype: torch.dtype) -> float:
+    """The admission limit of `tune` for a network of `dtype`."""
+    return HALF_AGREEMENT_RTOL.get(dtype, AGREEMENT_RTOL)
 
 
 def device_ms(run: Callable[[], object], reps: int) -> float:
@@ -63,13 +74,16 @@ class KernelTuner:
         if self.net.device.type != "cuda" or self.net.backend != "cuda":
             return {}
         for kernel in registry.KERNELS:
-            kernel.before_tune(self)
+            if kernel.unsupported_dtype(self.net.dtype) is None:
+                kernel.before_tune(self)
+            else:
+                warnings.warn(f"{kernel.unsupported_dtype(self.net.dtype)}: tune skips it", stacklevel=3)
         values = {self.net.input_name: x}
         choice: dict[str, str] = {}
         for step in self.net.steps:
             inputs = [values[name] for name in step.inputs]
             self.net.state.count_inputs = False  # candidates are timed as a plain forward runs them
-            if isinstance(step, SparseConvStep) and step.tiled is not None:
+            if isinstance(step, SparseConvStep):
                 times = self.time_conv_kernels(step, inputs, reps)
                 for name in registry.CHECKED_KERNELS:
                     rejection = self.rejection(step, inputs, name) if name in times else None
@@ -113,8 +127,9 @@ class KernelTuner:
         finally:
             step.conv_kernel = previous
         error_norm = (got.double() - expected).norm() / expected.norm().clamp_min(torch.finfo(torch.float32).tiny)
-        if not torch.isfinite(got).all() or error_norm > AGREEMENT_RTOL:
-            return f"relative error {float(error_norm):.2e} against the dense reference (limit {AGREEMENT_RTOL})"
+        limit = agreement_rtol(self.net.dtype)
+        if not torch.isfinite(got).all() or error_norm > limit:
+            return f"relative error {float(error_norm):.2e} against the dense reference (limit {limit})"
         return None
 
     def reject(self, layer: str, kernel: str, why: str) -> None:
@@ -132,7 +147,13 @@ class KernelTuner:
             torch.zeros(g.out_channels, *g.out_hw, device=self.net.device),
             self.net.state,
         )
-        candidates = [(kernel, kernel.variants(step, sample, self)) for kernel in registry.KERNELS]
+        candidates = []
+        for kernel in registry.KERNELS:
+            unsupported = kernel.unsupported_dtype(self.net.dtype)
+            if unsupported is None:
+                candidates.append((kernel, kernel.variants(step, sample, self)))
+            else:
+                self.net.rejected_kernels.setdefault(step.name, {})[kernel.name] = unsupported
         times = {}
         for kernel, variants in candidates:
             timed = {}

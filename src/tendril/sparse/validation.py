@@ -19,6 +19,18 @@ from __future__ import annotations
 
 import torch
 
+VALUE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+"""The dtypes of stored values (weights and activations): a layout's values are in its network's dtype; kernels
+accumulate in fp32 whatever it is."""
+
+
+def value_dtype(dtype: torch.dtype | None, weight: torch.Tensor) -> torch.dtype:
+    """The dtype compressed values are stored in: `dtype`, or the weight's own; one of `VALUE_DTYPES`."""
+    chosen = weight.dtype if dtype is None else dtype
+    if chosen not in VALUE_DTYPES:
+        raise TypeError(f"dtype {chosen}: compressed values are one of {', '.join(map(str, VALUE_DTYPES))}")
+    return chosen
+
 
 def capturing(t: torch.Tensor) -> bool:
     """Whether `t`'s device is a GPU whose current stream is capturing a CUDA graph (value checks must not sync)."""
@@ -29,16 +41,19 @@ def check_tensor(
     owner: str,
     name: str,
     t: object,
-    dtype: torch.dtype,
+    dtype: torch.dtype | tuple[torch.dtype, ...],
     shape: tuple[int, ...] | None = None,
     *,
     device: torch.device | None = None,
 ) -> torch.Tensor:
-    """`t` must be a contiguous tensor of `dtype` (and `shape`, where given; else 1-D) on `device` (where given)."""
+    """`t` must be a contiguous tensor of `dtype` (one of them, for a tuple; and `shape`, where given; else 1-D) on
+    `device` (where given)."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{owner}.{name}: expected a torch.Tensor, got {type(t).__name__}")
-    if t.dtype != dtype:
-        raise TypeError(f"{owner}.{name}: expected dtype {dtype}, got {t.dtype}")
+    allowed = dtype if isinstance(dtype, tuple) else (dtype,)
+    if t.dtype not in allowed:
+        expected = allowed[0] if len(allowed) == 1 else f"one of {', '.join(map(str, allowed))}"
+        raise TypeError(f"{owner}.{name}: expected dtype {expected}, got {t.dtype}")
     if shape is None and t.dim() != 1:
         raise ValueError(f"{owner}.{name}: expected a 1-D tensor, got shape {tuple(t.shape)}")
     if shape is not None and tuple(t.shape) != shape:

@@ -22,7 +22,7 @@ def phase_planes(x: torch.Tensor, layout: ActivationLayout) -> torch.Tensor:
 def compress(x: torch.Tensor, layout: ActivationLayout) -> CompressedActivations:
     """Channel by channel with `nonzero`: the obviously correct version the kernels are checked against."""
     planes = phase_planes(x, layout)
-    out = CompressedActivations.empty(layout, x.device)
+    out = CompressedActivations.empty(layout, x.device, x.dtype)
     out.values.zero_()
     out.positions.zero_()
     for v in range(layout.virtual_channels):
@@ -42,7 +42,7 @@ def decompress(acts: CompressedActivations) -> torch.Tensor:
     layout = acts.layout
     (sh, sw), (ph, pw) = layout.stride, layout.padding
     (hv, wv), (h, w) = layout.plane_hw, layout.in_hw
-    planes = torch.zeros(layout.virtual_channels, hv * wv, device=acts.values.device)
+    planes = torch.zeros(layout.virtual_channels, hv * wv, dtype=acts.values.dtype, device=acts.values.device)
     slots = torch.arange(layout.capacity, device=acts.values.device)
     valid = slots[None, :] < acts.stored_counts[:, None]
     rows = torch.arange(layout.virtual_channels, device=acts.values.device)[:, None].expand_as(valid)

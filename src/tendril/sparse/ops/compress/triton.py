@@ -8,7 +8,8 @@ reading the dense input through the padding and stride-phase indexing (nothing i
 numbers the nonzeros with `tl.cumsum` on top of the segment's first slot, stores them in order and,
 where a plane row starts, stores that row's pointer. Channels over capacity store only what fits;
 their true counts are kept and the overflow flag is raised. No host sync: the launch shapes depend
-only on the layout, so compression runs inside a CUDA graph.
+only on the layout, so compression runs inside a CUDA graph. The values keep the activation's dtype (fp32, fp16
+or bf16: the network's), so a half network compresses half values.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import triton
 import triton.language as tl
 
 from tendril.sparse.format import ActivationLayout, CompressedActivations
+from tendril.sparse.validation import VALUE_DTYPES
 
 
 @triton.jit
@@ -97,14 +99,18 @@ def _compress_kernel(
 def compress(
     x: torch.Tensor, layout: ActivationLayout, overflow: torch.Tensor, *, block: int = 1024, segment_blocks: int = 4
 ) -> CompressedActivations:
-    """Compress dense `[C, H, W]` fp32 `x` for a consumer with `layout`; `overflow` is an int32 flag."""
+    """Compress dense `[C, H, W]` `x` (fp32, fp16 or bf16; the values keep its dtype) for a consumer with `layout`;
+    `overflow` is an int32 flag."""
     h, w = layout.in_hw
-    if x.dtype != torch.float32 or tuple(x.shape) != (layout.channels, h, w):
-        raise ValueError(f"expected a float32 [{layout.channels}, {h}, {w}] activation, got {x.dtype} {tuple(x.shape)}")
+    if x.dtype not in VALUE_DTYPES or tuple(x.shape) != (layout.channels, h, w):
+        raise ValueError(
+            f"x: expected a [{layout.channels}, {h}, {w}] activation of one of {VALUE_DTYPES}, got {x.dtype} "
+            f"{tuple(x.shape)}"
+        )
     if overflow.dtype != torch.int32 or overflow.numel() != 1 or overflow.device != x.device:
         raise ValueError("overflow must be a one-element int32 tensor on the activation's device")
     x = x.contiguous()
-    out = CompressedActivations.empty(layout, x.device)
+    out = CompressedActivations.empty(layout, x.device, x.dtype)
     block = min(block, triton.next_power_of_2(layout.plane_size))
     segment = block * max(1, min(segment_blocks, triton.cdiv(layout.plane_size, block)))
     n_segments = triton.cdiv(layout.plane_size, segment)

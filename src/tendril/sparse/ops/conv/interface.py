@@ -6,6 +6,10 @@ the weights in their own order, built once from the compressed weights and held 
 named by `reads`, so the layer can drop the copies its chosen kernel does not read. `variants` is how `tune`
 sees a kernel: each variant carries the copy it reads (one per plan, say) and a call that runs it on the layer's
 real input; `tune` times every variant and keeps the fastest variant's copy on the layer.
+
+`dtypes` says which network dtypes (the dtype of the layer's values and activations) a kernel runs: `tune` skips a
+kernel for a network of another dtype, recording why (`SparseNetwork.rejected_kernels`), and a layer forced onto
+it raises. Every kernel accumulates in fp32 and returns the network's dtype.
 """
 
 from __future__ import annotations
@@ -58,6 +62,15 @@ class ConvKernel(ABC):
     fails to build or run is then rejected, not an error)."""
     kept_after_tune: bool = True
     """Whether `tune` keeps this kernel's copy when another kernel wins (False: cheap to rebuild, dropped)."""
+    dtypes: tuple[torch.dtype, ...] = (torch.float32,)
+    """The network dtypes this kernel runs (values and activations in that dtype; accumulation in fp32)."""
+
+    def unsupported_dtype(self, dtype: torch.dtype) -> str | None:
+        """Why this kernel cannot run a network of `dtype` (None: it can)."""
+        if dtype in self.dtypes:
+            return None
+        supported = ", ".join(str(d).removeprefix("torch.") for d in self.dtypes)
+        return f"the {self.name} kernel runs {supported} only, not {str(dtype).removeprefix('torch.')}"
 
     @abstractmethod
     def run(
@@ -81,13 +94,14 @@ class ConvKernel(ABC):
 
 class CompressedInputKernel(ConvKernel):
     """A kernel that reads compressed activations: each sample is compressed for the layer, then convolved into
-    an accumulator that starts as bias (+ the residual)."""
+    an fp32 accumulator that starts as bias (+ the residual), cast to the input's dtype at the end (no copy for
+    fp32)."""
 
     @abstractmethod
     def convolve(
         self, step: SparseConvStep, acts: CompressedActivations, init: torch.Tensor, state: RunState
     ) -> torch.Tensor:
-        """`init + conv(acts)`, then the layer's ReLU, for one sample."""
+        """`init + conv(acts)`, then the layer's ReLU, for one sample (`init` is fp32, and so is the result)."""
 
     def run(
         self, step: SparseConvStep, x: torch.Tensor, residual: torch.Tensor | None, state: RunState
@@ -96,9 +110,9 @@ class CompressedInputKernel(ConvKernel):
         outputs = []
         for b in range(x.shape[0]):
             acts = state.compress(step.name, x[b], step.layout)
-            init = step.bias.view(-1, 1, 1).expand(g.out_channels, *g.out_hw)
-            init = (init + residual[b]) if residual is not None else init.contiguous()
-            outputs.append(self.convolve(step, acts, init, state))
+            init = step.bias.float().view(-1, 1, 1).expand(g.out_channels, *g.out_hw)
+            init = (init + residual[b].float()) if residual is not None else init.contiguous()
+            outputs.append(self.convolve(step, acts, init, state).to(x.dtype))
         return batched(outputs)
 
     def variants(self, step: SparseConvStep, sample: TuneSample, tuner: KernelTuner) -> list[Variant]:

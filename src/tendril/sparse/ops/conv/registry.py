@@ -21,7 +21,9 @@ KERNELS: tuple[ConvKernel, ...] = (CARTESIAN_CUDA, CARTESIAN_TRITON, REGISTER, E
 """The `"cuda"` backend's kernels, in the order `tune` prepares, times and checks them."""
 BY_NAME = {kernel.name: kernel for kernel in KERNELS}
 DEFAULT_KERNEL = CARTESIAN_CUDA
-"""What a GPU layer runs before `tune` (its copy, `tiled`, is built at conversion)."""
+"""What a GPU layer of an fp32 network runs before `tune` (its copy, `tiled`, is built at conversion)."""
+HALF_DEFAULT_KERNEL = CARTESIAN_TRITON
+"""What a GPU layer of an fp16 or bf16 network runs before `tune` (`DEFAULT_KERNEL` is fp32 only)."""
 BACKEND_KERNELS: dict[str, ConvKernel] = {"triton": CARTESIAN_TRITON, "cpu": CPU}
 """The backends with one kernel for every layer."""
 WEIGHT_COPIES = tuple(dict.fromkeys(kernel.reads for kernel in KERNELS if kernel.reads is not None))

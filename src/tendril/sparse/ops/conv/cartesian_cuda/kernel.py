@@ -69,6 +69,10 @@ def conv(
         raise ValueError("activations were compressed for a different convolution geometry")
     if tuple(init.shape) != (g.out_channels, *g.out_hw) or init.dtype != torch.float32 or not init.is_contiguous():
         raise ValueError(f"init must be a contiguous float32 {[g.out_channels, *g.out_hw]} tensor")
+    if acts.values.dtype != torch.float32 or weights.values.dtype != torch.float32:
+        raise ValueError(
+            f"the cuda kernel is fp32 only, got {weights.values.dtype} weights and {acts.values.dtype} activations"
+        )
     if tiles.k_block * tiles.tile_h * g.out_hw[1] > ACC_CAPACITY:
         raise ValueError(f"tile {tiles} does not fit {ACC_CAPACITY} shared-memory accumulators")
     if tiled.row_ptr.shape != (g.virtual_channels, tiled.n_blocks * tiled.kernel_h + 1):

@@ -1,5 +1,5 @@
 """The Triton Cartesian kernel as a `ConvKernel` (`"triton"`, and the whole `"triton"` backend): reads
-compressed activations and the compressed weights themselves (no copy)."""
+compressed activations and the compressed weights themselves (no copy); any network dtype (fp32 products)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import torch
 from tendril.sparse.format import CompressedActivations
 from tendril.sparse.ops.conv.cartesian_triton import kernel
 from tendril.sparse.ops.conv.interface import CompressedInputKernel
+from tendril.sparse.validation import VALUE_DTYPES
 
 if TYPE_CHECKING:
     from tendril.sparse.steps import RunState, SparseConvStep
@@ -17,6 +18,7 @@ if TYPE_CHECKING:
 
 class CartesianTritonKernel(CompressedInputKernel):
     name = "triton"
+    dtypes = VALUE_DTYPES
 
     def convolve(
         self, step: SparseConvStep, acts: CompressedActivations, init: torch.Tensor, state: RunState

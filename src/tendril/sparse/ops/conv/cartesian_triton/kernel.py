@@ -9,7 +9,8 @@ output (the halo of a border activation) are masked. Accumulation is by relaxed 
 the dense output, which the caller initialises with bias (+ residual): one atomic per useful product,
 coalesced along the activation axis because a channel's activations are stored in raster order.
 Programs past a channel's count exit at once, so work follows the nonzero counts with a static grid
-(no host sync; capturable).
+(no host sync; capturable). Values may be fp32, fp16 or bf16 (weights and activations alike): products and
+atomics are fp32, into an fp32 accumulator.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ def _scnn_conv_kernel(
         return
     offs_a = a_start + tl.arange(0, BLOCK_A)  # [BLOCK_A]
     mask_a = offs_a < count
-    a = tl.load(act_values_ptr + v * capacity + offs_a, mask=mask_a, other=0.0)
+    a = tl.load(act_values_ptr + v * capacity + offs_a, mask=mask_a, other=0.0).to(tl.float32)
     flat = tl.load(act_positions_ptr + v * capacity + offs_a, mask=mask_a, other=0)
     ay = flat // plane_w
     ax = flat % plane_w
@@ -53,7 +54,7 @@ def _scnn_conv_kernel(
     for w_start in range(w_begin, w_end, BLOCK_W):
         offs_w = w_start + tl.arange(0, BLOCK_W)  # [BLOCK_W]
         mask_w = offs_w < w_end
-        w = tl.load(w_values_ptr + offs_w, mask=mask_w, other=0.0)
+        w = tl.load(w_values_ptr + offs_w, mask=mask_w, other=0.0).to(tl.float32)
         tap = tl.load(w_taps_ptr + offs_w, mask=mask_w, other=0)
         k = tap >> 16
         oy = ay[None, :] - ((tap >> 8) & 0xFF)[:, None]  # [BLOCK_W, BLOCK_A]
@@ -71,13 +72,16 @@ def conv(
     block_a: int = 128,
     block_w: int = 16,
 ) -> torch.Tensor:
-    """`init + conv(acts, weights)`, accumulated in place into `init` (`[K, OH, OW]` fp32) and returned."""
+    """`init + conv(acts, weights)`, accumulated in place into `init` (`[K, OH, OW]` fp32, whatever the values'
+    dtype) and returned."""
     g = weights.geometry
     layout = acts.layout
     if layout.virtual_channels != g.virtual_channels or layout.plane_hw != g.plane_hw:
         raise ValueError("activations were compressed for a different convolution geometry")
     if tuple(init.shape) != (g.out_channels, *g.out_hw) or init.dtype != torch.float32 or not init.is_contiguous():
         raise ValueError(f"init must be a contiguous float32 {[g.out_channels, *g.out_hw]} tensor")
+    if acts.values.dtype != weights.values.dtype:
+        raise ValueError(f"activations are {acts.values.dtype}, the weights {weights.values.dtype}: convert both alike")
     if weights.nnz == 0:
         return init
     grid = (g.virtual_channels, triton.cdiv(layout.capacity, block_a))

@@ -1,10 +1,11 @@
-"""cuDNN on the layer's dense pruned weights (the layer's `dense_weight`), in full fp32 (never TF32), the whole
+"""cuDNN on the layer's dense pruned weights (the layer's `dense_weight`), in the network's dtype (fp32 networks in
+full fp32, never TF32; fp16 and bf16 ones in half with cuDNN's fp32 accumulation), the whole
 batch at once, with the algorithm cuDNN measured fastest at `tune` (`benchmarked_shape`): where dense math
 measures faster than every sparse kernel, a layer falls back to it (`SparseNetwork.dense_fallback`).
 
 `"dense"`: the convolution with bias, then the residual and ReLU as PyTorch ops; `"dense-fused"` (layers with a
 fused ReLU): one cuDNN call for all of it (`cudnn_convolution_relu` / `_add_relu`). `DenseWeightKernel` is what
-they share with cuBLAS's `"gemm"` (`ops/conv/gemm`): the copy, its preparation, fp32 math and input counting.
+they share with cuBLAS's `"gemm"` (`ops/conv/gemm`): the copy, its preparation, the math mode and input counting.
 The dense copy is cheap to rebuild, so `tune` drops it unless a dense kernel wins.
 """
 
@@ -20,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from tendril.sparse.ops.conv.interface import ConvKernel, TuneSample, Variant
+from tendril.sparse.validation import VALUE_DTYPES
 
 if TYPE_CHECKING:
     from tendril.sparse.steps import RunState, SparseConvStep
@@ -29,15 +31,24 @@ if TYPE_CHECKING:
 @contextlib.contextmanager
 def fp32_dense_math(benchmark: bool = False) -> Iterator[None]:
     """cuDNN convolutions and cuBLAS matrix products in full fp32 inside the block (PyTorch lets convolutions, and
-    a user's setting matrix products, use TF32); `benchmark`: with the algorithm cuDNN measured fastest for each
-    shape (`torch.backends.cudnn.benchmark`), not its heuristic's."""
+    a user's setting matrix products, use TF32), and half ones accumulating in fp32 (no reduced-precision split-K
+    reductions); `benchmark`: with the algorithm cuDNN measured fastest for each shape
+    (`torch.backends.cudnn.benchmark`), not its heuristic's."""
     cudnn, matmul = torch.backends.cudnn, torch.backends.cuda.matmul
-    previous = cudnn.allow_tf32, cudnn.benchmark, matmul.allow_tf32
+    previous = (
+        cudnn.allow_tf32,
+        cudnn.benchmark,
+        matmul.allow_tf32,
+        matmul.allow_fp16_reduced_precision_reduction,
+        matmul.allow_bf16_reduced_precision_reduction,
+    )
     cudnn.allow_tf32, cudnn.benchmark, matmul.allow_tf32 = False, benchmark, False
+    matmul.allow_fp16_reduced_precision_reduction = matmul.allow_bf16_reduced_precision_reduction = False
     try:
         yield
     finally:
-        cudnn.allow_tf32, cudnn.benchmark, matmul.allow_tf32 = previous
+        cudnn.allow_tf32, cudnn.benchmark, matmul.allow_tf32 = previous[:3]
+        matmul.allow_fp16_reduced_precision_reduction, matmul.allow_bf16_reduced_precision_reduction = previous[3:]
 
 
 class DenseWeightKernel(ConvKernel):
@@ -46,6 +57,7 @@ class DenseWeightKernel(ConvKernel):
     reads = "dense_weight"
     checked = True
     kept_after_tune = False
+    dtypes = VALUE_DTYPES
 
     def serves(self, step: SparseConvStep) -> bool:
         """Whether this kernel can run `step`'s layer."""
@@ -55,7 +67,7 @@ class DenseWeightKernel(ConvKernel):
     def compute(
         self, step: SparseConvStep, weight: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None
     ) -> torch.Tensor:
-        """The layer's output from the dense `weight`, under fp32 math."""
+        """The layer's output from the dense `weight` (in the network's dtype), TF32 ruled out."""
 
     def run(
         self, step: SparseConvStep, x: torch.Tensor, residual: torch.Tensor | None, state: RunState

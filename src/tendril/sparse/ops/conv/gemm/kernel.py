@@ -1,4 +1,5 @@
-"""A convolution as one dense matrix product on the pruned weights (cuBLAS in fp32), for layers where that beats
+"""A convolution as one dense matrix product on the pruned weights (cuBLAS in the network's dtype: fp32, or fp16 /
+bf16 with fp32 accumulation), for layers where that beats
 every sparse kernel and cuDNN.
 
 At batch 1 a convolution is `W[K, C*R*S] @ cols[C*R*S, OH*OW]`. cuDNN's fp32 kernels can be slow on the small,
@@ -60,7 +61,7 @@ def conv(
 
 def epilogue_(y: torch.Tensor, bias: torch.Tensor, residual: torch.Tensor | None, relu: bool) -> None:
     """In place on a contiguous `y` (`[B, K, L]`): add `bias` (`[K]`) per channel and `residual` (any contiguous
-    tensor of `y`'s size), then ReLU."""
+    tensor of `y`'s size), then ReLU; in fp32 registers, stored in `y`'s dtype."""
     if not y.is_contiguous() or y.dim() != 3 or bias.shape != (y.shape[1],):
         raise ValueError(f"epilogue of a contiguous [B, K, L] product with a [K] bias, got {tuple(y.shape)}")
     if residual is not None and residual.numel() != y.numel():
@@ -91,9 +92,10 @@ def _epilogue_kernel(
 ):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < numel
-    v = tl.load(y_ptr + offs, mask=mask) + tl.load(bias_ptr + (offs // length) % channels, mask=mask)
+    v = tl.load(y_ptr + offs, mask=mask).to(tl.float32)
+    v += tl.load(bias_ptr + (offs // length) % channels, mask=mask).to(tl.float32)
     if HAS_RESIDUAL:
-        v += tl.load(residual_ptr + offs, mask=mask)
+        v += tl.load(residual_ptr + offs, mask=mask).to(tl.float32)
     if RELU:
         v = tl.maximum(v, 0.0)
     tl.store(y_ptr + offs, v, mask=mask)

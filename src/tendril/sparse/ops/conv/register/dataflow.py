@@ -106,12 +106,12 @@ def network_plans(net: SparseNetwork) -> list[RegisterTilePlan]:
     """Every plan `tune` would time on `net`'s layers that have no register layer yet (GPU networks only)."""
     from tendril.sparse.steps import SparseConvStep
 
-    if net.device.type != "cuda":
+    if net.device.type != "cuda" or REGISTER.unsupported_dtype(net.dtype) is not None:
         return []
     return [
         plan
         for step in net.steps
-        if isinstance(step, SparseConvStep) and step.tiled is not None and step.register is None
+        if isinstance(step, SparseConvStep) and step.register is None
         for plan in plans_for(step, net)
     ]
 

@@ -167,10 +167,12 @@ def conv(
     if tuple(x.shape) != (g.in_channels, *g.in_hw) or x.dtype != torch.float32 or not x.is_contiguous():
         raise ValueError(f"x must be a contiguous float32 {[g.in_channels, *g.in_hw]} tensor, got {tuple(x.shape)}")
     out_shape = (g.out_channels, *g.out_hw)
-    if bias.shape != (g.out_channels,) or not bias.is_contiguous():
-        raise ValueError(f"bias must be a contiguous [{g.out_channels}] tensor")
-    if residual is not None and (tuple(residual.shape) != out_shape or not residual.is_contiguous()):
-        raise ValueError(f"residual must be a contiguous {list(out_shape)} tensor")
+    if bias.shape != (g.out_channels,) or bias.dtype != torch.float32 or not bias.is_contiguous():
+        raise ValueError(f"bias must be a contiguous float32 [{g.out_channels}] tensor (the kernel is fp32 only)")
+    if residual is not None and (
+        tuple(residual.shape) != out_shape or residual.dtype != torch.float32 or not residual.is_contiguous()
+    ):
+        raise ValueError(f"residual must be a contiguous float32 {list(out_shape)} tensor")
     if out is None:
         out = torch.empty(out_shape, device=x.device)
     elif tuple(out.shape) != out_shape or out.dtype != torch.float32 or not out.is_contiguous():
