@@ -20,6 +20,7 @@ from tendril.sparse.ops.conv.ell import kernel
 from tendril.sparse.ops.conv.ell.packing import EllConfig, pack
 from tendril.sparse.ops.conv.ell.planes import plane_hw, planes_per_channel, virtual_width
 from tendril.sparse.ops.conv.interface import ConvKernel, TuneSample, Variant
+from tendril.sparse.validation import VALUE_DTYPES
 
 if TYPE_CHECKING:
     from tendril.sparse.steps import RunState, SparseConvStep
@@ -81,6 +82,7 @@ class EllKernel(ConvKernel):
     reads = "ell"
     checked = True
     kept_after_tune = False
+    dtypes = VALUE_DTYPES
 
     def run(
         self, step: SparseConvStep, x: torch.Tensor, residual: torch.Tensor | None, state: RunState
