@@ -22,10 +22,13 @@ about equal cost (never over a dimension as small as a layer's input channels).
 - `conv_direct`: the output-stationary sparse-weight dataflow. A work unit is (a band of output rows,
   a block of output channels). For each output channel of the block, its accumulators for the band
   (≤ `band_rows × row` floats, in the L1 cache) start at zero and every nonzero weight adds `w × (a contiguous
-  slice of its channel's plane)`, four weights per pass (one load and store of the accumulators per
-  four FMAs, vectorized over the band); the band's input rows of every channel (reused by all output
+  slice of its channel's plane)`, eight weights per pass (one load and store of the accumulators per
+  eight FMAs, vectorized over the band); the band's input rows of every channel (reused by all output
   channels of the unit) stay in the L2 cache. Bias, the residual and ReLU are applied when the band
   is written out, cropped to the output width. Work = nonzero weights × output pixels.
+- `count_phases`: the nonzeros of each virtual channel (channel × stride phase) of a dense `[C, H, W]` input
+  without padding, for the layers whose product runs in a library call and so does not count them on the
+  way; parallel over channels.
 - `linear_dense_input`: the sparse FC layer. Each nonzero input feature meets the nonzero column of
   its feature (CSC); input features are split into parts of about equal weight nonzeros, one
   accumulator row each; a second parallel pass sums the parts with the bias and applies ReLU.
@@ -130,15 +133,22 @@ def conv_direct(out, bias, residual, relu, values, base, k_ptr, planes, row, ban
         for k in range(kb * k_block, min(channels, (kb + 1) * k_block)):
             acc[:m] = 0
             i, last = k_ptr[k], k_ptr[k + 1]
-            while i + 4 <= last:
+            while i + 8 <= last:
                 a0 = planes[base[i] + t0 : base[i] + t0 + m]
                 a1 = planes[base[i + 1] + t0 : base[i + 1] + t0 + m]
                 a2 = planes[base[i + 2] + t0 : base[i + 2] + t0 + m]
                 a3 = planes[base[i + 3] + t0 : base[i + 3] + t0 + m]
+                a4 = planes[base[i + 4] + t0 : base[i + 4] + t0 + m]
+                a5 = planes[base[i + 5] + t0 : base[i + 5] + t0 + m]
+                a6 = planes[base[i + 6] + t0 : base[i + 6] + t0 + m]
+                a7 = planes[base[i + 7] + t0 : base[i + 7] + t0 + m]
                 w0, w1, w2, w3 = values[i], values[i + 1], values[i + 2], values[i + 3]
+                w4, w5, w6, w7 = values[i + 4], values[i + 5], values[i + 6], values[i + 7]
                 for q in range(m):
-                    acc[q] += (w0 * a0[q] + w1 * a1[q]) + (w2 * a2[q] + w3 * a3[q])
-                i += 4
+                    low = (w0 * a0[q] + w1 * a1[q]) + (w2 * a2[q] + w3 * a3[q])
+                    high = (w4 * a4[q] + w5 * a5[q]) + (w6 * a6[q] + w7 * a7[q])
+                    acc[q] += low + high
+                i += 8
             while i < last:
                 a0 = planes[base[i] + t0 : base[i] + t0 + m]
                 w0 = values[i]
@@ -177,3 +187,15 @@ def linear_dense_input(out, bias, relu, x, values, rows, col_ptr, bounds, parts,
                 value = 0
             out[o] = value
     counts[0] = np.count_nonzero(x)
+
+
+
+@njit(parallel=True, cache=True)
+def count_phases(x, stride_h, stride_w, counts):
+    phases = stride_h * stride_w
+    for c in prange(x.shape[0]):
+        counts[c * phases : (c + 1) * phases] = 0
+        for y in range(x.shape[1]):
+            first = c * phases + (y % stride_h) * stride_w
+            for ix in range(x.shape[2]):
+                counts[first + ix % stride_w] += x[c, y, ix] != 0
