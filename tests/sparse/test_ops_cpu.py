@@ -202,9 +202,7 @@ SPMM_CASES = [
 @pytest.mark.parametrize("case", SPMM_CASES)
 def test_spmm_conv_matches_dense_conv(case, method, threads):
     """The sparse-BLAS product of 1×1 layers, from compressed and from dense inputs (with its nonzero counts)."""
-    check_conv(
-        case, compress_cpu.compress, lambda a, w, i: conv_cpu.conv(a, w, i, threads=threads, method=method), CPU
-    )
+    check_conv(case, compress_cpu.compress, lambda a, w, i: conv_cpu.conv(a, w, i, threads=threads, method=method), CPU)
     _check_dense_input_conv(case, method, threads, fused=threads == 3)
 
 

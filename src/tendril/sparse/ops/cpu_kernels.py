@@ -189,7 +189,6 @@ def linear_dense_input(out, bias, relu, x, values, rows, col_ptr, bounds, parts,
     counts[0] = np.count_nonzero(x)
 
 
-
 @njit(parallel=True, cache=True)
 def count_phases(x, stride_h, stride_w, counts):
     phases = stride_h * stride_w

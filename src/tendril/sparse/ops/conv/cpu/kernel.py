@@ -11,8 +11,9 @@ blocks whose accumulators fit in `CARTESIAN_ACC_FLOATS` (the L2 cache), at least
 planes of row width `R = max(plane_w, out_w + s' - 1)`, and for every output channel and band of
 output rows (about `BAND_FLOATS` accumulators on a grid of row width R, whose extra columns are
 cropped) each nonzero weight `(v, r', s')` adds `w × planes[v, r'R + s' + band]`, a contiguous
-vectorized FMA stream (eight weights per pass over the accumulators). A work unit is (band, block of output channels), enough units for
-`UNITS_PER_THREAD` per thread; the band's input rows stay in the L2 cache across the block.
+vectorized FMA stream (eight weights per pass over the accumulators). A work unit is (band, block of
+output channels), enough units for `UNITS_PER_THREAD` per thread; the band's input rows stay in the L2
+cache across the block.
 (Dropping the weights of channels with no nonzero activation costs more in the gather than it
 saves: few channels are empty in real networks' layers.)
 
@@ -270,7 +271,13 @@ def _spmm_dense_input(
 
 
 def _spmm(
-    plan: CpuConvPlan, columns: torch.Tensor, out: torch.Tensor, bias: torch.Tensor, residual: torch.Tensor, *, relu: bool
+    plan: CpuConvPlan,
+    columns: torch.Tensor,
+    out: torch.Tensor,
+    bias: torch.Tensor,
+    residual: torch.Tensor,
+    *,
+    relu: bool,
 ) -> None:
     """`out = [relu](bias + residual + csr @ columns)`, the product written into `out` by the library call."""
     g = plan.weights.geometry
