@@ -56,6 +56,9 @@ CARTESIAN_ACC_FLOATS = 1 << 16
 CARTESIAN_MIN_BLOCKS = 16
 BAND_FLOATS = 1024
 UNITS_PER_THREAD = 4
+VECTOR_FLOATS = 64
+"""The direct dataflow's bands are rounded up to this many floats (a multiple of the compiled loop's
+vector width × unrolling), so that its vectorized loop covers them without a scalar remainder."""
 NS_PER_PRODUCT = {"cartesian": 1.0, "direct": 0.08}
 METHODS = ("auto", "cartesian", "direct", "spmm")
 
@@ -70,7 +73,9 @@ class CpuConvPlan:
     """Row width R of the direct dataflow's planes and output grid."""
     plane_rows: int
     planes: torch.Tensor
-    """`[virtual channels, plane_rows × R + s' - 1]`: the direct dataflow's input, rewritten each call."""
+    """`[virtual channels, plane_rows × R + s' - 1]`: the direct dataflow's input, rewritten each call; a view
+    of `plane_buffer`, which ends in `VECTOR_FLOATS` floats of slack for the rounded-up bands' reads."""
+    plane_buffer: torch.Tensor
     direct_values: torch.Tensor
     direct_base: torch.Tensor
     """Where each weight's slice starts in the flat planes: `v × plane_stride + r' × R + s'`."""
@@ -113,11 +118,13 @@ class CpuConvPlan:
         block_ptr[1:] = torch.cumsum(torch.bincount(block_key, minlength=blocks * channels), 0)
         block_ptr = torch.cat([block_ptr[:-1].view(blocks, channels), block_ptr[channels::channels, None]], 1)
         base = (k % k_block) * plane - rp * acc_w - sp + (kh - 1) * acc_w + (kw - 1)
+        buffer = torch.zeros(channels * plane_stride + VECTOR_FLOATS)
         return cls(
             weights,
             row,
             plane_rows,
-            torch.empty(channels, plane_stride),
+            buffer[: channels * plane_stride].view(channels, plane_stride),
+            buffer,
             weights.values[direct].contiguous(),
             (v * plane_stride + rp * row + sp)[direct].contiguous(),
             k_ptr,
@@ -304,10 +311,11 @@ def _direct(
         plan.direct_values.numpy(),
         plan.direct_base.numpy(),
         plan.k_ptr.numpy(),
-        plan.planes.view(-1).numpy(),
+        plan.plane_buffer.numpy(),
         plan.row,
         plan.band_rows,
         -(-g.out_channels // k_blocks),
+        VECTOR_FLOATS,
     )
 
 
