@@ -11,10 +11,10 @@ same pruned weights with BatchNorm folded into the convolutions (`torch.fx`'s `f
 - per layer (`extra.<net>_d<density>.layers`, the profile): each sparse step (conv or FC with bias,
   residual and ReLU fused, counting its input's nonzeros) against the dense `Conv2d`/`Linear` module
   alone, both on that layer's input in the dense forward, on both thread counts; and on 1 thread, every
-  conv dataflow forced (`direct`, `cartesian`, and `spmm` where supported: see `ops/conv/cpu/kernel.py`),
-  the library alternative for the other layers (torch's sparse CSR × dense `addmm`, MKL's sparse BLAS,
-  on `F.unfold`'s im2col columns, unfold included) and the activation compression alone (what SCNN's
-  dataflow needs first).
+  conv dataflow forced (`direct` and `cartesian`: see `ops/conv/cpu/kernel.py`), the library doing the
+  same product (torch's sparse CSR × dense `addmm`, MKL's sparse BLAS, on the input itself for 1×1
+  layers, else on `F.unfold`'s im2col columns, unfold included) and the activation compression alone
+  (what SCNN's dataflow needs first).
 
 Targets: `{net}_d{density}_cpu_speedup_vs_dense_1thread` and `_allthreads` (dense time / tendril time)
 and `{net}_d{density}_cpu_thread_scaling` (tendril's 1-thread time / all-thread time), with the goals
@@ -260,30 +260,34 @@ def _rescale(model: nn.Module, density: float) -> None:
 
 
 def _conv_alternatives(step: SparseConvStep, module: nn.Module, x: torch.Tensor, reps: int) -> dict[str, Any]:
-    """On 1 thread: every dataflow the layer supports forced, sparse BLAS on im2col columns, compression alone."""
+    """On 1 thread: each dataflow forced, the library's sparse product, the compression alone."""
     assert step.cpu_plan is not None and isinstance(module, nn.Conv2d)
     plan, g, x = step.cpu_plan, step.weights.geometry, x[0]
     out = torch.empty(g.out_channels, *g.out_hw)
     times: dict[str, Any] = {"auto_choice": plan.choose(compress_cpu.compress(x, step.layout).stored_counts)}
     n = max(1, reps // 2)
-    methods = ["direct", "cartesian"] + (["spmm"] if plan.csr is not None else [])
-    for method in methods:
+    for method in ("direct", "cartesian"):
         forced = functools.partial(
             conv_cpu.conv_dense_input, x, plan, step.bias, out=out, layout=step.layout, method=method
         )
         times[f"{method}_ms_1thread"] = _time_ms(forced, n, time.process_time)
     if g.groups == 1:
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", "Sparse CSR tensor support is in beta", UserWarning)
-            csr = step.weights.to_dense().view(g.out_channels, -1).to_sparse_csr()
-
-        def im2col_spmm() -> torch.Tensor:
-            columns = F.unfold(x[None], g.kernel, padding=g.padding, stride=g.stride)[0]
-            return torch.addmm(step.bias.view(-1, 1), csr, columns)
-
-        times["mkl_csr_im2col_ms_1thread"] = _time_ms(im2col_spmm, n, time.process_time)
+        times["mkl_csr_ms_1thread"] = _time_ms(_mkl_product(step, x), n, time.process_time)
     times["compress_ms_1thread"] = _time_ms(lambda: compress_cpu.compress(x, step.layout), n, time.process_time)
     return times
+
+
+def _mkl_product(step: SparseConvStep, x: torch.Tensor) -> Callable[[], torch.Tensor]:
+    """The layer as torch's sparse CSR × dense `addmm` (MKL's sparse BLAS) with the bias: on the input itself for
+    an unpadded 1×1 stride-1 layer, else on `F.unfold`'s im2col columns (the unfold timed too)."""
+    g = step.weights.geometry
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "Sparse CSR tensor support is in beta", UserWarning)
+        csr = step.weights.to_dense().view(g.out_channels, -1).to_sparse_csr()
+    bias = step.bias.view(-1, 1)
+    if g.kernel == (1, 1) and g.stride == (1, 1) and g.padding == (0, 0):
+        return lambda: torch.addmm(bias, csr, x.view(g.in_channels, -1))
+    return lambda: torch.addmm(bias, csr, F.unfold(x[None], g.kernel, padding=g.padding, stride=g.stride)[0])
 
 
 @register(
@@ -294,10 +298,10 @@ def run(ctx: Context) -> None:
         for density in DENSITIES:
             _bench(ctx, name, density)
     ctx.note(
-        "tendril cpu = per conv layer the sparse-BLAS product (MKL through torch) for 1×1 layers, else the compiled "
-        "(numba) output-stationary dataflow or SCNN's Cartesian product by a cost model (extra.*.layers.auto_choice, "
-        "each forced dataflow, MKL CSR on im2col columns and the compression alone timed on 1 thread); FC layers "
-        "are compiled column-gather products over the nonzero inputs. Dense = PyTorch CPU (oneDNN) on the same "
-        "pruned weights, BatchNorm folded. Per-layer tendril times include counting the input's nonzeros, bias, "
-        "residual and ReLU; dense per-layer times are the Conv2d/Linear module alone."
+        "tendril cpu = compiled (numba) kernels: per conv layer the output-stationary sparse-weight dataflow or "
+        "SCNN's Cartesian product by a cost model (extra.*.layers.auto_choice; each forced, MKL's CSR product and "
+        "the compression alone timed on 1 thread); FC layers are column-gather products over the nonzero inputs. "
+        "Dense = PyTorch CPU (oneDNN) on the same pruned weights, BatchNorm folded. Per-layer tendril times include "
+        "filling the phase planes and counting the input's nonzeros, bias, residual and ReLU; dense per-layer "
+        "times are the Conv2d/Linear module alone."
     )

@@ -21,16 +21,14 @@ about equal cost (never over a dimension as small as a layer's input channels).
   activations, but each product is a scalar read-modify-write at a scattered address.
 - `conv_direct`: the output-stationary sparse-weight dataflow. A work unit is (a band of output rows,
   a block of output channels). For each output channel of the block, its accumulators for the band
-  (≤ `band_rows × row` floats, in the L1 cache) start at zero and every nonzero weight adds `w × (a contiguous
-  slice of its channel's plane)`, eight weights per pass (one load and store of the accumulators per
-  eight FMAs, vectorized over the band, whose length is rounded up to a multiple of `vector` so that no
-  scalar remainder loop runs: the extra accumulators read past the band, into the planes' slack, and are
-  never written out); the band's input rows of every channel (reused by all output
-  channels of the unit) stay in the L2 cache. Bias, the residual and ReLU are applied when the band
-  is written out, cropped to the output width. Work = nonzero weights × output pixels.
-- `count_phases`: the nonzeros of each virtual channel (channel × stride phase) of a dense `[C, H, W]` input
-  without padding, for the layers whose product runs in a library call and so does not count them on the
-  way; parallel over virtual channels, each row counted in float32 (vectorized, exact below 2^24 per row).
+  (≤ `band_rows × row` floats, in the L1 cache) start at zero and every nonzero weight adds
+  `w × (a contiguous slice of its channel's plane)`, eight weights per pass (one load and store of the
+  accumulators per eight FMAs). The pass is vectorized over the band: its indices are unsigned (`_at`), and
+  its length is rounded up to a multiple of `vector`, so no scalar remainder loop runs (the extra
+  accumulators read past the band, into the planes' slack, and are never written out). The band's input
+  rows of every channel (reused by all output channels of the unit) stay in the L2 cache. Bias, the
+  residual and ReLU are applied when the band is written out, cropped to the output width.
+  Work = nonzero weights × output pixels.
 - `linear_dense_input`: the sparse FC layer. Each nonzero input feature meets the nonzero column of
   its feature (CSC); input features are split into parts of about equal weight nonzeros, one
   accumulator row each; a second parallel pass sums the parts with the bias and applies ReLU.
@@ -192,25 +190,6 @@ def linear_dense_input(out, bias, relu, x, values, rows, col_ptr, bounds, parts,
                 value = 0
             out[o] = value
     counts[0] = np.count_nonzero(x)
-
-
-@njit(parallel=True, cache=True, fastmath=True)
-def count_phases(x, stride_h, stride_w, counts):
-    phases = stride_h * stride_w
-    for v in prange(x.shape[0] * phases):
-        c, py, px = v // phases, (v % phases) // stride_w, v % stride_w
-        n = 0
-        for y in range(py, x.shape[1], stride_h):
-            n += _count_row(x[c, y]) if stride_w == 1 else _count_row(x[c, y, px::stride_w])
-        counts[v] = n
-
-
-@njit(inline="always", fastmath=True)
-def _count_row(row):
-    n = np.float32(0)
-    for i in range(row.shape[0]):
-        n += np.float32(row[i] != 0)
-    return np.int64(n)
 
 
 @njit(inline="always")

@@ -1,4 +1,4 @@
-"""Sparse convolution on the CPU: two compiled dataflows and a sparse-BLAS product, chosen per call.
+"""Sparse×sparse convolution on the CPU: two compiled dataflows, chosen per call by a cost model.
 
 `cartesian` is SCNN's dataflow, as on the GPU: within each virtual input channel, every nonzero
 weight meets every stored activation, and the product is added at `weight base + activation
@@ -17,20 +17,16 @@ cache across the block.
 (Dropping the weights of channels with no nonzero activation costs more in the gather than it
 saves: few channels are empty in real networks' layers.)
 
-`spmm` is the same product as one library call, for 1×1 convolutions without padding or groups (a
-bottleneck's projections, most of ResNet-50's work): the weights as a `[K, C]` sparse CSR matrix (built
-once, in the plan) times the input as a dense `[C, OH·OW]` matrix (strided inputs are subsampled
-first), by torch's sparse-dense `addmm` (MKL's sparse BLAS on x86), written straight into the output
-with the bias; the residual and ReLU follow in place. It needs no planes, and the library's kernel
-beats the compiled loop on these shapes (the `sparse-cpu` benchmark's per-layer `extra` shows both);
-a compiled pass counts the input's nonzeros per virtual channel, which the other dataflows count on the way.
-
 Work: cartesian does `nnz(w) × nnz(a)` products, but each is a scalar read-modify-write at a
 scattered address; direct does `nnz(w) × output pixels` multiply-adds, vectorized with the
 accumulators in L1, so it wins unless activations are very sparse. With `method="auto"` (the
-default) a layer that `spmm` supports runs it; elsewhere both work counts are computed from the true
-nonzero counts and the cheaper by `NS_PER_PRODUCT` (fitted on one core, the `sparse-cpu` benchmark)
-is taken.
+default) both work counts are computed from the true nonzero counts and the cheaper by
+`NS_PER_PRODUCT` (fitted on one core, the `sparse-cpu` benchmark) is taken.
+
+Why compiled loops rather than a library call: the same product as torch's sparse CSR × dense `addmm`
+(MKL's sparse BLAS) on the planes runs no faster on one core, and its OpenMP pool, alternating with
+numba's between layers, slows a multi-threaded forward several times over (the `sparse-cpu`
+benchmark's per-layer `extra` times MKL beside each dataflow).
 
 Two entry points:
 - `conv(acts, weights, init)`: from compressed activations (the op as the GPU kernels see it;
@@ -43,7 +39,6 @@ Two entry points:
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass
 
 import torch
@@ -60,7 +55,7 @@ VECTOR_FLOATS = 64
 """The direct dataflow's bands are rounded up to this many floats (a multiple of the compiled loop's
 vector width × unrolling), so that its vectorized loop covers them without a scalar remainder."""
 NS_PER_PRODUCT = {"cartesian": 1.0, "direct": 0.08}
-METHODS = ("auto", "cartesian", "direct", "spmm")
+METHODS = ("auto", "cartesian", "direct")
 
 
 @dataclass(frozen=True)
@@ -87,8 +82,6 @@ class CpuConvPlan:
     cartesian_base: torch.Tensor
     block_ptr: torch.Tensor
     weights_per_channel: torch.Tensor
-    csr: torch.Tensor | None
-    """The `[K, C]` sparse CSR weights of the `spmm` product, for the layers it supports (else None)."""
 
     @classmethod
     def prepare(cls, weights: SparseConvWeights) -> CpuConvPlan:
@@ -135,7 +128,6 @@ class CpuConvPlan:
             base[cartesian].contiguous(),
             block_ptr.contiguous(),
             per_channel,
-            _csr_weights(weights),
         )
 
     def work(self, counts: torch.Tensor) -> dict[str, float]:
@@ -146,9 +138,7 @@ class CpuConvPlan:
         return {"cartesian": products * NS_PER_PRODUCT["cartesian"], "direct": macs * NS_PER_PRODUCT["direct"]}
 
     def choose(self, counts: torch.Tensor) -> str:
-        """`spmm` where the layer supports it, else the dataflow the cost model predicts faster for these counts."""
-        if self.csr is not None:
-            return "spmm"
+        """The dataflow the cost model predicts faster for these counts."""
         cost = self.work(counts)
         return min(cost, key=lambda m: cost[m])
 
@@ -165,8 +155,8 @@ def conv(
     """`init + conv(acts, weights)` (`init` is `[K, OH, OW]`, left unchanged).
 
     `plan` (from `CpuConvPlan.prepare(weights)`) saves re-ordering the weights on every call;
-    `method` is `"auto"`, `"cartesian"`, `"direct"` or `"spmm"` (see the module docstring). `direct`
-    and `spmm` return a new contiguous tensor, `cartesian` a view of its accumulators (cropped of the halo).
+    `method` is `"auto"`, `"cartesian"` or `"direct"` (see the module docstring). `direct` returns a
+    new contiguous tensor, `cartesian` a view of its accumulators (cropped of the halo).
     """
     _check_method(method)
     if plan is None:
@@ -176,7 +166,6 @@ def conv(
     counts = acts.stored_counts
     if method == "auto":
         method = plan.choose(counts)
-    _check_supported(plan, method)
     with kernel_threads(threads) as used:
         if method == "cartesian":
             return _cartesian(acts, plan, counts, init)
@@ -185,13 +174,7 @@ def conv(
             plan.planes.numpy(), acts.values.numpy(), acts.positions.numpy(), counts.numpy(), g.plane_hw[1], plan.row
         )
         out = torch.empty(g.out_channels, *g.out_hw)
-        if method == "spmm":
-            # A 1×1 kernel without padding reads only phase (0, 0), whose plane is the subsampled input.
-            pixels = g.out_hw[0] * g.out_hw[1]
-            x = plan.planes.view(g.in_channels, g.phases, -1)[:, 0, :pixels]
-            _spmm(plan, x, out, torch.zeros(g.out_channels), init.contiguous(), relu=False)
-        else:
-            _direct(plan, out, torch.zeros(g.out_channels), init.contiguous(), relu=False, threads=used)
+        _direct(plan, out, torch.zeros(g.out_channels), init.contiguous(), relu=False, threads=used)
         return out
 
 
@@ -218,15 +201,9 @@ def conv_dense_input(
         raise ValueError(f"activation shape {tuple(x.shape)}: the layout expects {(g.in_channels, *g.in_hw)}")
     if tuple(out.shape) != (g.out_channels, *g.out_hw) or not out.is_contiguous():
         raise ValueError(f"out must be a contiguous tensor of shape {(g.out_channels, *g.out_hw)}")
-    if method == "auto" and plan.csr is not None:
-        method = "spmm"
-    _check_supported(plan, method)
     x = x.contiguous()
-    resid = torch.empty(0, 0, 0) if residual is None else residual.contiguous()
+    counts = torch.empty(g.virtual_channels, dtype=torch.int32)
     with kernel_threads(threads) as used:
-        if method == "spmm":
-            return _spmm_dense_input(x, plan, bias, out, resid, relu=relu)
-        counts = torch.empty(g.virtual_channels, dtype=torch.int32)
         if method != "cartesian":
             kernels().fill_planes(
                 x.numpy(), *g.stride, *g.padding, plan.planes.numpy(), plan.row, plan.plane_rows, counts.numpy()
@@ -234,6 +211,7 @@ def conv_dense_input(
         if method == "auto":
             method = plan.choose(counts)
         if method == "direct":
+            resid = torch.empty(0, 0, 0) if residual is None else residual.contiguous()
             _direct(plan, out, bias, resid, relu=relu, threads=used)
             return counts
         acts = compress_cpu.compress(x, layout, threads=used)
@@ -246,54 +224,6 @@ def conv_dense_input(
 def _check_method(method: str) -> None:
     if method not in METHODS:
         raise ValueError(f"method {method!r}: expected one of {METHODS}")
-
-
-def _check_supported(plan: CpuConvPlan, method: str) -> None:
-    if method == "spmm" and plan.csr is None:
-        raise ValueError("method 'spmm' runs only 1×1 convolutions without padding or groups")
-
-
-def _csr_weights(weights: SparseConvWeights) -> torch.Tensor | None:
-    """The `[K, C]` sparse CSR matrix of a 1×1 convolution without padding or groups (None for other layers)."""
-    g = weights.geometry
-    if g.kernel != (1, 1) or g.padding != (0, 0) or g.groups != 1:
-        return None
-    with warnings.catch_warnings():  # torch's notice that its sparse CSR layout is in beta
-        warnings.filterwarnings("ignore", "Sparse CSR tensor support is in beta", UserWarning)
-        return weights.to_dense().view(g.out_channels, g.in_channels).to_sparse_csr()
-
-
-def _spmm_dense_input(
-    x: torch.Tensor, plan: CpuConvPlan, bias: torch.Tensor, out: torch.Tensor, residual: torch.Tensor, *, relu: bool
-) -> torch.Tensor:
-    """The `spmm` product on a dense input: count its nonzeros per virtual channel, subsample it if strided
-    (a 1×1 kernel without padding reads only phase (0, 0)), multiply."""
-    g = plan.weights.geometry
-    sh, sw = g.stride
-    columns = x[:, ::sh, ::sw].contiguous().view(g.in_channels, -1)
-    counts = torch.empty(g.virtual_channels, dtype=torch.int32)
-    kernels().count_phases(x.numpy(), sh, sw, counts.numpy())
-    _spmm(plan, columns, out, bias, residual, relu=relu)
-    return counts
-
-
-def _spmm(
-    plan: CpuConvPlan,
-    columns: torch.Tensor,
-    out: torch.Tensor,
-    bias: torch.Tensor,
-    residual: torch.Tensor,
-    *,
-    relu: bool,
-) -> None:
-    """`out = [relu](bias + residual + csr @ columns)`, the product written into `out` by the library call."""
-    g = plan.weights.geometry
-    flat = out.view(g.out_channels, -1)
-    torch.addmm(bias.view(-1, 1), plan.csr, columns, out=flat)
-    if residual.numel():
-        flat += residual.view(g.out_channels, -1)
-    if relu:
-        flat.relu_()
 
 
 def _direct(
