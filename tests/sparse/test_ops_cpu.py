@@ -134,8 +134,7 @@ def test_cpu_conv_rejects_a_foreign_plan_and_unknown_methods():
 
 def _check_dense_input_conv(case: ConvCase, method: str, threads: int, fused: bool) -> None:
     """`conv_dense_input` (what a CPU network runs) against F.conv2d + bias (+ residual, ReLU), with the
-    output and the plan's planes poisoned so that a slot left unwritten, or a slack value written out, shows up
-    as NaN."""
+    output and the plan's planes poisoned so that a slot left unwritten shows up as NaN."""
     weights, x, init, ref = conv_operands(case, CPU)
     g = weights.geometry
     bias = init[:, 0, 0].clone()
@@ -145,7 +144,7 @@ def _check_dense_input_conv(case: ConvCase, method: str, threads: int, fused: bo
     plan = conv_cpu.CpuConvPlan.prepare(weights)
     layout = ActivationLayout.for_conv(g)
     for _ in range(2):
-        plan.plane_buffer.fill_(float("nan"))  # the planes and the slack the rounded-up bands read
+        plan.planes.fill_(float("nan"))
         out = torch.full((g.out_channels, *g.out_hw), float("nan"))
         counts = conv_cpu.conv_dense_input(
             x, plan, bias, out=out, layout=layout, residual=residual if fused else None, relu=fused,
@@ -187,6 +186,18 @@ def test_cpu_conv_from_dense_input_over_random_geometries(
         return
     case = ConvCase(channels, out_channels, size, kernel, stride, padding, 1, weight_density, act_density, seed)
     _check_dense_input_conv(case, method, threads, fused)
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_direct_conv_reads_the_input_itself_for_unpadded_pointwise_layers(threads):
+    """A 1×1 stride-1 layer without padding has no planes: the kernel reads the input (from dense and from
+    compressed activations), and its counts come from a separate pass."""
+    case = ConvCase(5, 9, (11, 7), 1, 1, 0, 1, 0.5, 0.5, seed=9)
+    weights, _, _, _ = conv_operands(case, CPU)
+    assert conv_cpu.CpuConvPlan.prepare(weights).reads_input
+    for method in ("direct", "auto"):
+        _check_dense_input_conv(case, method, threads, fused=threads == 3)
+    check_conv(case, compress_cpu.compress, lambda a, w, i: conv_cpu.conv(a, w, i, threads=threads), CPU)
 
 
 def test_direct_conv_splits_work_into_balanced_units_on_a_tall_layer():

@@ -23,12 +23,17 @@ about equal cost (never over a dimension as small as a layer's input channels).
   a block of output channels). For each output channel of the block, its accumulators for the band
   (≤ `band_rows × row` floats, in the L1 cache) start at zero and every nonzero weight adds
   `w × (a contiguous slice of its channel's plane)`, eight weights per pass (one load and store of the
-  accumulators per eight FMAs). The pass is vectorized over the band: its indices are unsigned (`_at`), and
-  its length is rounded up to a multiple of `vector`, so no scalar remainder loop runs (the extra
-  accumulators read past the band, into the planes' slack, and are never written out). The band's input
+  accumulators per eight FMAs; each channel's weights are padded with zeros to a multiple of eight, so that
+  channels with few weights need no one-weight passes). The pass is vectorized over the band: its indices
+  are unsigned (`_at`), and its length is rounded up to a multiple of `vector` except in the last band, so
+  no scalar remainder loop runs (the extra accumulators read the next rows, still inside the channel's
+  plane, and are never written out). The band's input
   rows of every channel (reused by all output channels of the unit) stay in the L2 cache. Bias, the
   residual and ReLU are applied when the band is written out, cropped to the output width.
   Work = nonzero weights × output pixels.
+- `count_channels`: the nonzeros of each channel of a dense `[C, H, W]` input, for the layers whose
+  direct dataflow reads the input itself (unpadded 1×1 stride-1 layers need no planes); parallel over
+  channels, each row counted in float32 (vectorized, exact below 2^24 per row).
 - `linear_dense_input`: the sparse FC layer. Each nonzero input feature meets the nonzero column of
   its feature (CSC); input features are split into parts of about equal weight nonzeros, one
   accumulator row each; a second parallel pass sums the parts with the bias and applies ReLU.
@@ -129,7 +134,7 @@ def conv_cartesian(acc, values, base, block_ptr, act_values, act_address, counts
 
 @njit(parallel=True, cache=True, fastmath=True)
 def conv_direct(out, bias, residual, relu, values, base, k_ptr, planes, row, band_rows, k_block, vector):
-    channels, out_h, out_w = out.shape
+    channels, out_h = out.shape[0], out.shape[1]
     bands = (out_h + band_rows - 1) // band_rows
     k_blocks = (channels + k_block - 1) // k_block
     has_residual = residual.shape[0] > 0
@@ -137,13 +142,15 @@ def conv_direct(out, bias, residual, relu, values, base, k_ptr, planes, row, ban
         band, kb = unit // k_blocks, unit % k_blocks
         y0 = band * band_rows
         rows = min(band_rows, out_h - y0)
-        m = -(-rows * row // vector) * vector
         t0 = y0 * row
+        m = -(-rows * row // vector) * vector
+        if t0 + m > out_h * row:
+            m = rows * row
         acc = np.empty(-(-band_rows * row // vector) * vector, dtype=np.float32)
         for k in range(kb * k_block, min(channels, (kb + 1) * k_block)):
             acc[:m] = 0
             i, last = k_ptr[k], k_ptr[k + 1]
-            while i + 8 <= last:
+            while i < last:
                 b0, b1, b2, b3 = _at(base[i], t0), _at(base[i + 1], t0), _at(base[i + 2], t0), _at(base[i + 3], t0)
                 b4, b5, b6, b7 = _at(base[i + 4], t0), _at(base[i + 5], t0), _at(base[i + 6], t0), _at(base[i + 7], t0)
                 w0, w1, w2, w3 = values[i], values[i + 1], values[i + 2], values[i + 3]
@@ -153,20 +160,7 @@ def conv_direct(out, bias, residual, relu, values, base, k_ptr, planes, row, ban
                     high = (w4 * planes[b4 + q] + w5 * planes[b5 + q]) + (w6 * planes[b6 + q] + w7 * planes[b7 + q])
                     acc[q] += low + high
                 i += 8
-            while i < last:
-                b0, w0 = _at(base[i], t0), values[i]
-                for q in range(np.uint64(m)):
-                    acc[q] += w0 * planes[b0 + q]
-                i += 1
-            bk = bias[k]
-            for yy in range(rows):
-                for xx in range(out_w):
-                    value = acc[yy * row + xx] + bk
-                    if has_residual:
-                        value += residual[k, y0 + yy, xx]
-                    if relu and value < 0:
-                        value = 0
-                    out[k, y0 + yy, xx] = value
+            write_band(out, acc, bias[k], residual, has_residual, relu, k, y0, rows, row)
 
 
 @njit(parallel=True, cache=True, fastmath=True)
@@ -190,6 +184,38 @@ def linear_dense_input(out, bias, relu, x, values, rows, col_ptr, bounds, parts,
                 value = 0
             out[o] = value
     counts[0] = np.count_nonzero(x)
+
+
+@njit(parallel=True, cache=True, fastmath=True)
+def count_channels(x, counts):
+    for c in prange(x.shape[0]):
+        n = 0
+        for y in range(x.shape[1]):
+            in_row = np.float32(0)
+            for value in x[c, y]:
+                in_row += np.float32(value != 0)
+            n += np.int64(in_row)
+        counts[c] = n
+
+
+@njit(inline="always", fastmath=True)
+def write_band(out, acc, bias, residual, has_residual, relu, k, y0, rows, row):
+    """Output channel `k`'s band, from accumulators of row width `row`, cropped, with bias, residual and ReLU
+    (flat unsigned indices and loop-invariant branches, so the row loops vectorize)."""
+    out_h, out_w = out.shape[1], out.shape[2]
+    flat_out = out.reshape(-1)
+    flat_residual = residual.reshape(-1)
+    width = np.uint64(out_w)
+    for yy in range(np.uint64(rows)):
+        at = _at(k * out_h * out_w, (y0 + yy) * out_w)
+        band_at = yy * np.uint64(row)
+        for xx in range(width):
+            value = acc[band_at + xx] + bias
+            if has_residual:
+                value += flat_residual[at + xx]
+            if relu:
+                value = max(value, np.float32(0))
+            flat_out[at + xx] = value
 
 
 @njit(inline="always")

@@ -51,9 +51,10 @@ CARTESIAN_ACC_FLOATS = 1 << 16
 CARTESIAN_MIN_BLOCKS = 16
 BAND_FLOATS = 1024
 UNITS_PER_THREAD = 4
+DIRECT_PASS = 8
 VECTOR_FLOATS = 64
-"""The direct dataflow's bands are rounded up to this many floats (a multiple of the compiled loop's
-vector width × unrolling), so that its vectorized loop covers them without a scalar remainder."""
+"""The direct dataflow's bands (but the last) are rounded up to this many floats (a multiple of the compiled
+loop's vector width × unrolling), so that its vectorized loop covers them without a scalar remainder."""
 NS_PER_PRODUCT = {"cartesian": 1.0, "direct": 0.08}
 METHODS = ("auto", "cartesian", "direct")
 
@@ -68,13 +69,16 @@ class CpuConvPlan:
     """Row width R of the direct dataflow's planes and output grid."""
     plane_rows: int
     planes: torch.Tensor
-    """`[virtual channels, plane_rows × R + s' - 1]`: the direct dataflow's input, rewritten each call; a view
-    of `plane_buffer`, which ends in `VECTOR_FLOATS` floats of slack for the rounded-up bands' reads."""
-    plane_buffer: torch.Tensor
+    """`[virtual channels, plane_rows × R + s' - 1]`: the direct dataflow's input, rewritten each call."""
+    reads_input: bool
+    """Whether the planes would equal the input (an unpadded 1×1 stride-1 layer): the direct dataflow then
+    reads the input itself and only counts its nonzeros, and `planes` stays empty."""
     direct_values: torch.Tensor
     direct_base: torch.Tensor
     """Where each weight's slice starts in the flat planes: `v × plane_stride + r' × R + s'`."""
     k_ptr: torch.Tensor
+    """Output channel k's weights are `direct_*[k_ptr[k] : k_ptr[k + 1]]`, padded with zero weights (at the
+    channel's first slice) to a multiple of `DIRECT_PASS`, the direct loop's weights per pass."""
     band_rows: int
     acc_hw: tuple[int, int]
     k_block: int
@@ -98,8 +102,9 @@ class CpuConvPlan:
         plane_rows = max(hv, oh + kh - 1)
         plane_stride = plane_rows * row + kw - 1
         direct = torch.argsort((k * channels + v) * (1 << 16) + (taps & 0xFFFF))
-        k_ptr = torch.zeros(g.out_channels + 1, dtype=torch.int64)
-        k_ptr[1:] = torch.cumsum(torch.bincount(k, minlength=g.out_channels), 0)
+        direct_values, direct_base, k_ptr = _padded_by_channel(
+            weights.values[direct], (v * plane_stride + rp * row + sp)[direct], k[direct], g.out_channels
+        )
 
         acc_h, acc_w = kh - 1 + max(hv, oh), kw - 1 + max(wv, ow)
         plane = acc_h * acc_w
@@ -111,15 +116,15 @@ class CpuConvPlan:
         block_ptr[1:] = torch.cumsum(torch.bincount(block_key, minlength=blocks * channels), 0)
         block_ptr = torch.cat([block_ptr[:-1].view(blocks, channels), block_ptr[channels::channels, None]], 1)
         base = (k % k_block) * plane - rp * acc_w - sp + (kh - 1) * acc_w + (kw - 1)
-        buffer = torch.zeros(channels * plane_stride + VECTOR_FLOATS)
+        reads_input = g.kernel == (1, 1) and g.stride == (1, 1) and g.padding == (0, 0)
         return cls(
             weights,
             row,
             plane_rows,
-            buffer[: channels * plane_stride].view(channels, plane_stride),
-            buffer,
-            weights.values[direct].contiguous(),
-            (v * plane_stride + rp * row + sp)[direct].contiguous(),
+            torch.empty(0 if reads_input else channels, plane_stride),
+            reads_input,
+            direct_values,
+            direct_base,
             k_ptr,
             max(1, min(oh, BAND_FLOATS // row)),
             (acc_h, acc_w),
@@ -141,6 +146,26 @@ class CpuConvPlan:
         """The dataflow the cost model predicts faster for these counts."""
         cost = self.work(counts)
         return min(cost, key=lambda m: cost[m])
+
+
+def _padded_by_channel(
+    values: torch.Tensor, base: torch.Tensor, k: torch.Tensor, out_channels: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The direct dataflow's weights (sorted by output channel `k`) with each channel's list padded to a multiple
+    of `DIRECT_PASS` by zero weights reading the channel's first slice; returns values, bases and `k_ptr`."""
+    counts = torch.bincount(k, minlength=out_channels)
+    ptr = torch.zeros(out_channels + 1, dtype=torch.int64)
+    ptr[1:] = torch.cumsum(counts, 0)
+    padded = -(-counts // DIRECT_PASS) * DIRECT_PASS
+    k_ptr = torch.zeros(out_channels + 1, dtype=torch.int64)
+    k_ptr[1:] = torch.cumsum(padded, 0)
+    slot = k_ptr[k] + torch.arange(k.numel()) - ptr[k]
+    padded_values = torch.zeros(int(k_ptr[-1]))
+    padded_values[slot] = values
+    first = base[ptr[:-1].clamp(max=max(k.numel() - 1, 0))] if k.numel() else torch.zeros(out_channels)
+    padded_base = torch.repeat_interleave(first.long(), padded)
+    padded_base[slot] = base
+    return padded_values, padded_base, k_ptr
 
 
 def conv(
@@ -170,11 +195,12 @@ def conv(
         if method == "cartesian":
             return _cartesian(acts, plan, counts, init)
         g = plan.weights.geometry
+        planes = torch.empty(g.virtual_channels, plan.planes.shape[1]) if plan.reads_input else plan.planes
         kernels().scatter_planes(
-            plan.planes.numpy(), acts.values.numpy(), acts.positions.numpy(), counts.numpy(), g.plane_hw[1], plan.row
+            planes.numpy(), acts.values.numpy(), acts.positions.numpy(), counts.numpy(), g.plane_hw[1], plan.row
         )
         out = torch.empty(g.out_channels, *g.out_hw)
-        _direct(plan, out, torch.zeros(g.out_channels), init.contiguous(), relu=False, threads=used)
+        _direct(plan, planes, out, torch.zeros(g.out_channels), init.contiguous(), relu=False, threads=used)
         return out
 
 
@@ -204,15 +230,18 @@ def conv_dense_input(
     x = x.contiguous()
     counts = torch.empty(g.virtual_channels, dtype=torch.int32)
     with kernel_threads(threads) as used:
-        if method != "cartesian":
+        planes = x.view(g.in_channels, -1) if plan.reads_input else plan.planes
+        if method != "cartesian" and plan.reads_input:
+            kernels().count_channels(x.numpy(), counts.numpy())
+        elif method != "cartesian":
             kernels().fill_planes(
-                x.numpy(), *g.stride, *g.padding, plan.planes.numpy(), plan.row, plan.plane_rows, counts.numpy()
+                x.numpy(), *g.stride, *g.padding, planes.numpy(), plan.row, plan.plane_rows, counts.numpy()
             )
         if method == "auto":
             method = plan.choose(counts)
         if method == "direct":
             resid = torch.empty(0, 0, 0) if residual is None else residual.contiguous()
-            _direct(plan, out, bias, resid, relu=relu, threads=used)
+            _direct(plan, planes, out, bias, resid, relu=relu, threads=used)
             return counts
         acts = compress_cpu.compress(x, layout, threads=used)
         init = bias.view(-1, 1, 1).expand(g.out_channels, *g.out_hw)
@@ -227,9 +256,16 @@ def _check_method(method: str) -> None:
 
 
 def _direct(
-    plan: CpuConvPlan, out: torch.Tensor, bias: torch.Tensor, residual: torch.Tensor, *, relu: bool, threads: int
+    plan: CpuConvPlan,
+    planes: torch.Tensor,
+    out: torch.Tensor,
+    bias: torch.Tensor,
+    residual: torch.Tensor,
+    *,
+    relu: bool,
+    threads: int,
 ) -> None:
-    """The direct dataflow over `plan.planes` (already filled) into `out`."""
+    """The direct dataflow over `planes` (`plan.planes` filled, or the input where the plan reads it) into `out`."""
     g = plan.weights.geometry
     bands = -(-g.out_hw[0] // plan.band_rows)
     k_blocks = min(g.out_channels, -(-UNITS_PER_THREAD * threads // bands)) if threads > 1 else 1
@@ -241,7 +277,7 @@ def _direct(
         plan.direct_values.numpy(),
         plan.direct_base.numpy(),
         plan.k_ptr.numpy(),
-        plan.plane_buffer.numpy(),
+        planes.reshape(-1).numpy(),
         plan.row,
         plan.band_rows,
         -(-g.out_channels // k_blocks),
