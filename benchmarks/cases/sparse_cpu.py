@@ -11,7 +11,7 @@ same pruned weights with BatchNorm folded into the convolutions (`torch.fx`'s `f
 - per layer (`extra.<net>_d<density>.layers`, the profile): each sparse step (conv or FC with bias,
   residual and ReLU fused, counting its input's nonzeros) against the dense `Conv2d`/`Linear` module
   alone, both on that layer's input in the dense forward, on both thread counts; and on 1 thread, every
-  conv dataflow forced (`direct` and `cartesian`: see `ops/conv/cpu/kernel.py`), the library doing the
+  compiled dataflow forced (`direct` and `cartesian`: see `ops/conv/cpu/kernel.py`), the library doing the
   same product (torch's sparse CSR × dense `addmm`, MKL's sparse BLAS, on the input itself for 1×1
   layers, else on `F.unfold`'s im2col columns, unfold included) and the activation compression alone
   (what SCNN's dataflow needs first).
@@ -264,7 +264,8 @@ def _conv_alternatives(step: SparseConvStep, module: nn.Module, x: torch.Tensor,
     assert step.cpu_plan is not None and isinstance(module, nn.Conv2d)
     plan, g, x = step.cpu_plan, step.weights.geometry, x[0]
     out = torch.empty(g.out_channels, *g.out_hw)
-    times: dict[str, Any] = {"auto_choice": plan.choose(compress_cpu.compress(x, step.layout).stored_counts)}
+    chosen = "spmm" if plan.csr is not None else plan.choose(compress_cpu.compress(x, step.layout).stored_counts)
+    times: dict[str, Any] = {"auto_choice_1thread": chosen}
     n = max(1, reps // 2)
     for method in ("direct", "cartesian"):
         forced = functools.partial(
@@ -298,9 +299,10 @@ def run(ctx: Context) -> None:
         for density in DENSITIES:
             _bench(ctx, name, density)
     ctx.note(
-        "tendril cpu = compiled (numba) kernels: per conv layer the output-stationary sparse-weight dataflow or "
-        "SCNN's Cartesian product by a cost model (extra.*.layers.auto_choice; each forced, MKL's CSR product and "
-        "the compression alone timed on 1 thread); FC layers are column-gather products over the nonzero inputs. "
+        "tendril cpu = per conv layer the compiled (numba) output-stationary sparse-weight dataflow or SCNN's "
+        "Cartesian product by a cost model, and on 1 thread MKL's CSR product for unpadded stride-1 1×1 layers "
+        "(extra.*.layers.auto_choice_1thread; each dataflow forced, MKL's CSR product and the compression alone "
+        "timed on 1 thread); FC layers are compiled column-gather products over the nonzero inputs. "
         "Dense = PyTorch CPU (oneDNN) on the same pruned weights, BatchNorm folded. Per-layer tendril times include "
         "filling the phase planes and counting the input's nonzeros, bias, residual and ReLU; dense per-layer "
         "times are the Conv2d/Linear module alone."

@@ -23,10 +23,15 @@ accumulators in L1, so it wins unless activations are very sparse. With `method=
 default) both work counts are computed from the true nonzero counts and the cheaper by
 `NS_PER_PRODUCT` (fitted on one core, the `sparse-cpu` benchmark) is taken.
 
-Why compiled loops rather than a library call: the same product as torch's sparse CSR × dense `addmm`
-(MKL's sparse BLAS) on the planes runs no faster on one core, and its OpenMP pool, alternating with
-numba's between layers, slows a multi-threaded forward several times over (the `sparse-cpu`
-benchmark's per-layer `extra` times MKL beside each dataflow).
+`spmm` is the direct dataflow's product as one library call, for the layers that read their input
+itself (unpadded 1×1 stride-1 layers, without groups): the weights as a `[K, C]` sparse CSR matrix
+(built once, in the plan) times the input as a dense `[C, H·W]` matrix, by torch's sparse-dense `addmm`
+(MKL's sparse BLAS on x86) written straight into the output with the bias; the residual and ReLU follow
+in place, and a compiled pass counts the input's nonzeros. On one thread it beats the compiled loop on
+these shapes, so `auto` takes it there; on several threads `auto` keeps the compiled loops, because
+MKL's OpenMP pool and numba's, alternating between layers, contend for the cores (the `sparse-cpu`
+benchmark's per-layer `extra` times MKL beside each dataflow). Elsewhere the library loses: on im2col
+columns it pays the unfold, and per kernel tap it is no faster than the compiled loop.
 
 Two entry points:
 - `conv(acts, weights, init)`: from compressed activations (the op as the GPU kernels see it;
@@ -39,6 +44,7 @@ Two entry points:
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -56,7 +62,7 @@ VECTOR_FLOATS = 64
 """The direct dataflow's bands (but the last) are rounded up to this many floats (a multiple of the compiled
 loop's vector width × unrolling), so that its vectorized loop covers them without a scalar remainder."""
 NS_PER_PRODUCT = {"cartesian": 1.0, "direct": 0.08}
-METHODS = ("auto", "cartesian", "direct")
+METHODS = ("auto", "cartesian", "direct", "spmm")
 
 
 @dataclass(frozen=True)
@@ -73,6 +79,8 @@ class CpuConvPlan:
     reads_input: bool
     """Whether the planes would equal the input (an unpadded 1×1 stride-1 layer): the direct dataflow then
     reads the input itself and only counts its nonzeros, and `planes` stays empty."""
+    csr: torch.Tensor | None
+    """The `[K, C]` sparse CSR weights of the `spmm` product (layers that read their input, without groups)."""
     direct_values: torch.Tensor
     direct_base: torch.Tensor
     """Where each weight's slice starts in the flat planes: `v × plane_stride + r' × R + s'`."""
@@ -123,6 +131,7 @@ class CpuConvPlan:
             plane_rows,
             torch.empty(0 if reads_input else channels, plane_stride),
             reads_input,
+            _csr_weights(weights) if reads_input and g.groups == 1 else None,
             direct_values,
             direct_base,
             k_ptr,
@@ -190,7 +199,8 @@ def conv(
         raise ValueError("the plan was prepared for other weights; pass CpuConvPlan.prepare(weights)")
     counts = acts.stored_counts
     if method == "auto":
-        method = plan.choose(counts)
+        method = "spmm" if plan.csr is not None and threads == 1 else plan.choose(counts)
+    _check_supported(plan, method)
     with kernel_threads(threads) as used:
         if method == "cartesian":
             return _cartesian(acts, plan, counts, init)
@@ -200,7 +210,10 @@ def conv(
             planes.numpy(), acts.values.numpy(), acts.positions.numpy(), counts.numpy(), g.plane_hw[1], plan.row
         )
         out = torch.empty(g.out_channels, *g.out_hw)
-        _direct(plan, planes, out, torch.zeros(g.out_channels), init.contiguous(), relu=False, threads=used)
+        if method == "spmm":
+            _spmm(plan, planes, out, torch.zeros(g.out_channels), init.contiguous(), relu=False)
+        else:
+            _direct(plan, planes, out, torch.zeros(g.out_channels), init.contiguous(), relu=False, threads=used)
         return out
 
 
@@ -227,8 +240,12 @@ def conv_dense_input(
         raise ValueError(f"activation shape {tuple(x.shape)}: the layout expects {(g.in_channels, *g.in_hw)}")
     if tuple(out.shape) != (g.out_channels, *g.out_hw) or not out.is_contiguous():
         raise ValueError(f"out must be a contiguous tensor of shape {(g.out_channels, *g.out_hw)}")
+    if method == "auto" and plan.csr is not None and threads == 1:
+        method = "spmm"
+    _check_supported(plan, method)
     x = x.contiguous()
     counts = torch.empty(g.virtual_channels, dtype=torch.int32)
+    resid = torch.empty(0, 0, 0) if residual is None else residual.contiguous()
     with kernel_threads(threads) as used:
         planes = x.view(g.in_channels, -1) if plan.reads_input else plan.planes
         if method != "cartesian" and plan.reads_input:
@@ -239,8 +256,10 @@ def conv_dense_input(
             )
         if method == "auto":
             method = plan.choose(counts)
+        if method == "spmm":
+            _spmm(plan, planes, out, bias, resid, relu=relu)
+            return counts
         if method == "direct":
-            resid = torch.empty(0, 0, 0) if residual is None else residual.contiguous()
             _direct(plan, planes, out, bias, resid, relu=relu, threads=used)
             return counts
         acts = compress_cpu.compress(x, layout, threads=used)
@@ -253,6 +272,38 @@ def conv_dense_input(
 def _check_method(method: str) -> None:
     if method not in METHODS:
         raise ValueError(f"method {method!r}: expected one of {METHODS}")
+
+
+def _check_supported(plan: CpuConvPlan, method: str) -> None:
+    if method == "spmm" and plan.csr is None:
+        raise ValueError("method 'spmm' runs only 1×1 stride-1 convolutions without padding or groups")
+
+
+def _csr_weights(weights: SparseConvWeights) -> torch.Tensor:
+    """The `[K, C]` sparse CSR matrix of a 1×1 convolution without groups."""
+    g = weights.geometry
+    with warnings.catch_warnings():  # torch's notice that its sparse CSR layout is in beta
+        warnings.filterwarnings("ignore", "Sparse CSR tensor support is in beta", UserWarning)
+        return weights.to_dense().view(g.out_channels, g.in_channels).to_sparse_csr()
+
+
+def _spmm(
+    plan: CpuConvPlan,
+    columns: torch.Tensor,
+    out: torch.Tensor,
+    bias: torch.Tensor,
+    residual: torch.Tensor,
+    *,
+    relu: bool,
+) -> None:
+    """`out = [relu](bias + residual + csr @ columns)` (`columns` is `[C, H·W]`), the product written into `out`
+    by the library call, the residual and ReLU in place."""
+    flat = out.view(out.shape[0], -1)
+    torch.addmm(bias.view(-1, 1), plan.csr, columns, out=flat)
+    if residual.numel():
+        flat += residual.view(out.shape[0], -1)
+    if relu:
+        flat.relu_()
 
 
 def _direct(
