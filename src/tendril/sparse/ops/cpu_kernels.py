@@ -189,11 +189,12 @@ def linear_dense_input(out, bias, relu, x, values, rows, col_ptr, bounds, parts,
 @njit(parallel=True, cache=True, fastmath=True)
 def count_channels(x, counts):
     for c in prange(x.shape[0]):
-        n = 0
+        n = np.int64(0)
         for y in range(x.shape[1]):
+            row = x[c, y]
             in_row = np.float32(0)
-            for value in x[c, y]:
-                in_row += np.float32(value != 0)
+            for i in range(row.shape[0]):
+                in_row += np.float32(row[i] != 0)
             n += np.int64(in_row)
         counts[c] = n
 

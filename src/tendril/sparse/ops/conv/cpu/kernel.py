@@ -298,6 +298,7 @@ def _spmm(
 ) -> None:
     """`out = [relu](bias + residual + csr @ columns)` (`columns` is `[C, H·W]`), the product written into `out`
     by the library call, the residual and ReLU in place."""
+    assert plan.csr is not None  # `_check_supported` ran
     flat = out.view(out.shape[0], -1)
     torch.addmm(bias.view(-1, 1), plan.csr, columns, out=flat)
     if residual.numel():
