@@ -188,6 +188,50 @@ def test_cpu_conv_from_dense_input_over_random_geometries(
     _check_dense_input_conv(case, method, threads, fused)
 
 
+@pytest.mark.parametrize("threads", [1, 3])
+def test_direct_conv_reads_the_input_itself_for_unpadded_pointwise_layers(threads):
+    """A 1×1 stride-1 layer without padding has no planes: the kernel reads the input (from dense and from
+    compressed activations), and its counts come from a separate pass."""
+    case = ConvCase(5, 9, (11, 7), 1, 1, 0, 1, 0.5, 0.5, seed=9)
+    weights, _, _, _ = conv_operands(case, CPU)
+    assert conv_cpu.CpuConvPlan.prepare(weights).reads_input
+    for method in ("direct", "auto"):
+        _check_dense_input_conv(case, method, threads, fused=threads == 3)
+    check_conv(case, compress_cpu.compress, lambda a, w, i: conv_cpu.conv(a, w, i, threads=threads), CPU)
+
+
+SPMM_CASES = [
+    ConvCase(6, 5, (9, 11), 1, 1, 0, 1, 0.4, 0.5),
+    ConvCase(7, 9, (13, 12), 1, 1, 0, 1, 0.3, 0.6),
+    ConvCase(3, 4, (6, 5), 1, 1, 0, 1, 0.0, 0.5),
+    ConvCase(3, 4, (6, 5), 1, 1, 0, 1, 0.5, 0.0),
+]
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+@pytest.mark.parametrize("method", ["spmm", "auto"])
+@pytest.mark.parametrize("case", SPMM_CASES)
+def test_spmm_conv_matches_dense_conv(case, method, threads):
+    """The sparse-BLAS product of 1×1 layers, from compressed and from dense inputs (with its nonzero counts)."""
+    check_conv(case, compress_cpu.compress, lambda a, w, i: conv_cpu.conv(a, w, i, threads=threads, method=method), CPU)
+    _check_dense_input_conv(case, method, threads, fused=threads == 3)
+
+
+def test_auto_runs_spmm_exactly_where_it_is_supported():
+    stride_two = ConvCase(7, 9, (13, 12), 1, 2, 0, 1, 0.3, 0.6)
+    for case, supported in [(SPMM_CASES[1], True), (CONV_CASES[0], False), (CONV_CASES[3], False), (stride_two, False)]:
+        weights, _, _, _ = conv_operands(case, CPU)
+        plan = conv_cpu.CpuConvPlan.prepare(weights)
+        assert (plan.csr is not None) == supported
+        if not supported:
+            with pytest.raises(ValueError, match="only 1×1 stride-1 convolutions"):
+                conv_cpu.conv_dense_input(
+                    torch.zeros(case.channels, *case.size), plan, torch.zeros(case.out_channels),
+                    out=torch.empty(case.out_channels, *weights.geometry.out_hw),
+                    layout=ActivationLayout.for_conv(weights.geometry), method="spmm",
+                )  # fmt: skip
+
+
 def test_direct_conv_splits_work_into_balanced_units_on_a_tall_layer():
     """More output rows than one band and more threads than bands: every (band, channel block) unit is
     computed exactly once."""

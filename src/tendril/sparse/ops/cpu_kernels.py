@@ -13,7 +13,7 @@ about equal cost (never over a dimension as small as a layer's input channels).
   which only a nonzero claims.
 - `fill_planes`: a dense `[C, H, W]` activation straight into the direct dataflow's zero-padded
   phase planes (row width `row`), counting each virtual channel's nonzeros on the way; parallel over
-  (virtual channel, plane row).
+  virtual channels.
 - `scatter_planes`: compressed activations into the same planes (the inverse of `compress_planes`).
 - `conv_cartesian`: SCNN's dataflow. For each block of output channels (its halo accumulators stay in
   the L2 cache) and each virtual input channel, every nonzero weight meets every stored activation and
@@ -21,11 +21,19 @@ about equal cost (never over a dimension as small as a layer's input channels).
   activations, but each product is a scalar read-modify-write at a scattered address.
 - `conv_direct`: the output-stationary sparse-weight dataflow. A work unit is (a band of output rows,
   a block of output channels). For each output channel of the block, its accumulators for the band
-  (≤ `band_rows × row` floats, in the L1 cache) start at zero and every nonzero weight adds `w × (a contiguous
-  slice of its channel's plane)`, four weights per pass (one load and store of the accumulators per
-  four FMAs, vectorized over the band); the band's input rows of every channel (reused by all output
-  channels of the unit) stay in the L2 cache. Bias, the residual and ReLU are applied when the band
-  is written out, cropped to the output width. Work = nonzero weights × output pixels.
+  (≤ `band_rows × row` floats, in the L1 cache) start at zero and every nonzero weight adds
+  `w × (a contiguous slice of its channel's plane)`, eight weights per pass (one load and store of the
+  accumulators per eight FMAs; each channel's weights are padded with zeros to a multiple of eight, so that
+  channels with few weights need no one-weight passes). The pass is vectorized over the band: its indices
+  are unsigned (`_at`), and its length is rounded up to a multiple of `vector` except in the last band, so
+  no scalar remainder loop runs (the extra accumulators read the next rows, still inside the channel's
+  plane, and are never written out). The band's input
+  rows of every channel (reused by all output channels of the unit) stay in the L2 cache. Bias, the
+  residual and ReLU are applied when the band is written out, cropped to the output width.
+  Work = nonzero weights × output pixels.
+- `count_channels`: the nonzeros of each channel of a dense `[C, H, W]` input, for the layers whose
+  direct dataflow reads the input itself (unpadded 1×1 stride-1 layers need no planes); parallel over
+  channels, each row counted in float32 (vectorized, exact below 2^24 per row).
 - `linear_dense_input`: the sparse FC layer. Each nonzero input feature meets the nonzero column of
   its feature (CSC); input features are split into parts of about equal weight nonzeros, one
   accumulator row each; a second parallel pass sums the parts with the bias and applies ReLU.
@@ -62,33 +70,43 @@ def compress_planes(
         counts[v] = n
 
 
-@njit(parallel=True, cache=True)
+@njit(parallel=True, cache=True, fastmath=True)
 def fill_planes(x, stride_h, stride_w, pad_h, pad_w, planes, row, plane_rows, counts):
     height, width = x.shape[1], x.shape[2]
-    virtual = planes.shape[0]
     phases = stride_h * stride_w
-    row_counts = np.zeros((virtual, plane_rows), dtype=np.int64)
-    for unit in prange(virtual * plane_rows):
-        v, iy = unit // plane_rows, unit % plane_rows
+    for v in prange(planes.shape[0]):
         c, py, px = v // phases, (v % phases) // stride_w, v % stride_w
-        y = iy * stride_h + py - pad_h
-        out = planes[v, iy * row : (iy + 1) * row]
-        if y < 0 or y >= height:
-            out[:] = 0
-            continue
         first_ix = min(row, max(0, -((px - pad_w) // stride_w)))
         end_ix = max(first_ix, min(row, (width - 1 + pad_w - px) // stride_w + 1))
-        out[:first_ix] = 0
-        out[end_ix:] = 0
+        start = first_ix * stride_w + px - pad_w
+        plane = planes[v]
         n = 0
-        for ix in range(first_ix, end_ix):
-            value = x[c, y, ix * stride_w + px - pad_w]
-            out[ix] = value
-            n += value != 0
-        row_counts[v, iy] = n
-    for v in prange(virtual):
-        planes[v, plane_rows * row :] = 0
-        counts[v] = row_counts[v].sum()
+        for iy in range(plane_rows):
+            y = iy * stride_h + py - pad_h
+            at = iy * row
+            if y < 0 or y >= height:
+                plane[at : at + row] = 0
+                continue
+            plane[at : at + first_ix] = 0
+            plane[at + end_ix : at + row] = 0
+            if stride_w == 1:
+                n += _copy_row(x[c, y, start : start + end_ix - first_ix], plane[at + first_ix : at + end_ix])
+            else:
+                strided = x[c, y, start : start + (end_ix - first_ix) * stride_w : stride_w]
+                n += _copy_row(strided, plane[at + first_ix : at + end_ix])
+        plane[plane_rows * row :] = 0
+        counts[v] = n
+
+
+@njit(inline="always", fastmath=True)
+def _copy_row(source, target):
+    """`target[:] = source`; returns the nonzeros copied (counted in float32: vectorized, exact below 2^24)."""
+    n = np.float32(0)
+    for i in range(source.shape[0]):
+        value = source[i]
+        target[i] = value
+        n += np.float32(value != 0)
+    return np.int64(n)
 
 
 @njit(parallel=True, cache=True)
@@ -115,8 +133,8 @@ def conv_cartesian(acc, values, base, block_ptr, act_values, act_address, counts
 
 
 @njit(parallel=True, cache=True, fastmath=True)
-def conv_direct(out, bias, residual, relu, values, base, k_ptr, planes, row, band_rows, k_block):
-    channels, out_h, out_w = out.shape
+def conv_direct(out, bias, residual, relu, values, base, k_ptr, planes, row, band_rows, k_block, vector):
+    channels, out_h = out.shape[0], out.shape[1]
     bands = (out_h + band_rows - 1) // band_rows
     k_blocks = (channels + k_block - 1) // k_block
     has_residual = residual.shape[0] > 0
@@ -124,36 +142,25 @@ def conv_direct(out, bias, residual, relu, values, base, k_ptr, planes, row, ban
         band, kb = unit // k_blocks, unit % k_blocks
         y0 = band * band_rows
         rows = min(band_rows, out_h - y0)
-        m = rows * row
         t0 = y0 * row
-        acc = np.empty(band_rows * row, dtype=np.float32)
+        m = -(-rows * row // vector) * vector
+        if t0 + m > out_h * row:
+            m = rows * row
+        acc = np.empty(-(-band_rows * row // vector) * vector, dtype=np.float32)
         for k in range(kb * k_block, min(channels, (kb + 1) * k_block)):
             acc[:m] = 0
             i, last = k_ptr[k], k_ptr[k + 1]
-            while i + 4 <= last:
-                a0 = planes[base[i] + t0 : base[i] + t0 + m]
-                a1 = planes[base[i + 1] + t0 : base[i + 1] + t0 + m]
-                a2 = planes[base[i + 2] + t0 : base[i + 2] + t0 + m]
-                a3 = planes[base[i + 3] + t0 : base[i + 3] + t0 + m]
-                w0, w1, w2, w3 = values[i], values[i + 1], values[i + 2], values[i + 3]
-                for q in range(m):
-                    acc[q] += (w0 * a0[q] + w1 * a1[q]) + (w2 * a2[q] + w3 * a3[q])
-                i += 4
             while i < last:
-                a0 = planes[base[i] + t0 : base[i] + t0 + m]
-                w0 = values[i]
-                for q in range(m):
-                    acc[q] += w0 * a0[q]
-                i += 1
-            bk = bias[k]
-            for yy in range(rows):
-                for xx in range(out_w):
-                    value = acc[yy * row + xx] + bk
-                    if has_residual:
-                        value += residual[k, y0 + yy, xx]
-                    if relu and value < 0:
-                        value = 0
-                    out[k, y0 + yy, xx] = value
+                b0, b1, b2, b3 = _at(base[i], t0), _at(base[i + 1], t0), _at(base[i + 2], t0), _at(base[i + 3], t0)
+                b4, b5, b6, b7 = _at(base[i + 4], t0), _at(base[i + 5], t0), _at(base[i + 6], t0), _at(base[i + 7], t0)
+                w0, w1, w2, w3 = values[i], values[i + 1], values[i + 2], values[i + 3]
+                w4, w5, w6, w7 = values[i + 4], values[i + 5], values[i + 6], values[i + 7]
+                for q in range(np.uint64(m)):
+                    low = (w0 * planes[b0 + q] + w1 * planes[b1 + q]) + (w2 * planes[b2 + q] + w3 * planes[b3 + q])
+                    high = (w4 * planes[b4 + q] + w5 * planes[b5 + q]) + (w6 * planes[b6 + q] + w7 * planes[b7 + q])
+                    acc[q] += low + high
+                i += 8
+            write_band(out, acc, bias[k], residual, has_residual, relu, k, y0, rows, row)
 
 
 @njit(parallel=True, cache=True, fastmath=True)
@@ -177,3 +184,42 @@ def linear_dense_input(out, bias, relu, x, values, rows, col_ptr, bounds, parts,
                 value = 0
             out[o] = value
     counts[0] = np.count_nonzero(x)
+
+
+@njit(parallel=True, cache=True, fastmath=True)
+def count_channels(x, counts):
+    for c in prange(x.shape[0]):
+        n = np.int64(0)
+        for y in range(x.shape[1]):
+            row = x[c, y]
+            in_row = np.float32(0)
+            for i in range(row.shape[0]):
+                in_row += np.float32(row[i] != 0)
+            n += np.int64(in_row)
+        counts[c] = n
+
+
+@njit(inline="always", fastmath=True)
+def write_band(out, acc, bias, residual, has_residual, relu, k, y0, rows, row):
+    """Output channel `k`'s band, from accumulators of row width `row`, cropped, with bias, residual and ReLU
+    (flat unsigned indices and loop-invariant branches, so the row loops vectorize)."""
+    out_h, out_w = out.shape[1], out.shape[2]
+    flat_out = out.reshape(-1)
+    flat_residual = residual.reshape(-1)
+    width = np.uint64(out_w)
+    for yy in range(np.uint64(rows)):
+        at = _at(k * out_h * out_w, (y0 + yy) * out_w)
+        band_at = yy * np.uint64(row)
+        for xx in range(width):
+            value = acc[band_at + xx] + bias
+            if has_residual:
+                value += flat_residual[at + xx]
+            if relu:
+                value = max(value, np.float32(0))
+            flat_out[at + xx] = value
+
+
+@njit(inline="always")
+def _at(base, offset):
+    """An unsigned flat index: numba indexes with it without a negative-index check, so loops vectorize."""
+    return np.uint64(base + offset)

@@ -1,8 +1,10 @@
 """Thread control shared by the CPU operators.
 
-The compiled kernels (`cpu_kernels.py`) run on numba's thread pool; `kernel_threads(n)` sets how many
-of its threads a call may use (capped at the pool size, `NUMBA_NUM_THREADS`, which defaults to the
-number of cores) and restores the previous count afterwards. Importing numba is deferred to the
+The compiled kernels (`cpu_kernels.py`) run on numba's thread pool, the library calls (torch's sparse
+BLAS) on torch's; `kernel_threads(n)` sets how many threads of each a call may use (numba's capped at
+its pool size, `NUMBA_NUM_THREADS`, which defaults to the number of cores) and restores the previous
+counts afterwards (torch's only if it changed them: a caller that sets torch's count to the backend's
+pays nothing). Importing numba is deferred to the
 first CPU-kernel call, so the GPU backends never need it.
 
 Threading layer: unless `NUMBA_THREADING_LAYER` says otherwise, numba's `workqueue` pool is used.
@@ -19,6 +21,8 @@ import os
 from collections.abc import Iterator
 from types import ModuleType
 from typing import Any
+
+import torch
 
 
 def _numba() -> ModuleType:
@@ -49,10 +53,14 @@ def kernel_threads(threads: int) -> Iterator[int]:
     numba = _numba()
     if threads < 1:
         raise ValueError(f"threads={threads}: expected at least 1")
-    previous = numba.get_num_threads()
+    previous, previous_torch = numba.get_num_threads(), torch.get_num_threads()
     used = min(threads, numba.config.NUMBA_NUM_THREADS)
     numba.set_num_threads(used)
+    if previous_torch != threads:
+        torch.set_num_threads(threads)
     try:
         yield used
     finally:
         numba.set_num_threads(previous)
+        if previous_torch != threads:
+            torch.set_num_threads(previous_torch)

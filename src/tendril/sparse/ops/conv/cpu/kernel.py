@@ -11,8 +11,9 @@ blocks whose accumulators fit in `CARTESIAN_ACC_FLOATS` (the L2 cache), at least
 planes of row width `R = max(plane_w, out_w + s' - 1)`, and for every output channel and band of
 output rows (about `BAND_FLOATS` accumulators on a grid of row width R, whose extra columns are
 cropped) each nonzero weight `(v, r', s')` adds `w × planes[v, r'R + s' + band]`, a contiguous
-vectorized FMA stream. A work unit is (band, block of output channels), enough units for
-`UNITS_PER_THREAD` per thread; the band's input rows stay in the L2 cache across the block.
+vectorized FMA stream (eight weights per pass over the accumulators). A work unit is (band, block of
+output channels), enough units for `UNITS_PER_THREAD` per thread; the band's input rows stay in the L2
+cache across the block.
 (Dropping the weights of channels with no nonzero activation costs more in the gather than it
 saves: few channels are empty in real networks' layers.)
 
@@ -21,6 +22,16 @@ scattered address; direct does `nnz(w) × output pixels` multiply-adds, vectoriz
 accumulators in L1, so it wins unless activations are very sparse. With `method="auto"` (the
 default) both work counts are computed from the true nonzero counts and the cheaper by
 `NS_PER_PRODUCT` (fitted on one core, the `sparse-cpu` benchmark) is taken.
+
+`spmm` is the direct dataflow's product as one library call, for the layers that read their input
+itself (unpadded 1×1 stride-1 layers, without groups): the weights as a `[K, C]` sparse CSR matrix
+(built once, in the plan) times the input as a dense `[C, H·W]` matrix, by torch's sparse-dense `addmm`
+(MKL's sparse BLAS on x86) written straight into the output with the bias; the residual and ReLU follow
+in place, and a compiled pass counts the input's nonzeros. On one thread it beats the compiled loop on
+these shapes, so `auto` takes it there; on several threads `auto` keeps the compiled loops, because
+MKL's OpenMP pool and numba's, alternating between layers, contend for the cores (the `sparse-cpu`
+benchmark's per-layer `extra` times MKL beside each dataflow). Elsewhere the library loses: on im2col
+columns it pays the unfold, and per kernel tap it is no faster than the compiled loop.
 
 Two entry points:
 - `conv(acts, weights, init)`: from compressed activations (the op as the GPU kernels see it;
@@ -33,6 +44,7 @@ Two entry points:
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -43,10 +55,14 @@ from tendril.sparse.ops.cpu_threads import kernel_threads, kernels
 
 CARTESIAN_ACC_FLOATS = 1 << 16
 CARTESIAN_MIN_BLOCKS = 16
-BAND_FLOATS = 2048
+BAND_FLOATS = 1024
 UNITS_PER_THREAD = 4
+DIRECT_PASS = 8
+VECTOR_FLOATS = 64
+"""The direct dataflow's bands (but the last) are rounded up to this many floats (a multiple of the compiled
+loop's vector width × unrolling), so that its vectorized loop covers them without a scalar remainder."""
 NS_PER_PRODUCT = {"cartesian": 1.0, "direct": 0.08}
-METHODS = ("auto", "cartesian", "direct")
+METHODS = ("auto", "cartesian", "direct", "spmm")
 
 
 @dataclass(frozen=True)
@@ -60,10 +76,17 @@ class CpuConvPlan:
     plane_rows: int
     planes: torch.Tensor
     """`[virtual channels, plane_rows × R + s' - 1]`: the direct dataflow's input, rewritten each call."""
+    reads_input: bool
+    """Whether the planes would equal the input (an unpadded 1×1 stride-1 layer): the direct dataflow then
+    reads the input itself and only counts its nonzeros, and `planes` stays empty."""
+    csr: torch.Tensor | None
+    """The `[K, C]` sparse CSR weights of the `spmm` product (layers that read their input, without groups)."""
     direct_values: torch.Tensor
     direct_base: torch.Tensor
     """Where each weight's slice starts in the flat planes: `v × plane_stride + r' × R + s'`."""
     k_ptr: torch.Tensor
+    """Output channel k's weights are `direct_*[k_ptr[k] : k_ptr[k + 1]]`, padded with zero weights (at the
+    channel's first slice) to a multiple of `DIRECT_PASS`, the direct loop's weights per pass."""
     band_rows: int
     acc_hw: tuple[int, int]
     k_block: int
@@ -87,8 +110,9 @@ class CpuConvPlan:
         plane_rows = max(hv, oh + kh - 1)
         plane_stride = plane_rows * row + kw - 1
         direct = torch.argsort((k * channels + v) * (1 << 16) + (taps & 0xFFFF))
-        k_ptr = torch.zeros(g.out_channels + 1, dtype=torch.int64)
-        k_ptr[1:] = torch.cumsum(torch.bincount(k, minlength=g.out_channels), 0)
+        direct_values, direct_base, k_ptr = _padded_by_channel(
+            weights.values[direct], (v * plane_stride + rp * row + sp)[direct], k[direct], g.out_channels
+        )
 
         acc_h, acc_w = kh - 1 + max(hv, oh), kw - 1 + max(wv, ow)
         plane = acc_h * acc_w
@@ -100,13 +124,16 @@ class CpuConvPlan:
         block_ptr[1:] = torch.cumsum(torch.bincount(block_key, minlength=blocks * channels), 0)
         block_ptr = torch.cat([block_ptr[:-1].view(blocks, channels), block_ptr[channels::channels, None]], 1)
         base = (k % k_block) * plane - rp * acc_w - sp + (kh - 1) * acc_w + (kw - 1)
+        reads_input = g.kernel == (1, 1) and g.stride == (1, 1) and g.padding == (0, 0)
         return cls(
             weights,
             row,
             plane_rows,
-            torch.empty(channels, plane_stride),
-            weights.values[direct].contiguous(),
-            (v * plane_stride + rp * row + sp)[direct].contiguous(),
+            torch.empty(0 if reads_input else channels, plane_stride),
+            reads_input,
+            _csr_weights(weights) if reads_input and g.groups == 1 else None,
+            direct_values,
+            direct_base,
             k_ptr,
             max(1, min(oh, BAND_FLOATS // row)),
             (acc_h, acc_w),
@@ -128,6 +155,26 @@ class CpuConvPlan:
         """The dataflow the cost model predicts faster for these counts."""
         cost = self.work(counts)
         return min(cost, key=lambda m: cost[m])
+
+
+def _padded_by_channel(
+    values: torch.Tensor, base: torch.Tensor, k: torch.Tensor, out_channels: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The direct dataflow's weights (sorted by output channel `k`) with each channel's list padded to a multiple
+    of `DIRECT_PASS` by zero weights reading the channel's first slice; returns values, bases and `k_ptr`."""
+    counts = torch.bincount(k, minlength=out_channels)
+    ptr = torch.zeros(out_channels + 1, dtype=torch.int64)
+    ptr[1:] = torch.cumsum(counts, 0)
+    padded = -(-counts // DIRECT_PASS) * DIRECT_PASS
+    k_ptr = torch.zeros(out_channels + 1, dtype=torch.int64)
+    k_ptr[1:] = torch.cumsum(padded, 0)
+    slot = k_ptr[k] + torch.arange(k.numel()) - ptr[k]
+    padded_values = torch.zeros(int(k_ptr[-1]))
+    padded_values[slot] = values
+    first = base[ptr[:-1].clamp(max=max(k.numel() - 1, 0))] if k.numel() else torch.zeros(out_channels)
+    padded_base = torch.repeat_interleave(first.long(), padded)
+    padded_base[slot] = base
+    return padded_values, padded_base, k_ptr
 
 
 def conv(
@@ -152,16 +199,21 @@ def conv(
         raise ValueError("the plan was prepared for other weights; pass CpuConvPlan.prepare(weights)")
     counts = acts.stored_counts
     if method == "auto":
-        method = plan.choose(counts)
+        method = "spmm" if plan.csr is not None and threads == 1 else plan.choose(counts)
+    _check_supported(plan, method)
     with kernel_threads(threads) as used:
         if method == "cartesian":
             return _cartesian(acts, plan, counts, init)
         g = plan.weights.geometry
+        planes = torch.empty(g.virtual_channels, plan.planes.shape[1]) if plan.reads_input else plan.planes
         kernels().scatter_planes(
-            plan.planes.numpy(), acts.values.numpy(), acts.positions.numpy(), counts.numpy(), g.plane_hw[1], plan.row
+            planes.numpy(), acts.values.numpy(), acts.positions.numpy(), counts.numpy(), g.plane_hw[1], plan.row
         )
         out = torch.empty(g.out_channels, *g.out_hw)
-        _direct(plan, out, torch.zeros(g.out_channels), init.contiguous(), relu=False, threads=used)
+        if method == "spmm":
+            _spmm(plan, planes, out, torch.zeros(g.out_channels), init.contiguous(), relu=False)
+        else:
+            _direct(plan, planes, out, torch.zeros(g.out_channels), init.contiguous(), relu=False, threads=used)
         return out
 
 
@@ -188,18 +240,27 @@ def conv_dense_input(
         raise ValueError(f"activation shape {tuple(x.shape)}: the layout expects {(g.in_channels, *g.in_hw)}")
     if tuple(out.shape) != (g.out_channels, *g.out_hw) or not out.is_contiguous():
         raise ValueError(f"out must be a contiguous tensor of shape {(g.out_channels, *g.out_hw)}")
+    if method == "auto" and plan.csr is not None and threads == 1:
+        method = "spmm"
+    _check_supported(plan, method)
     x = x.contiguous()
     counts = torch.empty(g.virtual_channels, dtype=torch.int32)
+    resid = torch.empty(0, 0, 0) if residual is None else residual.contiguous()
     with kernel_threads(threads) as used:
-        if method != "cartesian":
+        planes = x.view(g.in_channels, -1) if plan.reads_input else plan.planes
+        if method != "cartesian" and plan.reads_input:
+            kernels().count_channels(x.numpy(), counts.numpy())
+        elif method != "cartesian":
             kernels().fill_planes(
-                x.numpy(), *g.stride, *g.padding, plan.planes.numpy(), plan.row, plan.plane_rows, counts.numpy()
+                x.numpy(), *g.stride, *g.padding, planes.numpy(), plan.row, plan.plane_rows, counts.numpy()
             )
         if method == "auto":
             method = plan.choose(counts)
+        if method == "spmm":
+            _spmm(plan, planes, out, bias, resid, relu=relu)
+            return counts
         if method == "direct":
-            resid = torch.empty(0, 0, 0) if residual is None else residual.contiguous()
-            _direct(plan, out, bias, resid, relu=relu, threads=used)
+            _direct(plan, planes, out, bias, resid, relu=relu, threads=used)
             return counts
         acts = compress_cpu.compress(x, layout, threads=used)
         init = bias.view(-1, 1, 1).expand(g.out_channels, *g.out_hw)
@@ -213,10 +274,50 @@ def _check_method(method: str) -> None:
         raise ValueError(f"method {method!r}: expected one of {METHODS}")
 
 
-def _direct(
-    plan: CpuConvPlan, out: torch.Tensor, bias: torch.Tensor, residual: torch.Tensor, *, relu: bool, threads: int
+def _check_supported(plan: CpuConvPlan, method: str) -> None:
+    if method == "spmm" and plan.csr is None:
+        raise ValueError("method 'spmm' runs only 1×1 stride-1 convolutions without padding or groups")
+
+
+def _csr_weights(weights: SparseConvWeights) -> torch.Tensor:
+    """The `[K, C]` sparse CSR matrix of a 1×1 convolution without groups."""
+    g = weights.geometry
+    with warnings.catch_warnings():  # torch's notice that its sparse CSR layout is in beta
+        warnings.filterwarnings("ignore", "Sparse CSR tensor support is in beta", UserWarning)
+        return weights.to_dense().view(g.out_channels, g.in_channels).to_sparse_csr()
+
+
+def _spmm(
+    plan: CpuConvPlan,
+    columns: torch.Tensor,
+    out: torch.Tensor,
+    bias: torch.Tensor,
+    residual: torch.Tensor,
+    *,
+    relu: bool,
 ) -> None:
-    """The direct dataflow over `plan.planes` (already filled) into `out`."""
+    """`out = [relu](bias + residual + csr @ columns)` (`columns` is `[C, H·W]`), the product written into `out`
+    by the library call, the residual and ReLU in place."""
+    assert plan.csr is not None  # `_check_supported` ran
+    flat = out.view(out.shape[0], -1)
+    torch.addmm(bias.view(-1, 1), plan.csr, columns, out=flat)
+    if residual.numel():
+        flat += residual.view(out.shape[0], -1)
+    if relu:
+        flat.relu_()
+
+
+def _direct(
+    plan: CpuConvPlan,
+    planes: torch.Tensor,
+    out: torch.Tensor,
+    bias: torch.Tensor,
+    residual: torch.Tensor,
+    *,
+    relu: bool,
+    threads: int,
+) -> None:
+    """The direct dataflow over `planes` (`plan.planes` filled, or the input where the plan reads it) into `out`."""
     g = plan.weights.geometry
     bands = -(-g.out_hw[0] // plan.band_rows)
     k_blocks = min(g.out_channels, -(-UNITS_PER_THREAD * threads // bands)) if threads > 1 else 1
@@ -228,10 +329,11 @@ def _direct(
         plan.direct_values.numpy(),
         plan.direct_base.numpy(),
         plan.k_ptr.numpy(),
-        plan.planes.view(-1).numpy(),
+        planes.reshape(-1).numpy(),
         plan.row,
         plan.band_rows,
         -(-g.out_channels // k_blocks),
+        VECTOR_FLOATS,
     )
 
 
