@@ -49,7 +49,7 @@ CASES ?=
 TOOLS ?=
 gpu-lane:
 	mkdir -p $(OUT)/results
-	-PYTHONPATH=src:. timeout 300 $(PYTHON) -m pytest -m gpu -q -rf -p no:cacheprovider $(TESTS) > $(OUT)/gpu-tests.txt 2>&1; tail -3 $(OUT)/gpu-tests.txt
+	-PYTHONPATH=src:. timeout 540 $(PYTHON) -m pytest -m gpu -q -rf -p no:cacheprovider $(TESTS) > $(OUT)/gpu-tests.txt 2>&1; tail -3 $(OUT)/gpu-tests.txt
 	-PYTHONPATH=src timeout 180 $(PYTHON) -m tendril.cli demo --quick > $(OUT)/demo.txt 2>&1; tail -3 $(OUT)/demo.txt
 	-for case in $(CASES); do PYTHONPATH=src:. timeout 420 $(PYTHON) -m benchmarks run $$case --out $(OUT)/results > $(OUT)/$$case.txt 2>&1; tail -3 $(OUT)/$$case.txt; done
 	-for tool in $(TOOLS); do PYTHONPATH=src:. timeout 420 $(PYTHON) -m benchmarks.tools.$$tool --out $(OUT)/results > $(OUT)/$$tool.txt 2>&1; tail -3 $(OUT)/$$tool.txt; done
