@@ -10,7 +10,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from benchmarks.hf_training_steps import max_rel_diff, state_of
 from tendril.graphs.buckets import Buckets, Pad
+
+__all__ = ["max_rel_diff", "state_of"]
 
 SEQ_BUCKETS = Buckets((4, 8), (("x", Pad(dim=1, value=0.0)), ("y", Pad(dim=1, value=0.0))), cut_outputs=False)
 """Pads the sequence dimension of both the inputs and the targets (zeros: the loss below sums, so a padded position
@@ -83,28 +86,6 @@ def padded(data: list[tuple], buckets: Buckets | None) -> list[tuple]:
         call = buckets.pad((x, y), {}, {"x": 0, "y": 1})
         result.append(call.args if call is not None else (x, y))
     return result
-
-
-def state_of(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
-    """Parameters and optimizer state tensors by name."""
-    found = {f"param {name}": p.detach() for name, p in model.named_parameters()}
-    names = {id(p): name for name, p in model.named_parameters()}
-    for parameter, state in optimizer.state.items():
-        for key, value in state.items():
-            if isinstance(value, torch.Tensor):
-                found[f"state {names[id(parameter)]} {key}"] = value.detach()
-    return found
-
-
-def max_rel_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
-    """The largest |a - b| / max(|b|) over all named tensors (float64)."""
-    assert a.keys() == b.keys(), (sorted(a), sorted(b))
-    worst = 0.0
-    for name in a:
-        x, y = a[name].double(), b[name].double()
-        scale = max(y.abs().max().item(), 1e-30)
-        worst = max(worst, (x - y).abs().max().item() / scale)
-    return worst
 
 
 def assert_identical(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:

@@ -80,9 +80,8 @@ def optimizer_ready(optimizer: torch.optim.Optimizer | None) -> bool:
     """Whether the optimizer has made its state for every parameter (its first effective step has run)."""
     if optimizer is None:
         return True
-    return all(
-        len(optimizer.state.get(p, {})) > 0 for group in optimizer.param_groups for p in group["params"] if p.requires_grad
-    )
+    parameters = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
+    return all(len(optimizer.state.get(p, {})) > 0 for p in parameters)
 
 
 def state_tensors(optimizer: torch.optim.Optimizer | None, scaler: Any = None) -> dict[str, torch.Tensor]:

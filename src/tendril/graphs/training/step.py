@@ -108,8 +108,8 @@ class GraphedStep:
         if optimizer is not None:
             invariants.check_optimizer(optimizer)
         check_scaler(scaler, optimizer)
-        if accumulate is not None and (isinstance(accumulate, bool) or not isinstance(accumulate, int) or accumulate < 1):
-            raise ValueError(f"accumulate must be a positive int (micro-batches per optimizer update), got {accumulate!r}")
+        if accumulate is not None and (type(accumulate) is not int or accumulate < 1):
+            raise ValueError(f"accumulate must be a positive int (micro-batches per update), got {accumulate!r}")
         if accumulate is not None and optimizer is None:
             raise ValueError("accumulate= needs optimizer=: every Nth call runs the optimizer update")
         if buckets is not None and not isinstance(buckets, Buckets):
