@@ -1,7 +1,7 @@
 """Case `graphs-training`: whole training steps (forward, loss, backward, optimizer step) graphed per bucket.
 
-Models (random weights, AMP fp16 with `torch.amp.GradScaler` and fused AdamW, batch 4; the step functions are in
-`benchmarks.hf_training_steps`, written without host syncs):
+Models (random weights, AMP fp16 with `torch.amp.GradScaler` and fused, capturable AdamW, batch 4; the step functions
+are in `benchmarks.hf_training_steps`, written without host syncs):
 
 - `wav2vec2`: HF `Wav2Vec2ForCTC`, base config (layerdrop and SpecAugment 0: both decide on the host), audio of 1-4 s
   drawn per batch, bucketed by 0.25 s, CTC loss on device lengths (`tendril.graphs.training.ctc`);
@@ -185,7 +185,8 @@ def _device_used(device: torch.device) -> int:
 def _fresh(setup: Setup, dropout: float) -> tuple[Any, torch.optim.Optimizer, torch.amp.GradScaler]:
     torch.manual_seed(0)
     model = setup.make_model(dropout)
-    return model, torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True), torch.amp.GradScaler("cuda")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True, capturable=True)
+    return model, optimizer, torch.amp.GradScaler("cuda")
 
 
 def _padded(setup: Setup, batch: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:

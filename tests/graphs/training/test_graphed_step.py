@@ -29,7 +29,7 @@ LENGTHS = [3, 8, 4, 7, 2, 5, 8, 1, 6, 4] * 2
 
 
 def adamw(model: torch.nn.Module) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+    return torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True, capturable=True)
 
 
 def graphed(fn, model, optimizer, **options):

@@ -22,15 +22,17 @@ def graphed(fn, model, optimizer, **options):
 
 def test_non_capturable_optimizers_are_refused_naming_the_fix():
     model = TokenMLP()
-    with pytest.raises(ValueError, match=r"capturable=True or fused=True"):
+    with pytest.raises(ValueError, match=r"capturable=True"):
         graphed(lambda x: x, model, torch.optim.AdamW(model.parameters()))
+    with pytest.raises(ValueError, match=r"fused=True alone is not enough"):
+        graphed(lambda x: x, model, torch.optim.AdamW(model.parameters(), fused=True))
     with pytest.raises(ValueError, match="not capturable"):
         graphed(lambda x: x, model, torch.optim.RMSprop(model.parameters()))
     with pytest.raises(TypeError, match="optimizer must be"):
         graphed(lambda x: x, model, object())
     for ok in (
         torch.optim.AdamW(model.parameters(), capturable=True),
-        torch.optim.Adam(model.parameters(), fused=True),
+        torch.optim.Adam(model.parameters(), fused=True, capturable=True),
         torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
     ):
         invariants.check_optimizer(ok)
@@ -42,9 +44,9 @@ def test_a_grad_scaler_that_syncs_is_refused_and_bad_options_name_the_argument()
     with pytest.raises(ValueError, match=r"found_inf.item\(\).*DeviceGradScaler"):
         check_scaler(torch.amp.GradScaler("cpu"), capturable)
     check_scaler(DeviceGradScaler("cpu"), capturable)
-    check_scaler(torch.amp.GradScaler("cpu"), torch.optim.AdamW(model.parameters(), fused=True))
+    check_scaler(torch.amp.GradScaler("cpu"), torch.optim.AdamW(model.parameters(), fused=True, capturable=True))
     check_scaler(torch.amp.GradScaler("cpu", enabled=False), capturable)
-    fused = torch.optim.AdamW(model.parameters(), fused=True)
+    fused = torch.optim.AdamW(model.parameters(), fused=True, capturable=True)
     with pytest.raises(ValueError, match="accumulate"):
         graphed(lambda x: x, model, fused, accumulate=0)
     with pytest.raises(ValueError, match="accumulate= needs optimizer"):
@@ -57,7 +59,7 @@ def test_a_grad_scaler_that_syncs_is_refused_and_bad_options_name_the_argument()
 
 def test_gradients_are_allocated_up_front_and_setting_them_to_none_is_refused():
     model = TokenMLP()
-    optimizer = torch.optim.AdamW(model.parameters(), fused=True)
+    optimizer = torch.optim.AdamW(model.parameters(), fused=True, capturable=True)
     assert all(p.grad is None for p in model.parameters())
 
     def clears_to_none(x, y):
@@ -75,7 +77,7 @@ def test_gradients_are_allocated_up_front_and_setting_them_to_none_is_refused():
 
 def test_changing_a_float_setting_after_capture_raises():
     model = TokenMLP()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True, capturable=True)
     step = graphed(full_step(model, optimizer), model, optimizer)
     data = batches([4] * 4)
     for batch in data[:3]:

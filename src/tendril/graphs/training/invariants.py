@@ -17,8 +17,9 @@ the step, and live outside the graphs' shared pool (whose blocks every graph reu
 of them is replaced.
 
 Capturable optimizers. An optimizer whose step reads a value on the host (Adam's step count held on the CPU when not
-`capturable`) cannot be captured. `check_optimizer` accepts param groups with `capturable=True` or `fused=True`, and
-optimizers that keep no host state (`SGD`), and refuses others with the fix in the error.
+`capturable`) cannot be captured, and `Optimizer.step` refuses to run under a capture unless its groups say
+`capturable=True` (even with `fused=True`). `check_optimizer` accepts param groups with `capturable=True`, and
+optimizers without that option that keep no host state (`SGD`), and refuses others with the fix in the error.
 
 Hyperparameters. A float learning rate is baked into the captured kernels; an LR scheduler that assigns a new float
 would be silently ignored by replays. `Hyperparameters` remembers the groups' scalar settings at capture and raises at
@@ -38,23 +39,28 @@ HOST_STATE_FREE = (torch.optim.SGD,)
 
 
 def check_optimizer(optimizer: torch.optim.Optimizer) -> None:
-    """Raise `TypeError`/`ValueError` unless every param group of `optimizer` can be captured."""
+    """Raise `TypeError`/`ValueError` unless every param group of `optimizer` can be captured.
+
+    Optimizers with a `capturable` option need it on: `Optimizer.step` refuses to run under a capture otherwise
+    (its capture health check), `fused=True` alone included. `fused=True` as well lets `torch.amp.GradScaler` skip
+    steps on the device (`scaler`)."""
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
     name = type(optimizer).__name__
     for index, group in enumerate(optimizer.param_groups):
-        if group.get("capturable") or group.get("fused"):
+        if group.get("capturable"):
             continue
-        if isinstance(optimizer, HOST_STATE_FREE):
+        if "capturable" not in group and isinstance(optimizer, HOST_STATE_FREE):
             continue
         fix = (
-            f"create it with capturable=True or fused=True (e.g. torch.optim.{name}(params, ..., fused=True))"
-            if "capturable" in group or "fused" in group
-            else "use an optimizer with capturable=True or fused=True (torch.optim.AdamW, Adam, SGD)"
+            f"create it with capturable=True (e.g. torch.optim.{name}(params, ..., capturable=True, fused=True); "
+            "fused=True alone is not enough)"
+            if "capturable" in group
+            else "use an optimizer with a capturable option (torch.optim.AdamW, Adam, ...) or SGD"
         )
         raise ValueError(
-            f"optimizer {name} param group {index} is not capturable: its step reads state on the host (a CPU step "
-            f"count), which a CUDA graph cannot replay; {fix}"
+            f"optimizer {name} param group {index} is not capturable: its step keeps state on the host (a CPU step "
+            f"count) or refuses to run under a CUDA graph capture; {fix}"
         )
 
 

@@ -2,7 +2,8 @@
 
 `torch.amp.GradScaler` has two paths (torch/amp/grad_scaler.py):
 
-- a fused optimizer (`fused=True`: Adam, AdamW, SGD, Adagrad set `_step_supports_amp_scaling`): `scaler.step`
+- a fused optimizer (`fused=True`: Adam, AdamW, SGD, Adagrad set `_step_supports_amp_scaling`; Adam and AdamW also
+  need `capturable=True` to be captured at all): `scaler.step`
   hands the scale and a device `found_inf` to the optimizer, whose fused kernel unscales, checks and skips the update
   on the device (the step count it adds is taken back on the device too), and `scaler.update` adjusts the scale with
   `torch._amp_update_scale_`, on the device. Neither reads a value on the host: it can be captured as it is;
@@ -85,7 +86,8 @@ def check_scaler(scaler: Any, optimizer: torch.optim.Optimizer | None) -> None:
         raise ValueError(
             f"torch.amp.GradScaler with the non-fused {type(optimizer).__name__} decides whether to step with "
             "found_inf.item() (GradScaler._maybe_opt_step), a host sync that breaks the capture: create the "
-            "optimizer with fused=True, or use tendril.DeviceGradScaler, which skips overflowing steps on the device"
+            "optimizer with fused=True (and capturable=True), or use tendril.DeviceGradScaler, which skips "
+            "overflowing steps on the device"
         )
 
 

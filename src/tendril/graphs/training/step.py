@@ -364,7 +364,7 @@ def graphed_step(
     CUDA graphs keyed by the batch's shapes, one per bucket, in one shared pool (see the module docstring).
 
     `model`: the trained module (its parameters get their `.grad` allocated now; its `training` flag is part of the
-    key). `optimizer`: capturable (`capturable=True` or `fused=True`, or SGD), else `ValueError`. `scaler`: a
+    key). `optimizer`: capturable (`capturable=True`, or SGD), else `ValueError`. `scaler`: a
     `torch.amp.GradScaler` with a fused optimizer, or a `tendril.DeviceGradScaler`. `buckets`: pad the batch up to
     declared lengths (the step must ignore padded positions: labels -100, a zero attention mask). `accumulate=N`:
     `fn` only accumulates and every Nth call runs the optimizer update. `memory`: the graph-memory policy of the
