@@ -98,7 +98,7 @@ def test_a_failed_capture_runs_the_step_eagerly_once_with_the_reason_in_stats():
     assert step.stats.warmup_steps == 2 and not step.keys()
 
 
-def test_host_syncs_found_on_a_warm_up_step_keep_the_key_eager_with_their_place():
+def test_host_syncs_found_on_a_warm_up_step_are_recorded_and_name_their_place_when_the_capture_fails():
     model, _ = twins(TokenMLP)
     optimizer = adamw(model)
     plain = full_step(model, optimizer)
@@ -109,13 +109,22 @@ def test_host_syncs_found_on_a_warm_up_step_keep_the_key_eager_with_their_place(
         seen.append(loss.item())  # a host sync on CUDA
         return loss
 
-    step = graphed(logs_the_loss, model, optimizer)
-    with pytest.warns(GraphFallbackWarning, match="host"):
+    step = graphed(logs_the_loss, model, optimizer)  # the null backend's capture cannot fail on a sync
+    for batch in batches([4] * 4):
+        step(*batch)
+    assert step.keys() and "test_graphed_step.py" in next(iter(step.stats.host_syncs.values()))
+
+    model, _ = twins(TokenMLP)
+    optimizer = adamw(model)
+    plain = full_step(model, optimizer)
+    backend = NullBackend(fail=lambda key: CaptureFailed(Fallback.HOST_SYNC, "capture invalidated"))
+    step = graphed(logs_the_loss, model, optimizer, backend=backend)
+    with pytest.warns(GraphFallbackWarning, match="capture invalidated"):
         for batch in batches([4] * 5):
             step(*batch)
-    assert not step.keys() and len(seen) == 5
-    assert step.stats.fallbacks[Fallback.HOST_SYNC] == 3
-    assert "test_graphed_step.py" in step.stats.fallback_details[Fallback.HOST_SYNC]
+    assert not step.keys() and step.stats.fallbacks[Fallback.HOST_SYNC] == 3
+    detail = step.stats.fallback_details[Fallback.HOST_SYNC]
+    assert "capture invalidated" in detail and "test_graphed_step.py" in detail and "item" in detail
 
 
 def test_keys_past_max_graphs_and_the_eager_path_without_cuda_are_recorded():

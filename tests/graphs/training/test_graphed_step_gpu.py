@@ -157,6 +157,26 @@ def test_the_loss_with_dropout_tracks_eager_over_50_steps():
     assert abs(fast[-10:].mean() - eager[-10:].mean()) <= 0.05 * eager[-10:].mean()
 
 
+def test_a_step_that_syncs_runs_eagerly_with_the_place_in_stats():
+    model = TokenMLP().cuda()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, capturable=True)
+    plain = full_step(model, optimizer)
+    logged = []
+
+    def logs_the_loss(x, y):
+        loss = plain(x, y)
+        logged.append(loss.item())
+        return loss
+
+    step = tendril.graphed_step(logs_the_loss, model=model, optimizer=optimizer, config=Config())
+    with pytest.warns(tendril.GraphFallbackWarning):
+        for batch in batches([4] * 5, "cuda"):
+            step(*batch)
+    assert len(logged) == 5 and not step.keys()
+    assert step.stats.fallbacks[tendril.graphs.Fallback.HOST_SYNC] == 3
+    assert "test_graphed_step_gpu.py" in step.stats.fallback_details[tendril.graphs.Fallback.HOST_SYNC]
+
+
 def _twins(make):
     torch.manual_seed(0)
     model = make()

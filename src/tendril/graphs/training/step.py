@@ -13,11 +13,13 @@ Exactly one step per call. At a key without a graph:
 
 1. the first call runs the step eagerly on the capture stream (a real step that also makes the optimizer state, on
    the very first step, and warms the shapes' kernels and workspaces), checked by `find_host_syncs` once the
-   optimizer has its state; a sync found there makes the key eager for good (`Fallback.HOST_SYNC`, the report in
-   `stats.fallback_details`, with each sync's place);
+   optimizer has its state: the syncs it finds, with their places, go to `stats.host_syncs`. They do not decide
+   alone: some code reads a value only when no capture is running (HF's attention-mask checks skip `mask.all()`
+   while a CUDA stream captures), so the capture is the judge;
 2. the next call captures the step into the key's graph, which records the step without running it, then replays
-   the graph once: that replay is the call's step. A capture that fails (a sync the check could not see,
-   `Fallback.HOST_SYNC`, or another error, `CAPTURE_ERROR`) runs the call's step eagerly, and the key from then on;
+   the graph once: that replay is the call's step. A capture that fails (`Fallback.HOST_SYNC`, or another error,
+   `CAPTURE_ERROR`) runs the call's step eagerly, and the key from then on, with the syncs step 1 found in the
+   reason's detail;
 3. later calls copy their tensors into the key's placeholders and replay.
 
 The invariants the graphs rely on (fixed gradient and state addresses, capturable optimizers and scalers, settings
@@ -72,6 +74,8 @@ class StepStats(GraphStats):
     """Calls run eagerly by design, as the first call at a key (see the module docstring), not as fallbacks."""
     optimizer_updates: int = 0
     """Optimizer updates made by `accumulate` (every Nth call)."""
+    host_syncs: dict[GraphKey, str] = dataclasses.field(default_factory=dict)
+    """Per key, what `find_host_syncs` reported on its checked warm-up step, where it found any."""
 
 
 @dataclass
@@ -225,7 +229,7 @@ class GraphedStep:
 
     def _warm(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], key: GraphKey) -> Any:
         """Rule 1: the call's step, eagerly, on the capture stream; checked for host syncs once the optimizer has
-        its state (the key is captured at its next call only after a checked run without syncs)."""
+        its state (the key is captured at its next call, after a checked run)."""
         self.stats.warmup_steps += 1
         check = self.check_syncs and invariants.optimizer_ready(self.optimizer)
         results: list[Any] = []
@@ -237,9 +241,8 @@ class GraphedStep:
                 results.append(fn(*args, **kwargs))
         self._after_eager()
         if report:
-            self.stats.failed_keys[key] = Fallback.HOST_SYNC
-            self._note(Fallback.HOST_SYNC, f"{report}")
-        elif check or not self.check_syncs:
+            self.stats.host_syncs[key] = str(report)
+        if check or not self.check_syncs:
             self._warmed.add(key)
         return results[0]
 
@@ -259,7 +262,9 @@ class GraphedStep:
             reset_after_failed_capture(self.scaler)
             self.stats.failed_keys[key] = failure.reason
             self.stats.pool_bytes = self._backend.pool_bytes()
-            return self._eager(fn, *call, failure.reason, failure.detail)
+            found = self.stats.host_syncs.get(key)
+            detail = failure.detail if found is None else f"{failure.detail}; its eager step found {found}"
+            return self._eager(fn, *call, failure.reason, detail)
         self._addresses.verify(self.optimizer, self.scaler)
         record = GraphRecord(key, captured.capture_ms, captured.pool_growth_bytes, captured.driver_bytes)
         record.phases_ms = captured.phases_ms
