@@ -20,6 +20,7 @@ from benchmarks.hf_training_steps import (
 )
 from tendril.config import Config
 from tendril.graphs.capture import GRAPH_SDPA_BACKENDS
+from tendril.graphs.stats import Fallback
 from tests.graphs.training.loops import (
     SEQ_BUCKETS,
     TokenMLP,
@@ -173,8 +174,8 @@ def test_a_step_that_syncs_runs_eagerly_with_the_place_in_stats():
         for batch in batches([4] * 5, "cuda"):
             step(*batch)
     assert len(logged) == 5 and not step.keys()
-    assert step.stats.fallbacks[tendril.graphs.Fallback.HOST_SYNC] == 3
-    assert "test_graphed_step_gpu.py" in step.stats.fallback_details[tendril.graphs.Fallback.HOST_SYNC]
+    assert step.stats.fallbacks[Fallback.HOST_SYNC] == 3
+    assert "test_graphed_step_gpu.py" in step.stats.fallback_details[Fallback.HOST_SYNC]
 
 
 def _twins(make):
