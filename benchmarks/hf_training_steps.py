@@ -21,6 +21,8 @@ from tendril.graphs.buckets import Buckets, Pad
 from tendril.graphs.training.ctc import ctc_loss
 
 IGNORE = -100
+SAMPLES_PER_LABEL = 1000
+"""About 16 labels (characters) per second of 16 kHz audio."""
 
 
 def gpt2_buckets(sizes: tuple[int, ...]) -> Buckets:
@@ -81,10 +83,10 @@ def wav2vec2_model(tiny: bool = True, vocab: int = 32, dropout: float = 0.0) -> 
     from transformers import Wav2Vec2Config, Wav2Vec2ForCTC
 
     sizes: dict[str, Any] = {}
-    if tiny:
+    if tiny:  # small layers, the base config's feature encoder strides (one frame per 320 samples)
         sizes = dict(
-            hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128, conv_dim=(32, 32, 32),
-            conv_stride=(5, 2, 2), conv_kernel=(10, 3, 3), num_conv_pos_embeddings=16, num_conv_pos_embedding_groups=4,
+            hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128, conv_dim=(32,) * 7,
+            num_conv_pos_embeddings=16, num_conv_pos_embedding_groups=4,
         )  # fmt: skip
     config = Wav2Vec2Config(
         vocab_size=vocab, layerdrop=0.0, mask_time_prob=0.0, hidden_dropout=dropout, attention_dropout=dropout,
@@ -102,13 +104,15 @@ def wav2vec2_batch(
     samples: int, batch: int, labels: int, vocab: int, generator: torch.Generator
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Audio of `samples` (the longest of the batch; the others shorter, masked), labels padded with -100 to
-    `labels` columns."""
+    `labels` columns: at most one label per `SAMPLES_PER_LABEL` samples of the item's audio, so that an alignment
+    exists (one frame per 320 samples)."""
     audio = torch.randn(batch, samples, generator=generator)
     lengths = torch.randint(samples // 2, samples + 1, (batch,), generator=generator)
     lengths[0] = samples
     mask = (torch.arange(samples) < lengths.unsqueeze(1)).long()
     audio = audio * mask
     label_lengths = torch.randint(1, labels + 1, (batch,), generator=generator)
+    label_lengths = torch.minimum(label_lengths, (lengths // SAMPLES_PER_LABEL).clamp(min=1))
     targets = torch.randint(1, vocab, (batch, labels), generator=generator)
     targets = torch.where(torch.arange(labels) < label_lengths.unsqueeze(1), targets, IGNORE)
     return audio.cuda(), mask.cuda(), targets.cuda()

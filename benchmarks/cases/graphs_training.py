@@ -57,6 +57,8 @@ W2V_LABELS = 64
 GPT2_VOCAB = 50257
 MODELS = ("wav2vec2", "gpt2")
 CORRECTNESS_STEPS = 20
+CORRECTNESS_LR = 1e-3
+"""Large enough that 20 steps move every parameter well past rounding."""
 
 
 @dataclass(frozen=True)
@@ -182,10 +184,10 @@ def _device_used(device: torch.device) -> int:
     return total - free
 
 
-def _fresh(setup: Setup, dropout: float) -> tuple[Any, torch.optim.Optimizer, torch.amp.GradScaler]:
+def _fresh(setup: Setup, dropout: float, lr: float = 1e-5) -> tuple[Any, torch.optim.Optimizer, torch.amp.GradScaler]:
     torch.manual_seed(0)
     model = setup.make_model(dropout)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True, capturable=True)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, fused=True, capturable=True)
     return model, optimizer, torch.amp.GradScaler("cuda")
 
 
@@ -223,7 +225,8 @@ def _compiled(ctx: Context, setup: Setup, data: list, passes: int) -> Timing:
     step run eagerly."""
     import torch._dynamo
 
-    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 4 * len(setup.lengths))
+    limit = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
+    setattr(torch._dynamo.config, limit, max(getattr(torch._dynamo.config, limit), 4 * len(setup.lengths)))
     model, optimizer, scaler = _fresh(setup, 0.1)
     compiled = torch.compile(model, mode="reduce-overhead", dynamic=False)
     plain = setup.make_step(compiled, optimizer, scaler, amp=True)
@@ -304,8 +307,8 @@ def max_param_rel_diff(ctx: Context, setup: Setup) -> float:
     generator = torch.Generator().manual_seed(3)
     lengths = correctness_lengths(setup.lengths, CORRECTNESS_STEPS)
     batches = [_padded(setup, setup.batch(n, generator)) for n in lengths]
-    reference, reference_optimizer, reference_scaler = _fresh(setup, 0.0)
-    model, optimizer, scaler = _fresh(setup, 0.0)
+    reference, reference_optimizer, reference_scaler = _fresh(setup, 0.0, CORRECTNESS_LR)
+    model, optimizer, scaler = _fresh(setup, 0.0, CORRECTNESS_LR)
     eager = setup.make_step(reference, reference_optimizer, reference_scaler, amp=True)
     with sdpa_kernel(list(GRAPH_SDPA_BACKENDS)):
         for batch in batches:
