@@ -58,6 +58,20 @@ def wav2vec2_step(model: Any, optimizer: torch.optim.Optimizer, scaler: Any = No
     return step
 
 
+def wav2vec2_hf_loss_step(
+    model: Any, optimizer: torch.optim.Optimizer, scaler: Any = None, amp: bool = False
+) -> Callable:
+    """The eager step users write today: HF's loss from `labels` (torch's CTC; it syncs with the host)."""
+
+    def step(audio: torch.Tensor, mask: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        with torch.autocast("cuda", torch.float16, enabled=amp):
+            loss = model(audio, attention_mask=mask, labels=labels).loss
+        _backward_and_update(loss, optimizer, scaler)
+        return loss.detach()
+
+    return step
+
+
 def _backward_and_update(loss: torch.Tensor, optimizer: torch.optim.Optimizer, scaler: Any) -> None:
     if scaler is None:
         loss.backward()
