@@ -74,7 +74,7 @@ class Setup:
     buckets: Buckets
     batch: Callable[[int, torch.Generator], tuple[torch.Tensor, ...]]
     lengths: tuple[int, ...]
-    """The bucket sizes: each batch's longest item is drawn between the first's lower neighbour and the last."""
+    """The bucket sizes: each batch's longest item is drawn between the first and the last."""
 
 
 # -- pure helpers (tested on the CPU) -----------------------------------------------------------------
@@ -99,10 +99,8 @@ def chosen_models(value: str | None) -> tuple[str, ...]:
 
 
 def draw_lengths(sizes: tuple[int, ...], count: int, generator: torch.Generator) -> list[int]:
-    """`count` lengths uniform over (a step below the smallest size, the largest size]."""
-    step = sizes[1] - sizes[0] if len(sizes) > 1 else sizes[0]
-    low = max(sizes[0] - step + 1, 1)
-    return torch.randint(low, sizes[-1] + 1, (count,), generator=generator).tolist()
+    """`count` lengths uniform over [smallest size, largest size] (1-4 s of audio, 32-512 tokens)."""
+    return torch.randint(sizes[0], sizes[-1] + 1, (count,), generator=generator).tolist()
 
 
 def ratio(numerator: float, denominator: float) -> float:
