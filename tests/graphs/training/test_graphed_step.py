@@ -161,3 +161,19 @@ def test_train_and_eval_modes_are_separate_keys():
         step(*batch)
     captured = step.keys()
     assert len(captured) == 2 and {key.structure[1] for key in captured} == {True, False}
+
+
+def test_with_dropout_on_the_graphed_loop_draws_the_eager_loops_masks():
+    """The simulated capture puts the generator back as a CUDA capture leaves it, so each replay draws the numbers
+    the eager step would have drawn."""
+    model, reference = twins(lambda: TokenMLP(dropout=0.3))
+    optimizer, reference_optimizer = adamw(model), adamw(reference)
+    data = batches([4, 6] * 5)
+    torch.manual_seed(5)
+    expected = eager_loop(reference, reference_optimizer, data)
+    torch.manual_seed(5)
+    step = graphed(full_step(model, optimizer), model, optimizer)
+    losses = [step(*batch) for batch in data]
+    assert step.stats.replays >= 4
+    assert torch.equal(torch.stack(losses), torch.stack(expected))
+    assert_identical(state_of(model, optimizer), state_of(reference, reference_optimizer))

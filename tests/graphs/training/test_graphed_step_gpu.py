@@ -140,6 +140,24 @@ def test_dropout_draws_new_masks_at_every_replay():
     assert losses.unique().numel() > 1  # dropout in the model varies too
 
 
+def test_with_dropout_on_replays_draw_the_eager_steps_numbers():
+    """Each replay starts from the generator's offset and advances it by the graph's total, so with the same seed
+    a graphed loop draws exactly the masks an eager loop draws (see `tendril.graphs.training`)."""
+    model, reference = twins(lambda: TokenMLP(dropout=0.3), "cuda")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, capturable=True, fused=True)
+    reference_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-2, capturable=True, fused=True)
+    data = batches([4, 6] * 10, "cuda")
+    torch.manual_seed(5)
+    eager = full_step(reference, reference_optimizer)
+    expected = torch.stack([eager(*batch) for batch in data])
+    torch.manual_seed(5)
+    step = tendril.graphed_step(full_step(model, optimizer), model=model, optimizer=optimizer, config=Config())
+    losses = torch.stack([step(*batch) for batch in data])
+    assert step.stats.replays >= 14
+    torch.testing.assert_close(losses, expected, rtol=1e-5, atol=1e-6)
+    assert max_rel_diff(state_of(model, optimizer), state_of(reference, reference_optimizer)) <= 1e-5
+
+
 def test_the_loss_with_dropout_tracks_eager_over_50_steps():
     generator = torch.Generator().manual_seed(0)
     data = [gpt2_batch(n, 4, 1000, generator) for n in [24, 32, 17, 30] * 13][:50]
