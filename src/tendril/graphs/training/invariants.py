@@ -123,13 +123,13 @@ class AddressBook:
         return all(p.grad is g for p, g in zip(self._parameters, self._grads, strict=True))
 
     def verify(self, optimizer: torch.optim.Optimizer | None, scaler: Any = None) -> None:
-        """Raise `RuntimeError` naming the first gradient or state tensor that was replaced."""
+        """Raise `RuntimeError` naming the first gradient or state tensor no longer in place."""
         for index, (parameter, grad) in enumerate(zip(self._parameters, self._grads, strict=True)):
             if parameter.grad is grad:
                 continue
-            what = "set to None" if parameter.grad is None else "replaced by another tensor"
+            what = "None" if parameter.grad is None else "another tensor"
             raise RuntimeError(
-                f"the .grad of trained parameter {index} {tuple(parameter.shape)} was {what}: graphs hold its "
+                f"the .grad of trained parameter {index} {tuple(parameter.shape)} is now {what}: graphs hold its "
                 "address. Clear gradients with optimizer.zero_grad(set_to_none=False) (or model.zero_grad("
                 "set_to_none=False)) in the step function and nowhere assign .grad"
             )
@@ -138,7 +138,7 @@ class AddressBook:
             tensor = now.get(name)
             if tensor is None or tensor.data_ptr() != address:
                 raise RuntimeError(
-                    f"{name} was replaced or removed after the first step: graphs hold its address. Update optimizer "
+                    f"{name} is not the tensor the first step made: graphs hold its address. Update optimizer "
                     "and scaler state in place (no load_state_dict or new tensors between graphed steps)"
                 )
 
