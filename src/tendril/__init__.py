@@ -34,6 +34,9 @@ _LAZY: dict[str, str] = {
     "LoopBoundExceeded": "tendril.graphs.control",
     "HostSyncInGraphError": "tendril.graphs.control",
     "find_host_syncs": "tendril.graphs.syncs",
+    "graphed_step": "tendril.graphs.training.step",
+    "GraphedStep": "tendril.graphs.training.step",
+    "DeviceGradScaler": "tendril.graphs.training.scaler",
     "generate": "tendril.generation",
     "sparse": "tendril.sparse",
 }

@@ -1,0 +1,402 @@
+"""`tendril.graphed_step`: whole training steps (forward, loss, backward, optimizer step) as shape-keyed CUDA graphs.
+
+    step = tendril.graphed_step(train_step, model=model, optimizer=opt, buckets=...)
+    for batch in loader:
+        loss = step(*batch)
+
+where `train_step(*batch)` does the forward pass, the loss, `loss.backward()`, the optimizer step (through the
+scaler under AMP) and `optimizer.zero_grad(set_to_none=False)`, and returns the loss. Calls are keyed as
+`tendril.graphed` keys them (tensor shapes and dtypes, other arguments' values; plus `model.training`), padded to
+`buckets` first, and every graph is captured into one pool shared by all keys (`CudaBackend`).
+
+Exactly one step per call. At a key without a graph:
+
+1. the first call runs the step eagerly on the capture stream (a real step that also makes the optimizer state, on
+   the very first step, and warms the shapes' kernels and workspaces), checked by `find_host_syncs` once the
+   optimizer has its state: the syncs it finds, with their places, go to `stats.host_syncs`. They do not decide
+   alone: some code reads a value only when no capture is running (HF's attention-mask checks skip `mask.all()`
+   while a CUDA stream captures), so the capture is the judge;
+2. the next call captures the step into the key's graph, which records the step without running it, then replays
+   the graph once: that replay is the call's step. A capture that fails (`Fallback.HOST_SYNC`, or another error,
+   `CAPTURE_ERROR`) runs the call's step eagerly, and the key from then on, with the syncs step 1 found in the
+   reason's detail;
+3. later calls copy their tensors into the key's placeholders and replay.
+
+The invariants the graphs rely on (fixed gradient and state addresses, capturable optimizers and scalers, settings
+baked into the graphs) are checked by `invariants` and `scaler`; random numbers (dropout) draw fresh values at every
+replay, see `tendril.graphs.training`.
+
+Gradient accumulation: with `accumulate=N`, `fn` only accumulates (forward, loss divided by N, backward; no
+optimizer step, no zero_grad) and every Nth call also runs the optimizer update, made here: `scaler.step(optimizer)`
+and `scaler.update()` (or `optimizer.step()`), then `optimizer.zero_grad(set_to_none=False)`, graphed as a key of
+its own in the same pool.
+
+Calls that run eagerly (no CUDA, `TENDRIL_NO_GRAPHS`, unkeyable arguments, `max_graphs` reached, a failed key) are
+counted in `stats.fallbacks` with their reason and warned once per reason; they run `fn` on the call's own
+(unpadded) arguments. Warm-up calls (rule 1) are counted in `stats.warmup_steps`, not as fallbacks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import warnings
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from tendril.config import Config
+from tendril.graphs.backend import Backend, Captured, CaptureFailed
+from tendril.graphs.buckets import Buckets, parameter_positions
+from tendril.graphs.callable import GraphFallbackWarning
+from tendril.graphs.key import Flattened, GraphKey, Unkeyable, flatten_call, key_of
+from tendril.graphs.memory import PlaceholderArena
+from tendril.graphs.options import DEFAULT_MAX_GRAPHS, GraphMemoryPolicy
+from tendril.graphs.outputs import clone_outputs
+from tendril.graphs.stats import Fallback, GraphRecord, GraphStats
+from tendril.graphs.syncs import find_host_syncs
+from tendril.graphs.training import invariants
+from tendril.graphs.training.scaler import check_scaler, reset_after_failed_capture
+from tendril.graphs.training.simulated import Recording, runs_on_capture
+
+STEP = "step"
+UPDATE = "optimizer update"
+"""The two kinds of graphed work: the step function, and (with `accumulate`) the optimizer update."""
+
+
+@dataclass
+class StepStats(GraphStats):
+    """`GraphStats` of a graphed step, with the eager calls that warm a key before its capture."""
+
+    warmup_steps: int = 0
+    """Calls run eagerly by design, as the first call at a key (see the module docstring), not as fallbacks."""
+    optimizer_updates: int = 0
+    """Optimizer updates made by `accumulate` (every Nth call)."""
+    host_syncs: dict[GraphKey, str] = dataclasses.field(default_factory=dict)
+    """Per key, what `find_host_syncs` reported on its checked warm-up step, where it found any."""
+
+
+@dataclass
+class _Graph:
+    key: GraphKey
+    positions: list[int]
+    placeholders: list[torch.Tensor]
+    captured: Captured
+    record: GraphRecord
+
+
+class GraphedStep:
+    """A training step run as shape-keyed CUDA graphs sharing one pool. Create with `tendril.graphed_step`."""
+
+    def __init__(
+        self,
+        fn: Callable[..., Any],
+        *,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer | None,
+        scaler: Any,
+        buckets: Buckets | None,
+        accumulate: int | None,
+        max_graphs: int,
+        check_syncs: bool,
+        clone_loss: bool,
+        backend: Backend,
+        config: Config,
+    ) -> None:
+        if not callable(fn):
+            raise TypeError(f"fn must be callable, got {type(fn).__name__}")
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        if optimizer is not None:
+            invariants.check_optimizer(optimizer)
+        check_scaler(scaler, optimizer)
+        if accumulate is not None and (type(accumulate) is not int or accumulate < 1):
+            raise ValueError(f"accumulate must be a positive int (micro-batches per update), got {accumulate!r}")
+        if accumulate is not None and optimizer is None:
+            raise ValueError("accumulate= needs optimizer=: every Nth call runs the optimizer update")
+        if buckets is not None and not isinstance(buckets, Buckets):
+            raise TypeError(f"buckets must be a tendril.Buckets, got {type(buckets).__name__}")
+        if max_graphs < 0:
+            raise ValueError(f"max_graphs must be >= 0, got {max_graphs}")
+        self.fn = fn
+        self.model = model
+        self.optimizer = optimizer
+        self.scaler = scaler
+        self.buckets = buckets
+        self.accumulate = accumulate
+        self.max_graphs = max_graphs
+        self.check_syncs = check_syncs
+        self.clone_loss = clone_loss
+        self.name = getattr(fn, "__qualname__", None) or type(fn).__name__
+        self.stats = StepStats()
+        self._parameters = invariants.trained_parameters(model, optimizer)
+        if not self._parameters:
+            raise ValueError("model has no parameter that requires grad: nothing to train")
+        invariants.allocate_grads(self._parameters)
+        self._addresses = invariants.AddressBook(self._parameters)
+        self._state_recorded = False
+        self._hyperparameters: tuple[Any, ...] | None = None
+        from tendril.graphs.cuda_backend import CudaBackend
+
+        self._on_cuda = isinstance(backend, CudaBackend)
+        self._backend: Backend = Recording(backend, self._training_state) if runs_on_capture(backend) else backend
+        self._positions = parameter_positions(fn) if buckets is not None else {}
+        self._arena = PlaceholderArena()
+        self._graphs: dict[GraphKey, _Graph] = {}
+        self._warmed: set[GraphKey] = set()
+        self._warned: set[Fallback] = set()
+        self._pending = 0
+        unavailable = backend.unavailable()
+        if config.disable_graphs:
+            unavailable = (Fallback.GRAPHS_DISABLED, "TENDRIL_NO_GRAPHS is set")
+        self._unavailable = unavailable
+
+    def __repr__(self) -> str:
+        return f"GraphedStep({self.name}, graphs={len(self._graphs)}/{self.max_graphs})"
+
+    def keys(self) -> list[GraphKey]:
+        """Keys with a captured graph, in capture order."""
+        return list(self._graphs)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self.stats.calls += 1
+        loss = self._run(STEP, self.fn, args, kwargs)
+        if self.accumulate is not None:
+            self._pending += 1
+            if self._pending == self.accumulate:
+                self._pending = 0
+                self.stats.optimizer_updates += 1
+                self._run(UPDATE, self._update, (), {})
+        return loss
+
+    def _update(self) -> None:
+        """The optimizer update of `accumulate` mode (see the module docstring)."""
+        assert self.optimizer is not None
+        if self.scaler is not None:
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+        else:
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=False)
+
+    # -- dispatch -------------------------------------------------------------------------------------
+
+    def _run(self, kind: str, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if self._unavailable is not None:
+            return self._eager(fn, args, kwargs, *self._unavailable)
+        if not self._addresses.grads_in_place():
+            self._addresses.verify(self.optimizer, self.scaler)
+        if self._hyperparameters is not None:
+            invariants.check_hyperparameters(self._hyperparameters, self.optimizer)
+        padded = self.buckets.pad(args, kwargs, self._positions) if kind == STEP and self.buckets else None
+        call_args, call_kwargs = (padded.args, padded.kwargs) if padded is not None else (args, kwargs)
+        flat = flatten_call(call_args, call_kwargs)
+        key = key_of(flat)
+        if isinstance(key, Unkeyable):
+            return self._eager(fn, args, kwargs, Fallback.UNKEYABLE, key.reason)
+        key = dataclasses.replace(key, structure=(kind, self.model.training, key.structure))
+        graph = self._graphs.get(key)
+        if graph is not None:
+            if padded is not None:
+                self.stats.padded_calls += 1
+            return self._replay(graph, flat)
+        refusal = self._refusal(key)
+        if refusal is not None:
+            return self._eager(fn, args, kwargs, *refusal)
+        if key not in self._warmed:
+            return self._warm(fn, call_args, call_kwargs, key)
+        if padded is not None:
+            self.stats.padded_calls += 1
+        return self._capture_and_replay(fn, flat, key, (args, kwargs))
+
+    def _refusal(self, key: GraphKey) -> tuple[Fallback, str] | None:
+        """Why a key without a graph runs eagerly, or None if it may be warmed and captured."""
+        failed = self.stats.failed_keys.get(key)
+        if failed is not None:
+            detail = self.stats.fallback_details.get(failed, "")
+            return failed, f"the key {key} failed before: {detail}"
+        devices = key.devices()
+        refused = sorted(str(device) for device in devices if not self._backend.accepts(device))
+        if refused:
+            return Fallback.CPU_TENSOR, f"tensor arguments on {', '.join(refused)}"
+        if len(devices) > 1:
+            return Fallback.MIXED_DEVICES, f"tensor arguments on {', '.join(sorted(map(str, devices)))}"
+        if len(self._graphs) >= self.max_graphs:
+            return Fallback.LIMIT, f"{len(self._graphs)} graphs captured, max_graphs={self.max_graphs}"
+        return None
+
+    def _warm(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], key: GraphKey) -> Any:
+        """Rule 1: the call's step, eagerly, on the capture stream; checked for host syncs once the optimizer has
+        its state (the key is captured at its next call, after a checked run)."""
+        self.stats.warmup_steps += 1
+        check = self.check_syncs and invariants.optimizer_ready(self.optimizer)
+        results: list[Any] = []
+        report = None
+        with self._capture_stream(key):
+            if check:
+                report = find_host_syncs(lambda *a, **k: results.append(fn(*a, **k)), *args, **kwargs)
+            else:
+                results.append(fn(*args, **kwargs))
+        self._after_eager()
+        if report:
+            self.stats.host_syncs[key] = str(report)
+        if check or not self.check_syncs:
+            self._warmed.add(key)
+        return results[0]
+
+    def _capture_and_replay(
+        self, fn: Callable[..., Any], flat: Flattened, key: GraphKey, call: tuple[tuple[Any, ...], dict[str, Any]]
+    ) -> Any:
+        """Rule 2: capture (records, runs nothing), then replay once: the call's step."""
+        positions = flat.tensor_indices()
+        placeholders = [self._arena.placeholder(i, spec) for i, spec in zip(positions, key.tensors, strict=True)]
+        leaves = list(flat.leaves)
+        for index, placeholder in zip(positions, placeholders, strict=True):
+            leaves[index] = placeholder
+        args, kwargs = flat.unflatten(leaves)
+        try:
+            captured = self._backend.capture(fn, args, kwargs, key, 0)
+        except CaptureFailed as failure:
+            reset_after_failed_capture(self.scaler)
+            self.stats.failed_keys[key] = failure.reason
+            self.stats.pool_bytes = self._backend.pool_bytes()
+            found = self.stats.host_syncs.get(key)
+            detail = failure.detail if found is None else f"{failure.detail}; its eager step found {found}"
+            return self._eager(fn, *call, failure.reason, detail)
+        self._addresses.verify(self.optimizer, self.scaler)
+        record = GraphRecord(key, captured.capture_ms, captured.pool_growth_bytes, captured.driver_bytes)
+        record.phases_ms = captured.phases_ms
+        if captured.memory is not None:
+            record.memory = captured.memory
+        graph = _Graph(key, positions, placeholders, captured, record)
+        self._graphs[key] = graph
+        self.stats.graphs[key] = record
+        self.stats.pool_bytes = self._backend.pool_bytes()
+        self.stats.placeholder_bytes = self._arena.nbytes
+        if self._hyperparameters is None:
+            self._hyperparameters = invariants.hyperparameters(self.optimizer)
+        return self._replay(graph, flat)
+
+    def _replay(self, graph: _Graph, flat: Flattened) -> Any:
+        """Rule 3: copy the call's tensors into the placeholders, replay."""
+        captured = graph.captured
+        if captured.before_inputs is not None:
+            captured.before_inputs()
+        sources = [flat.leaves[i] for i in graph.positions]
+        copies = [(p, s) for p, s in zip(graph.placeholders, sources, strict=True) if p is not s]
+        if copies:
+            with torch.no_grad():
+                torch._foreach_copy_([p for p, _ in copies], [s for _, s in copies])
+            self.stats.input_copies += len(copies)
+            self.stats.input_bytes_copied += sum(s.numel() * s.element_size() for _, s in copies)
+        captured.replay()
+        graph.record.replays += 1
+        self.stats.replays += 1
+        return clone_outputs(captured.outputs) if self.clone_loss else captured.outputs
+
+    def _eager(
+        self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], reason: Fallback, detail: str
+    ) -> Any:
+        self.stats.record_fallback(reason, detail)
+        self._warn_once(reason, detail)
+        result = fn(*args, **kwargs)
+        self._after_eager()
+        return result
+
+    def _after_eager(self) -> None:
+        """Check the gradients and state kept their addresses; remember the state once the optimizer has made it."""
+        self._addresses.verify(self.optimizer, self.scaler)
+        if not self._state_recorded and invariants.optimizer_ready(self.optimizer):
+            self._addresses.record_state(self.optimizer, self.scaler)
+            self._state_recorded = True
+
+    def _training_state(self) -> list[torch.Tensor]:
+        """Every tensor a step writes: parameters, gradients, optimizer and scaler state (for `Recording`)."""
+        tensors = [p.data for p in self._parameters]
+        tensors += [p.grad for p in self._parameters if p.grad is not None]
+        return tensors + list(invariants.state_tensors(self.optimizer, self.scaler).values())
+
+    @contextlib.contextmanager
+    def _capture_stream(self, key: GraphKey) -> Iterator[None]:
+        """On CUDA, run the block on the stream captures use (warming its workspaces), ordered with the current one."""
+        if not self._on_cuda:
+            yield
+            return
+        from tendril.graphs.capture import capture_stream
+
+        device = next(iter(key.devices()), None) or torch.device("cuda", torch.cuda.current_device())
+        stream = capture_stream(device)
+        current = torch.cuda.current_stream(device)
+        stream.wait_stream(current)
+        with torch.cuda.stream(stream):
+            yield
+        current.wait_stream(stream)
+
+    def _note(self, reason: Fallback, detail: str) -> None:
+        self.stats.fallback_details.setdefault(reason, detail)
+        self._warn_once(reason, detail)
+
+    def _warn_once(self, reason: Fallback, detail: str) -> None:
+        if reason in self._warned:
+            return
+        self._warned.add(reason)
+        warnings.warn(
+            f"tendril.graphed_step({self.name}) runs eagerly: {reason.value} ({detail}). Later occurrences are "
+            "counted in .stats.fallbacks without warning.",
+            GraphFallbackWarning,
+            stacklevel=4,
+        )
+
+
+def graphed_step(
+    fn: Callable[..., Any],
+    *,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    scaler: Any = None,
+    buckets: Buckets | None = None,
+    accumulate: int | None = None,
+    memory: GraphMemoryPolicy | int | str | None = None,
+    max_graphs: int = DEFAULT_MAX_GRAPHS,
+    check_syncs: bool = True,
+    clone_loss: bool = True,
+    backend: Backend | None = None,
+    config: Config | None = None,
+) -> GraphedStep:
+    """Run the training step `fn(*batch)` (forward, loss, backward, optimizer step, zero_grad; returns the loss) as
+    CUDA graphs keyed by the batch's shapes, one per bucket, in one shared pool (see the module docstring).
+
+    `model`: the trained module (its parameters get their `.grad` allocated now; its `training` flag is part of the
+    key). `optimizer`: capturable (`capturable=True`, or SGD), else `ValueError`. `scaler`: a
+    `torch.amp.GradScaler` with a fused optimizer, or a `tendril.DeviceGradScaler`. `buckets`: pad the batch up to
+    declared lengths (the step must ignore padded positions: labels -100, a zero attention mask). `accumulate=N`:
+    `fn` only accumulates and every Nth call runs the optimizer update. `memory`: the graph-memory policy of the
+    default CUDA backend (as `tendril.graphed`). `check_syncs`: check a warm-up step per key with
+    `find_host_syncs` before capturing. `clone_loss`: return a copy of the loss (False: a view of graph memory,
+    overwritten by the next call).
+    """
+    if config is None:
+        from tendril.config import settings
+
+        config = settings
+    if backend is None:
+        from tendril.graphs.cuda_backend import CudaBackend
+
+        backend = CudaBackend(memory=GraphMemoryPolicy.of(memory))
+    elif memory is not None:
+        raise ValueError("memory= configures the default CUDA backend; with your own backend, pass it there")
+    return GraphedStep(
+        fn,
+        model=model,
+        optimizer=optimizer,
+        scaler=scaler,
+        buckets=buckets,
+        accumulate=accumulate,
+        max_graphs=max_graphs,
+        check_syncs=check_syncs,
+        clone_loss=clone_loss,
+        backend=backend,
+        config=config,
+    )

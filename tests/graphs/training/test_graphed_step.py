@@ -1,0 +1,179 @@
+"""Graphed training steps on the CPU through the null backend (whose capture, wrapped by `simulated.Recording`,
+records without running, as CUDA's does): after 20 steps, parameters and optimizer state equal a plain eager
+loop's bit for bit, with buckets and several shapes, gradient accumulation, and fallbacks recorded in stats."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import tendril
+from tendril.config import Config
+from tendril.graphs.backend import CaptureFailed, NullBackend
+from tendril.graphs.callable import GraphFallbackWarning
+from tendril.graphs.stats import Fallback
+from tests.graphs.training.loops import (
+    SEQ_BUCKETS,
+    TokenMLP,
+    assert_identical,
+    batches,
+    full_step,
+    micro_step,
+    padded,
+    state_of,
+    twins,
+)
+
+LENGTHS = [3, 8, 4, 7, 2, 5, 8, 1, 6, 4] * 2
+"""20 steps over 8 lengths: two buckets (4, 8) reached from several lengths each."""
+
+
+def adamw(model: torch.nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True, capturable=True)
+
+
+def graphed(fn, model, optimizer, **options):
+    options.setdefault("backend", NullBackend())
+    return tendril.graphed_step(fn, model=model, optimizer=optimizer, config=Config(), **options)
+
+
+def eager_loop(model, optimizer, data):
+    step = full_step(model, optimizer)
+    return [step(*batch) for batch in data]
+
+
+@pytest.mark.parametrize("buckets", [SEQ_BUCKETS, None], ids=["buckets", "exact-shapes"])
+def test_twenty_steps_equal_the_eager_loop_exactly(buckets):
+    model, reference = twins(TokenMLP)
+    optimizer, reference_optimizer = adamw(model), adamw(reference)
+    data = batches(LENGTHS)
+    expected_losses = eager_loop(reference, reference_optimizer, padded(data, buckets))
+    step = graphed(full_step(model, optimizer), model, optimizer, buckets=buckets)
+    losses = [step(*batch) for batch in data]
+    assert_identical(state_of(model, optimizer), state_of(reference, reference_optimizer))
+    assert torch.equal(torch.stack(losses), torch.stack(expected_losses))
+    stats = step.stats
+    assert stats.warmup_steps + stats.replays + stats.eager_calls == stats.calls == 20  # one step per call
+    assert stats.eager_calls == 0
+    # a key is captured at its second call after a host-sync-checked warm-up (the first step ever is unchecked)
+    assert len(step.keys()) == (2 if buckets is not None else len(set(LENGTHS)) - 1)
+    assert all(int(s["step"].item()) == 20 for s in optimizer.state.values())
+    if buckets is not None:
+        assert stats.padded_calls > 0
+
+
+def test_gradient_accumulation_updates_every_nth_call_exactly_as_eager():
+    parts = 4
+    model, reference = twins(TokenMLP)
+    optimizer, reference_optimizer = adamw(model), adamw(reference)
+    data = batches(LENGTHS)
+    micro = micro_step(reference, parts)
+    for index, batch in enumerate(padded(data, SEQ_BUCKETS)):
+        micro(*batch)
+        if (index + 1) % parts == 0:
+            reference_optimizer.step()
+            reference_optimizer.zero_grad(set_to_none=False)
+    step = graphed(micro_step(model, parts), model, optimizer, buckets=SEQ_BUCKETS, accumulate=parts)
+    for batch in data:
+        step(*batch)
+    assert_identical(state_of(model, optimizer), state_of(reference, reference_optimizer))
+    assert step.stats.optimizer_updates == 5
+    assert all(int(s["step"].item()) == 5 for s in optimizer.state.values())
+    captured = step.keys()
+    assert any(key.structure[0] == "optimizer update" for key in captured)
+
+
+def test_a_failed_capture_runs_the_step_eagerly_once_with_the_reason_in_stats():
+    model, reference = twins(TokenMLP)
+    optimizer, reference_optimizer = adamw(model), adamw(reference)
+    data = batches([4] * 6)
+    eager_loop(reference, reference_optimizer, data)
+    backend = NullBackend(fail=lambda key: CaptureFailed(Fallback.HOST_SYNC, "simulated sync"))
+    step = graphed(full_step(model, optimizer), model, optimizer, backend=backend)
+    with pytest.warns(GraphFallbackWarning, match="simulated sync"):
+        for batch in data:
+            step(*batch)
+    assert_identical(state_of(model, optimizer), state_of(reference, reference_optimizer))
+    assert step.stats.fallbacks[Fallback.HOST_SYNC] == 4  # the capture's call and every later one
+    assert step.stats.warmup_steps == 2 and not step.keys()
+
+
+def test_host_syncs_found_on_a_warm_up_step_are_recorded_and_name_their_place_when_the_capture_fails():
+    model, _ = twins(TokenMLP)
+    optimizer = adamw(model)
+    plain = full_step(model, optimizer)
+    seen = []
+
+    def logs_the_loss(x, y):
+        loss = plain(x, y)
+        seen.append(loss.item())  # a host sync on CUDA
+        return loss
+
+    step = graphed(logs_the_loss, model, optimizer)  # the null backend's capture cannot fail on a sync
+    for batch in batches([4] * 4):
+        step(*batch)
+    assert step.keys() and "test_graphed_step.py" in next(iter(step.stats.host_syncs.values()))
+
+    model, _ = twins(TokenMLP)
+    optimizer = adamw(model)
+    plain = full_step(model, optimizer)
+    backend = NullBackend(fail=lambda key: CaptureFailed(Fallback.HOST_SYNC, "capture invalidated"))
+    step = graphed(logs_the_loss, model, optimizer, backend=backend)
+    with pytest.warns(GraphFallbackWarning, match="capture invalidated"):
+        for batch in batches([4] * 5):
+            step(*batch)
+    assert not step.keys() and step.stats.fallbacks[Fallback.HOST_SYNC] == 3
+    detail = step.stats.fallback_details[Fallback.HOST_SYNC]
+    assert "capture invalidated" in detail and "test_graphed_step.py" in detail and "item" in detail
+
+
+def test_keys_past_max_graphs_and_the_eager_path_without_cuda_are_recorded():
+    model, reference = twins(TokenMLP)
+    optimizer, reference_optimizer = adamw(model), adamw(reference)
+    data = batches([4, 4, 4, 6, 6, 6])
+    eager_loop(reference, reference_optimizer, data)
+    step = graphed(full_step(model, optimizer), model, optimizer, max_graphs=1)
+    with pytest.warns(GraphFallbackWarning, match="max_graphs"):
+        for batch in data:
+            step(*batch)
+    assert_identical(state_of(model, optimizer), state_of(reference, reference_optimizer))
+    assert step.stats.fallbacks[Fallback.LIMIT] == 3 and len(step.keys()) == 1
+
+    model, reference = twins(TokenMLP)
+    optimizer, reference_optimizer = adamw(model), adamw(reference)
+    eager_loop(reference, reference_optimizer, data)
+    step = tendril.graphed_step(full_step(model, optimizer), model=model, optimizer=optimizer, config=Config())
+    with pytest.warns(GraphFallbackWarning):
+        for batch in data:
+            step(*batch)
+    assert_identical(state_of(model, optimizer), state_of(reference, reference_optimizer))
+    assert step.stats.eager_calls == 6 and (Fallback.NO_CUDA in step.stats.fallbacks or step.stats.replays == 0)
+
+
+def test_train_and_eval_modes_are_separate_keys():
+    model, _ = twins(TokenMLP)
+    optimizer = adamw(model)
+    step = graphed(full_step(model, optimizer), model, optimizer)
+    for batch in batches([4] * 3):
+        step(*batch)
+    model.eval()
+    for batch in batches([4] * 3):
+        step(*batch)
+    captured = step.keys()
+    assert len(captured) == 2 and {key.structure[1] for key in captured} == {True, False}
+
+
+def test_with_dropout_on_the_graphed_loop_draws_the_eager_loops_masks():
+    """The simulated capture puts the generator back as a CUDA capture leaves it, so each replay draws the numbers
+    the eager step would have drawn."""
+    model, reference = twins(lambda: TokenMLP(dropout=0.3))
+    optimizer, reference_optimizer = adamw(model), adamw(reference)
+    data = batches([4, 6] * 5)
+    torch.manual_seed(5)
+    expected = eager_loop(reference, reference_optimizer, data)
+    torch.manual_seed(5)
+    step = graphed(full_step(model, optimizer), model, optimizer)
+    losses = [step(*batch) for batch in data]
+    assert step.stats.replays >= 4
+    assert torch.equal(torch.stack(losses), torch.stack(expected))
+    assert_identical(state_of(model, optimizer), state_of(reference, reference_optimizer))

@@ -1,0 +1,204 @@
+"""Graphed training steps on CUDA against eager loops: a small MLP, a tiny GPT-2 LM fine-tune and a tiny Wav2Vec2 CTC
+step; fp32 within 1e-5 relative after 20 steps, AMP within 1e-3, dropout drawing new masks at every replay."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.nn.attention import sdpa_kernel
+
+import tendril
+from benchmarks.hf_training_steps import (
+    gpt2_batch,
+    gpt2_buckets,
+    gpt2_model,
+    gpt2_step,
+    wav2vec2_batch,
+    wav2vec2_buckets,
+    wav2vec2_model,
+    wav2vec2_step,
+)
+from tendril.config import Config
+from tendril.graphs.capture import GRAPH_SDPA_BACKENDS
+from tendril.graphs.stats import Fallback
+from tests.graphs.training.loops import (
+    SEQ_BUCKETS,
+    TokenMLP,
+    batches,
+    full_step,
+    max_rel_diff,
+    padded,
+    state_of,
+    twins,
+)
+
+pytestmark = pytest.mark.gpu
+LENGTHS = [3, 8, 4, 7, 2, 5, 8, 1, 6, 4] * 2
+
+
+def run_both(make_model, make_optimizer, make_step, data, buckets, scaler=None):
+    """20 steps eagerly (on the padded batches, attention kernels as graphs use) and graphed; the two states."""
+    model, reference = make_model()
+    optimizer, reference_optimizer = make_optimizer(model), make_optimizer(reference)
+    reference_scaler = None if scaler is None else scaler()
+    step_scaler = None if scaler is None else scaler()
+    eager = make_step(reference, reference_optimizer, reference_scaler)
+    with sdpa_kernel(list(GRAPH_SDPA_BACKENDS)):
+        for batch in padded(data, buckets):
+            eager(*batch)
+        step = tendril.graphed_step(
+            make_step(model, optimizer, step_scaler), model=model, optimizer=optimizer, scaler=step_scaler,
+            buckets=buckets, config=Config(),
+        )  # fmt: skip
+        for batch in data:
+            step(*batch)
+    torch.cuda.synchronize()
+    assert step.stats.replays >= 10 and step.stats.eager_calls == 0, step.stats.table()
+    return state_of(model, optimizer), state_of(reference, reference_optimizer)
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "foreach"])
+def test_mlp_fp32_matches_eager_after_20_steps(fused):
+    make_optimizer = lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2, capturable=True, fused=fused)  # noqa: E731
+    graphed_state, eager_state = run_both(
+        lambda: twins(TokenMLP, "cuda"), make_optimizer, full_step, batches(LENGTHS, "cuda"), SEQ_BUCKETS
+    )
+    assert max_rel_diff(graphed_state, eager_state) <= 1e-5
+
+
+@pytest.mark.parametrize("scaler", ["grad-scaler-fused", "device-grad-scaler-capturable"])
+def test_mlp_amp_matches_eager_after_20_steps(scaler):
+    fused = scaler == "grad-scaler-fused"
+    make_scaler = (lambda: torch.amp.GradScaler("cuda")) if fused else (lambda: tendril.DeviceGradScaler("cuda"))
+    make_optimizer = lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2, capturable=True, fused=fused)  # noqa: E731
+
+    def amp_step(model, optimizer, grad_scaler):
+        plain = full_step(model, optimizer, grad_scaler)
+
+        def step(x, y):
+            with torch.autocast("cuda", torch.float16):
+                return plain(x, y)
+
+        return step
+
+    graphed_state, eager_state = run_both(
+        lambda: twins(TokenMLP, "cuda"), make_optimizer, amp_step, batches(LENGTHS, "cuda"), SEQ_BUCKETS, make_scaler
+    )
+    assert max_rel_diff(graphed_state, eager_state) <= 1e-3
+
+
+def test_tiny_gpt2_lm_fine_tune_matches_eager():
+    generator = torch.Generator().manual_seed(0)
+    data = [gpt2_batch(n, 2, 1000, generator) for n in [20, 33, 64, 50, 17, 40, 64, 30, 9, 60] * 2]
+    graphed_state, eager_state = run_both(
+        lambda: _twins(gpt2_model),
+        lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3, fused=True, capturable=True),
+        gpt2_step,
+        data,
+        gpt2_buckets((32, 64)),
+    )
+    assert max_rel_diff(graphed_state, eager_state) <= 1e-5
+
+
+def test_tiny_wav2vec2_ctc_step_matches_eager():
+    generator = torch.Generator().manual_seed(0)
+    data = [wav2vec2_batch(n, 2, 8, 32, generator) for n in [4000, 8000, 6000, 8000, 3000] * 4]
+    graphed_state, eager_state = run_both(
+        lambda: _twins(wav2vec2_model),
+        lambda m: torch.optim.AdamW(m.parameters(), lr=1e-4, fused=True, capturable=True),
+        wav2vec2_step,
+        data,
+        wav2vec2_buckets((4000, 8000)),
+    )
+    assert max_rel_diff(graphed_state, eager_state) <= 1e-5
+
+
+def test_dropout_draws_new_masks_at_every_replay():
+    torch.manual_seed(0)
+    model = TokenMLP(dropout=0.5).cuda()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.0, fused=True, capturable=True)
+    masks = torch.zeros(5, 2, 4, 16, device="cuda")
+    calls = {"n": 0}
+    slot = torch.zeros((), dtype=torch.long, device="cuda")
+
+    def step(x, y):
+        kept = torch.nn.functional.dropout(torch.ones(2, 4, 16, device="cuda"), 0.5)
+        masks.index_copy_(0, slot.view(1), kept.unsqueeze(0))
+        slot.add_(1).remainder_(masks.shape[0])
+        calls["n"] += 1
+        return full_step(model, optimizer)(x, y)
+
+    fast = tendril.graphed_step(step, model=model, optimizer=optimizer, config=Config())
+    x, y = batches([4], "cuda")[0]
+    for _ in range(8):
+        fast(x, y)
+    torch.cuda.synchronize()
+    assert fast.stats.replays >= 5 and calls["n"] < 8  # replays ran no Python
+    distinct = {tuple(m.flatten().tolist()) for m in masks}
+    assert len(distinct) == masks.shape[0]
+    losses = torch.stack([fast(x, y) for _ in range(20)])
+    assert losses.unique().numel() > 1  # dropout in the model varies too
+
+
+def test_with_dropout_on_replays_draw_the_eager_steps_numbers():
+    """Each replay starts from the generator's offset and advances it by the graph's total, so with the same seed
+    a graphed loop draws exactly the masks an eager loop draws (see `tendril.graphs.training`)."""
+    model, reference = twins(lambda: TokenMLP(dropout=0.3), "cuda")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, capturable=True, fused=True)
+    reference_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-2, capturable=True, fused=True)
+    data = batches([4, 6] * 10, "cuda")
+    torch.manual_seed(5)
+    eager = full_step(reference, reference_optimizer)
+    expected = torch.stack([eager(*batch) for batch in data])
+    torch.manual_seed(5)
+    step = tendril.graphed_step(full_step(model, optimizer), model=model, optimizer=optimizer, config=Config())
+    losses = torch.stack([step(*batch) for batch in data])
+    assert step.stats.replays >= 14
+    torch.testing.assert_close(losses, expected, rtol=1e-5, atol=1e-6)
+    assert max_rel_diff(state_of(model, optimizer), state_of(reference, reference_optimizer)) <= 1e-5
+
+
+def test_the_loss_with_dropout_tracks_eager_over_50_steps():
+    generator = torch.Generator().manual_seed(0)
+    data = [gpt2_batch(n, 4, 1000, generator) for n in [24, 32, 17, 30] * 13][:50]
+
+    def losses(graphed: bool) -> torch.Tensor:
+        torch.manual_seed(0)
+        model = gpt2_model(dropout=0.1)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True, capturable=True)
+        step = gpt2_step(model, optimizer)
+        if graphed:
+            step = tendril.graphed_step(step, model=model, optimizer=optimizer, buckets=gpt2_buckets((32,)))
+        return torch.stack([step(*batch) for batch in data])
+
+    with sdpa_kernel(list(GRAPH_SDPA_BACKENDS)):
+        eager, fast = losses(False), losses(True)
+    assert abs(fast[-10:].mean() - eager[-10:].mean()) <= 0.05 * eager[-10:].mean()
+
+
+def test_a_step_that_syncs_runs_eagerly_with_the_place_in_stats():
+    model = TokenMLP().cuda()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, capturable=True)
+    plain = full_step(model, optimizer)
+    logged = []
+
+    def logs_the_loss(x, y):
+        loss = plain(x, y)
+        logged.append(loss.item())
+        return loss
+
+    step = tendril.graphed_step(logs_the_loss, model=model, optimizer=optimizer, config=Config())
+    with pytest.warns(tendril.GraphFallbackWarning):
+        for batch in batches([4] * 5, "cuda"):
+            step(*batch)
+    assert len(logged) == 5 and not step.keys()
+    assert step.stats.fallbacks[Fallback.HOST_SYNC] == 3
+    assert "test_graphed_step_gpu.py" in step.stats.fallback_details[Fallback.HOST_SYNC]
+
+
+def _twins(make):
+    torch.manual_seed(0)
+    model = make()
+    import copy
+
+    return model, copy.deepcopy(model)
