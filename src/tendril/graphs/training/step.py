@@ -334,10 +334,6 @@ class GraphedStep:
             yield
         current.wait_stream(stream)
 
-    def _note(self, reason: Fallback, detail: str) -> None:
-        self.stats.fallback_details.setdefault(reason, detail)
-        self._warn_once(reason, detail)
-
     def _warn_once(self, reason: Fallback, detail: str) -> None:
         if reason in self._warned:
             return
