@@ -63,6 +63,13 @@ class GraphFallbackWarning(UserWarning):
     """A graphed callable ran a call eagerly; issued once per reason per callable."""
 
 
+def graphs_unavailable(backend: Backend, config: Config) -> tuple[Fallback, str] | None:
+    """Why every call runs eagerly (the backend cannot capture here, or `TENDRIL_NO_GRAPHS`), or None."""
+    if config.disable_graphs:
+        return Fallback.GRAPHS_DISABLED, "TENDRIL_NO_GRAPHS is set"
+    return backend.unavailable()
+
+
 @dataclass(frozen=True)
 class Call:
     """One example call for ahead-of-time capture: `fast.capture([Call((ids,), {"attention_mask": m}), ...])`."""
@@ -132,10 +139,7 @@ class GraphedCallable:
         self._warned: set[Fallback] = set()
         self._grad = GradPolicy(fn)
         self._positions = parameter_positions(fn) if options.buckets is not None else {}
-        unavailable = backend.unavailable()
-        if config.disable_graphs:
-            unavailable = (Fallback.GRAPHS_DISABLED, "TENDRIL_NO_GRAPHS is set")
-        self._unavailable = unavailable
+        self._unavailable = graphs_unavailable(backend, config)
 
     def __repr__(self) -> str:
         return f"GraphedCallable({self.name}, graphs={len(self._entries)}/{self.options.max_graphs})"

@@ -50,7 +50,7 @@ import torch
 from tendril.config import Config
 from tendril.graphs.backend import Backend, Captured, CaptureFailed
 from tendril.graphs.buckets import Buckets, parameter_positions
-from tendril.graphs.callable import GraphFallbackWarning
+from tendril.graphs.callable import GraphFallbackWarning, graphs_unavailable
 from tendril.graphs.key import Flattened, GraphKey, Unkeyable, flatten_call, key_of
 from tendril.graphs.memory import PlaceholderArena
 from tendril.graphs.options import DEFAULT_MAX_GRAPHS, GraphMemoryPolicy
@@ -148,10 +148,7 @@ class GraphedStep:
         self._warmed: set[GraphKey] = set()
         self._warned: set[Fallback] = set()
         self._pending = 0
-        unavailable = backend.unavailable()
-        if config.disable_graphs:
-            unavailable = (Fallback.GRAPHS_DISABLED, "TENDRIL_NO_GRAPHS is set")
-        self._unavailable = unavailable
+        self._unavailable = graphs_unavailable(backend, config)
 
     def __repr__(self) -> str:
         return f"GraphedStep({self.name}, graphs={len(self._graphs)}/{self.max_graphs})"
