@@ -1,8 +1,9 @@
-"""Command line of the benchmark runner (`list`, `run`, `plot`); see `benchmarks/__init__.py`."""
+"""Command line of the benchmark runner (`list`, `run`, `merge`, `plot`); see `benchmarks/__init__.py`."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import shlex
 import sys
 from pathlib import Path
@@ -60,6 +61,10 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--quick", action="store_true", help="fewer sizes and repetitions")
     run.add_argument("--out", type=Path, default=RESULTS_DIR, help=f"output folder (default {RESULTS_DIR})")
     run.add_argument("--device", help="torch device (default: cuda if available, else cpu)")
+    merge = commands.add_parser("merge", help="unite NAME.json of a case run in parts (one folder each) into one")
+    merge.add_argument("name")
+    merge.add_argument("parts", type=Path, nargs="+", help="the folders holding each part's NAME.json")
+    merge.add_argument("--out", type=Path, default=RESULTS_DIR, help=f"output folder (default {RESULTS_DIR})")
     plot = commands.add_parser("plot", help="draw NAME.png from NAME.json (needs matplotlib)")
     plot.add_argument("name", help="a results file's name without .json, e.g. graphs-memory")
     plot.add_argument("--results", type=Path, default=RESULTS_DIR, help=f"its folder (default {RESULTS_DIR})")
@@ -71,6 +76,14 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.command == "plot":
         return 0 if plot_case(args.name, args.results, console) else 1
+    if args.command == "merge":
+        parts = [json.loads((folder / f"{args.name}.json").read_text()) for folder in args.parts]
+        merged = results.merge(parts)
+        results.write(merged, args.out)
+        console.print(results.markdown(merged))
+        if merged["case"] in plots.PLOTS:
+            plot_case(args.name, args.out, console)
+        return 0
     command = "python -m benchmarks " + shlex.join(argv)
     result = run_case(args.name, args.quick, args.out, command, args.device)
     console.print(results.markdown(result))

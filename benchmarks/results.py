@@ -38,6 +38,55 @@ def build(case: str, command: str, ctx: Context, error: str | None = None) -> di
     }
 
 
+def merge(parts: list[dict[str, Any]]) -> dict[str, Any]:
+    """One result from the results of one case run in parts (e.g. one model per device call, chosen by the case's
+    environment variable): rows and notes in order, targets, goals and `extra` united. The parts must be of one
+    case, on one kind of device, and may not set one target twice (`ValueError`)."""
+    if not parts:
+        raise ValueError("merge needs at least one result")
+    case = parts[0]["case"]
+    for part in parts:
+        if part["case"] != case:
+            raise ValueError(f"cannot merge results of {case!r} and {part['case']!r}")
+        if (part["device"], part["torch"]) != (parts[0]["device"], parts[0]["torch"]):
+            raise ValueError(f"{case}: parts ran on different devices or torch versions: "
+                             f"{parts[0]['device']} / {parts[0]['torch']} and {part['device']} / {part['torch']}")
+    targets: dict[str, Any] = {}
+    for part in parts:
+        twice = sorted(targets.keys() & part["targets"].keys())
+        if twice:
+            raise ValueError(f"{case}: targets {twice} are set by more than one part")
+        targets.update(part["targets"])
+    extra: dict[str, Any] = {}
+    for part in parts:
+        _unite(extra, part.get("extra", {}), case)
+    errors = [part["error"] for part in parts if "error" in part]
+    return {
+        "case": case,
+        "command": " && ".join(part["command"] for part in parts),
+        **{key: parts[0][key] for key in ("device", "driver", "torch")},
+        "date": max(part["date"] for part in parts),
+        "quick": any(part["quick"] for part in parts),
+        "rows": [row for part in parts for row in part["rows"]],
+        "targets": targets,
+        "goals": {name: goal for part in parts for name, goal in part["goals"].items()},
+        "notes": [note for part in parts for note in part["notes"]],
+        "extra": extra,
+        **({"error": "; ".join(errors)} if errors else {}),
+    }
+
+
+def _unite(into: dict[str, Any], part: dict[str, Any], case: str) -> None:
+    """`part`'s entries added to `into`, nested dictionaries united; one key with two other values is an error."""
+    for key, value in part.items():
+        if isinstance(value, dict) and isinstance(into.get(key), dict):
+            _unite(into[key], value, case)
+        elif key in into and into[key] != value:
+            raise ValueError(f"{case}: the parts disagree on extra[{key!r}]")
+        else:
+            into[key] = value
+
+
 def markdown(result: dict[str, Any]) -> str:
     lines = [
         f"# Benchmark `{result['case']}`",

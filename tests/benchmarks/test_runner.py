@@ -81,3 +81,35 @@ def test_goal_rejects_unknown_operators_and_targets_are_reported_once():
     ctx.target("a", 1)
     with pytest.raises(ValueError, match="reported twice"):
         ctx.target("a", 2)
+
+
+def test_merge_unites_a_case_run_in_parts(fake_case, tmp_path):
+    for part in ("a", "b"):
+        run_case(fake_case, quick=True, out_dir=tmp_path / part, command=f"run part {part}")
+    first = json.loads((tmp_path / "a" / f"{fake_case}.json").read_text())
+    second = json.loads((tmp_path / "b" / f"{fake_case}.json").read_text())
+    second["targets"] = {"other_target": 3.0}
+    second["goals"] = {"other_target": {"goal": "<= 4", "met": True}}
+    second["extra"] = {"per_model": {"vgg16": 1}}
+    first["extra"] = {"per_model": {"resnet50": 2}}
+    (tmp_path / "a" / f"{fake_case}.json").write_text(json.dumps(first))
+    (tmp_path / "b" / f"{fake_case}.json").write_text(json.dumps(second))
+    assert main(["merge", fake_case, str(tmp_path / "a"), str(tmp_path / "b"), "--out", str(tmp_path / "m")]) == 0
+    merged = json.loads((tmp_path / "m" / f"{fake_case}.json").read_text())
+    assert merged["targets"] == {"speedup_fake": 2.0, "ratio_fake": 0.5, "other_target": 3.0}
+    assert merged["goals"]["other_target"]["met"] and not merged["goals"]["speedup_fake"]["met"]
+    assert merged["extra"] == {"per_model": {"resnet50": 2, "vgg16": 1}}
+    assert len(merged["rows"]) == len(first["rows"]) + len(second["rows"])
+    assert merged["command"] == "run part a && run part b"
+    assert "`other_target`" in (tmp_path / "m" / f"{fake_case}.md").read_text()
+
+
+def test_merge_refuses_parts_that_set_one_target_twice_or_differ_in_case(fake_case, tmp_path):
+    from benchmarks import results
+
+    run_case(fake_case, quick=True, out_dir=tmp_path, command="cmd")
+    part = json.loads((tmp_path / f"{fake_case}.json").read_text())
+    with pytest.raises(ValueError, match="more than one part"):
+        results.merge([part, part])
+    with pytest.raises(ValueError, match="cannot merge"):
+        results.merge([part, {**part, "case": "another", "targets": {}}])
