@@ -228,12 +228,17 @@ def conv_dense_input(
     relu: bool = False,
     threads: int = 1,
     method: str = "auto",
-) -> torch.Tensor:
+    count: bool = True,
+) -> torch.Tensor | None:
     """`out = [relu](bias + residual + conv(x))` for a dense `[C, H, W]` input; returns its true nonzero
     counts per virtual channel. `out` is a contiguous `[K, OH, OW]` tensor. `layout` is used only
     when `cartesian` compresses `x`: a count above its capacity means nonzeros were dropped there, and
     the caller must report it (`SparseNetwork` raises its overflow flag for any such count, whichever
-    dataflow ran, so that a capacity too small fails alike on every backend)."""
+    dataflow ran, so that a capacity too small fails alike on every backend).
+
+    `count=False` lets the layers that read their input itself skip the pass that only counts (it costs a
+    fifth of MKL's product on such a layer); they then return None, every other layer its counts (they
+    count on the way, for free). Pass it only where no count can overflow and none is reported."""
     _check_method(method)
     g = plan.weights.geometry
     if tuple(x.shape) != (g.in_channels, *g.in_hw):
@@ -248,8 +253,10 @@ def conv_dense_input(
     resid = torch.empty(0, 0, 0) if residual is None else residual.contiguous()
     with kernel_threads(threads) as used:
         planes = x.view(g.in_channels, -1) if plan.reads_input else plan.planes
+        counted = method == "auto" or count or not plan.reads_input
         if method != "cartesian" and plan.reads_input:
-            kernels().count_channels(x.numpy(), counts.numpy())
+            if counted:
+                kernels().count_channels(x.numpy(), counts.numpy())
         elif method != "cartesian":
             kernels().fill_planes(
                 x.numpy(), *g.stride, *g.padding, planes.numpy(), plan.row, plan.plane_rows, counts.numpy()
@@ -258,10 +265,10 @@ def conv_dense_input(
             method = plan.choose(counts)
         if method == "spmm":
             _spmm(plan, planes, out, bias, resid, relu=relu)
-            return counts
+            return counts if counted else None
         if method == "direct":
             _direct(plan, planes, out, bias, resid, relu=relu, threads=used)
-            return counts
+            return counts if counted else None
         acts = compress_cpu.compress(x, layout, threads=used)
         init = bias.view(-1, 1, 1).expand(g.out_channels, *g.out_hw)
         y = _cartesian(acts, plan, acts.stored_counts, init if residual is None else init + residual)
@@ -296,15 +303,15 @@ def _spmm(
     *,
     relu: bool,
 ) -> None:
-    """`out = [relu](bias + residual + csr @ columns)` (`columns` is `[C, H·W]`), the product written into `out`
-    by the library call, the residual and ReLU in place."""
+    """`out = [relu](bias + residual + csr @ columns)` (`columns` is `[C, H·W]`): the library's product written
+    into `out` alone (`beta=0`: adding a bias matrix there costs it a pass more), then bias, residual and ReLU in
+    one compiled pass."""
     assert plan.csr is not None  # `_check_supported` ran
     flat = out.view(out.shape[0], -1)
-    torch.addmm(bias.view(-1, 1), plan.csr, columns, out=flat)
-    if residual.numel():
-        flat += residual.view(out.shape[0], -1)
-    if relu:
-        flat.relu_()
+    torch.addmm(flat, plan.csr, columns, beta=0, out=flat)
+    kernels().bias_residual_relu(
+        flat.numpy(), bias.contiguous().numpy(), residual.reshape(residual.shape[0], flat.shape[1] if residual.numel() else 0).numpy(), relu
+    )
 
 
 def _direct(
