@@ -309,9 +309,8 @@ def _spmm(
     assert plan.csr is not None  # `_check_supported` ran
     flat = out.view(out.shape[0], -1)
     torch.addmm(flat, plan.csr, columns, beta=0, out=flat)
-    kernels().bias_residual_relu(
-        flat.numpy(), bias.contiguous().numpy(), residual.reshape(residual.shape[0], flat.shape[1] if residual.numel() else 0).numpy(), relu
-    )
+    rows = residual.view(out.shape[0], -1) if residual.numel() else torch.empty(0, 0)
+    kernels().bias_residual_relu(flat.numpy(), bias.contiguous().numpy(), rows.numpy(), relu)
 
 
 def _direct(
