@@ -136,7 +136,7 @@ def test_cpu_conv_rejects_a_foreign_plan_and_unknown_methods():
 def _check_dense_input_conv(case: ConvCase, method: str, threads: int, fused: bool, count: bool = True) -> None:
     """`conv_dense_input` (what a CPU network runs) against F.conv2d + bias (+ residual, ReLU), with the
     output and the plan's planes poisoned so that a slot left unwritten shows up as NaN; with `count=False`,
-    layers that read their input return no counts (the others still do)."""
+    only 1×1 layers may skip counting (the others count on the way)."""
     weights, x, init, ref = conv_operands(case, CPU)
     g = weights.geometry
     bias = init[:, 0, 0].clone()
@@ -152,11 +152,11 @@ def _check_dense_input_conv(case: ConvCase, method: str, threads: int, fused: bo
             x, plan, bias, out=out, layout=layout, residual=residual if fused else None, relu=fused,
             threads=threads, method=method, count=count,
         )  # fmt: skip
-        if count or not plan.reads_input or (method == "auto" and threads > 1):
+        if count or counts is not None:
             assert counts is not None
             assert torch.equal(counts.long(), compress_reference.compress(x, layout).counts.long())
         else:
-            assert counts is None
+            assert plan.csr is not None or plan.reads_input
         if ref.abs().max() == 0:
             assert torch.equal(out, torch.zeros_like(out))
         else:
@@ -211,6 +211,8 @@ SPMM_CASES = [
     ConvCase(7, 9, (13, 12), 1, 1, 0, 1, 0.3, 0.6),
     ConvCase(3, 4, (6, 5), 1, 1, 0, 1, 0.0, 0.5),
     ConvCase(3, 4, (6, 5), 1, 1, 0, 1, 0.5, 0.0),
+    ConvCase(7, 9, (13, 12), 1, 2, 0, 1, 0.3, 0.6),
+    ConvCase(4, 6, (10, 9), 1, 3, 0, 1, 0.5, 0.5),
 ]
 
 
@@ -225,13 +227,13 @@ def test_spmm_conv_matches_dense_conv(case, method, threads):
 
 
 def test_auto_runs_spmm_exactly_where_it_is_supported():
-    stride_two = ConvCase(7, 9, (13, 12), 1, 2, 0, 1, 0.3, 0.6)
-    for case, supported in [(SPMM_CASES[1], True), (CONV_CASES[0], False), (CONV_CASES[3], False), (stride_two, False)]:
+    padded = ConvCase(7, 9, (13, 12), 1, 2, 1, 1, 0.3, 0.6)
+    for case, supported in [(SPMM_CASES[-1], True), (CONV_CASES[0], False), (CONV_CASES[3], False), (padded, False)]:
         weights, _, _, _ = conv_operands(case, CPU)
         plan = conv_cpu.CpuConvPlan.prepare(weights)
         assert (plan.csr is not None) == supported
         if not supported:
-            with pytest.raises(ValueError, match="only 1×1 stride-1 convolutions"):
+            with pytest.raises(ValueError, match="only 1×1 convolutions"):
                 conv_cpu.conv_dense_input(
                     torch.zeros(case.channels, *case.size), plan, torch.zeros(case.out_channels),
                     out=torch.empty(case.out_channels, *weights.geometry.out_hw),

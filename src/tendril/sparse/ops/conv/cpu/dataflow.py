@@ -1,8 +1,8 @@
 """The CPU kernels as a `ConvKernel` (the `"cpu"` backend's only one, never tuned): they read the dense input,
 compress it only for SCNN's dataflow, and fuse bias, residual and ReLU (`kernel.conv_dense_input`). The weights
-in both dataflows' orders (`CpuConvPlan`, the layer's `cpu_plan`) are built on the first CPU forward. Layers that
-read their input itself count its nonzeros only where a count is reported or could overflow the layout's capacity
-(as the GPU's dense-input kernels count only for the layer report)."""
+in both dataflows' orders (`CpuConvPlan`, the layer's `cpu_plan`) are built on the first CPU forward. Unpadded 1×1
+layers count their input's nonzeros only where a count is reported or could overflow the layout's capacity (as the
+GPU's dense-input kernels count only for the layer report)."""
 
 from __future__ import annotations
 
