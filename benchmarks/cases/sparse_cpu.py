@@ -23,10 +23,11 @@ in `TARGETS` (the thread-scaling goal is meant for a 16-core host).
 Splitting (each part a separate `run`, so that a part fits one time-limited call; unset = all):
 `SPARSE_CPU_MODELS` (e.g. `resnet50,vgg16`), `SPARSE_CPU_DENSITIES` (e.g. `0.1`) and `SPARSE_CPU_THREADS`
 (`1`, `all` or a count; default `1,all`). A target is reported where its part ran both sides (the thread scaling
-needs 1 and all threads in one part). Expected times on a 16-core host with the default reps: one model at one
-density, both thread counts, about 1-2 min for AlexNet and ResNet-50 and 3-4 min for VGG-16 (VGG-16 at 0.3 the
-longest: its forced SCNN dataflow alone takes seconds per call); so one model's three densities fit an 8-minute
-call for AlexNet and ResNet-50, while VGG-16 is best run one density per call.
+needs 1 and all threads in one part). Expected times with the default reps: on a 2-core development host the
+whole case took about 3.5 minutes (VGG-16 about half of it, AlexNet the least); on 16 cores the 1-thread parts
+take about as long and the all-thread parts less, unless dense PyTorch's OpenMP pool collapses under other load
+(seconds per call). So one model per call (`SPARSE_CPU_MODELS=vgg16`, then `resnet50`, then `alexnet`) fits an
+8-minute call with a wide margin; split VGG-16 by density as well if a call runs long.
 
 The machine this was written on is shared with other jobs, so sparse and dense calls are
 interleaved, and besides wall time the process CPU time of every call is recorded: on one thread it
