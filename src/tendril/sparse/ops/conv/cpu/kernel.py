@@ -237,8 +237,9 @@ def conv_dense_input(
     the caller must report it (`SparseNetwork` raises its overflow flag for any such count, whichever
     dataflow ran, so that a capacity too small fails alike on every backend).
 
-    `count=False` lets unpadded 1×1 layers skip the pass that only counts (it costs a fifth of MKL's product on
-    such a layer; a strided one then reads a subsampled copy of the input instead of its phase planes); they
+    `count=False` lets unpadded 1×1 layers skip the pass that only counts (a whole read of the input beside a
+    product that is itself short; a strided one then reads a subsampled copy of the input instead of its phase
+    planes); they
     then return None, every other layer its counts (they count on the way, for free). Pass it only where no
     count can overflow and none is reported."""
     _check_method(method)
