@@ -239,9 +239,8 @@ def conv_dense_input(
 
     `count=False` lets unpadded 1×1 layers skip the pass that only counts (a whole read of the input beside a
     product that is itself short; a strided one then reads a subsampled copy of the input instead of its phase
-    planes); they
-    then return None, every other layer its counts (they count on the way, for free). Pass it only where no
-    count can overflow and none is reported."""
+    planes); they then return None, every other layer its counts (they count on the way, for free). Pass it only
+    where no count can overflow and none is reported."""
     _check_method(method)
     g = plan.weights.geometry
     if tuple(x.shape) != (g.in_channels, *g.in_hw):
