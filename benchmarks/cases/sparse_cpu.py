@@ -20,6 +20,15 @@ Targets: `{net}_d{density}_cpu_speedup_vs_dense_1thread` and `_allthreads` (dens
 and `{net}_d{density}_cpu_thread_scaling` (tendril's 1-thread time / all-thread time), with the goals
 in `TARGETS` (the thread-scaling goal is meant for a 16-core host).
 
+Splitting (each part a separate `run`, so that a part fits one time-limited call; unset = all):
+`SPARSE_CPU_MODELS` (e.g. `resnet50,vgg16`), `SPARSE_CPU_DENSITIES` (e.g. `0.1`) and `SPARSE_CPU_THREADS`
+(`1`, `all` or a count; default `1,all`). A target is reported where its part ran both sides (the thread scaling
+needs 1 and all threads in one part). Expected times with the default reps: on a 2-core development host the
+whole case took about 3.5 minutes (VGG-16 about half of it, AlexNet the least); on 16 cores the 1-thread parts
+take about as long and the all-thread parts less, unless dense PyTorch's OpenMP pool collapses under other load
+(seconds per call). So one model per call (`SPARSE_CPU_MODELS=vgg16`, then `resnet50`, then `alexnet`) fits an
+8-minute call with a wide margin; split VGG-16 by density as well if a call runs long.
+
 The machine this was written on is shared with other jobs, so sparse and dense calls are
 interleaved, and besides wall time the process CPU time of every call is recorded: on one thread it
 is the call's run time minus what other processes took, and the 1-thread targets and per-layer
@@ -175,6 +184,21 @@ def _layer_inputs(model: nn.Module, x: torch.Tensor) -> dict[str, torch.Tensor]:
     return captured
 
 
+def _choice(name: str, default: list[str]) -> list[str]:
+    chosen = os.environ.get(name, "").strip()
+    return [v.strip() for v in chosen.split(",") if v.strip()] if chosen else default
+
+
+def _thread_counts(all_threads: int) -> list[int]:
+    """`SPARSE_CPU_THREADS` (`1`, `all` or counts; default both ends), sorted, without repeats."""
+    counts = set()
+    for value in _choice("SPARSE_CPU_THREADS", ["1", "all"]):
+        if value != "all" and not value.isdigit():
+            raise ValueError(f"SPARSE_CPU_THREADS={value!r}: expected 1, all, or a thread count")
+        counts.add(all_threads if value == "all" else int(value))
+    return sorted(counts)
+
+
 def _bench(ctx: Context, name: str, density: float) -> None:
     torch.manual_seed(0)
     reps = 3 if ctx.quick else 9
@@ -184,6 +208,7 @@ def _bench(ctx: Context, name: str, density: float) -> None:
     dense = fuse(copy.deepcopy(model))
     inputs = [torch.randn(1, 3, 224, 224) for _ in range(3)]
     all_threads = os.cpu_count() or 1
+    thread_counts = _thread_counts(all_threads)
     tag = f"{name}_d{density:g}"
     with torch.no_grad():
         net = convert(model, inputs[0])
@@ -192,11 +217,12 @@ def _bench(ctx: Context, name: str, density: float) -> None:
         steps = [s for s in net.steps if isinstance(s, (SparseConvStep, SparseLinearStep))]
         per_layer: dict[str, dict[str, Any]] = {s.name: {} for s in steps}
         totals: dict[int, tuple[float, float]] = {}
-        for threads in sorted({1, all_threads}):
+        reports: dict[str, Any] = {}
+        for threads in thread_counts:
             torch.set_num_threads(threads)
             net.set_backend("cpu", threads)
             label = "1 thread" if threads == 1 else f"{threads} threads"
-            if threads == all_threads:
+            if threads == thread_counts[-1]:
                 ctx.add_value(
                     f"{tag} tendril cpu", "rel_err_vs_dense_fp32", _relative_error(net(inputs[1]), dense(inputs[1]))
                 )
@@ -210,9 +236,12 @@ def _bench(ctx: Context, name: str, density: float) -> None:
                 totals[threads] = (sparse_cpu.median_ms, dense_cpu.median_ms)
             else:
                 totals[threads] = (sparse.median_ms, dense_t.median_ms)
-            if threads == 1:
+            if not reports:
+                net.count_activations = True
+                net(inputs[0])
+                net.count_activations = False
                 reports = {r.name: r for r in net.layers()}
-            key = "1thread" if threads == 1 else "allthreads"
+            key = "1thread" if threads == 1 else "allthreads" if threads == all_threads else f"{threads}threads"
             clock = time.process_time if threads == 1 else time.perf_counter
             state = RunState("cpu", threads, torch.zeros(1, dtype=torch.int32))
             for step in steps:
@@ -233,21 +262,23 @@ def _bench(ctx: Context, name: str, density: float) -> None:
                 weight_density=round(reports[step.name].weight_density, 4),
                 activation_density=round(reports[step.name].activation_density or 0.0, 4),
             )
-            if isinstance(step, SparseConvStep):
+            if isinstance(step, SparseConvStep) and 1 in thread_counts:
                 entry.update(_conv_alternatives(step, modules[step.name], dense_inputs[step.name], reps))
             for k, v in entry.items():
                 if isinstance(v, float):
                     entry[k] = round(v, 3)
         torch.set_num_threads(all_threads)
 
-    (sparse_1, dense_1), (sparse_n, dense_n) = totals[1], totals[all_threads]
-    for key, value in (
-        (f"{tag}_cpu_speedup_vs_dense_1thread", dense_1 / sparse_1),
-        (f"{tag}_cpu_speedup_vs_dense_allthreads", dense_n / sparse_n),
-        (f"{tag}_cpu_thread_scaling", sparse_1 / sparse_n),
-    ):
+    values = {}
+    if 1 in totals:
+        values[f"{tag}_cpu_speedup_vs_dense_1thread"] = totals[1][1] / totals[1][0]
+    if all_threads in totals and all_threads > 1:
+        values[f"{tag}_cpu_speedup_vs_dense_allthreads"] = totals[all_threads][1] / totals[all_threads][0]
+        if 1 in totals:
+            values[f"{tag}_cpu_thread_scaling"] = totals[1][0] / totals[all_threads][0]
+    for key, value in values.items():
         ctx.target(key, value, TARGETS.get(key))
-    ctx.extra[tag] = {"threads": [1, all_threads], "layers": [{"layer": k, **v} for k, v in per_layer.items()]}
+    ctx.extra[tag] = {"threads": thread_counts, "layers": [{"layer": k, **v} for k, v in per_layer.items()]}
 
 
 def _rescale(model: nn.Module, density: float) -> None:
@@ -295,15 +326,21 @@ def _mkl_product(step: SparseConvStep, x: torch.Tensor) -> Callable[[], torch.Te
     "sparse-cpu", "tendril's CPU sparse CNN engine vs dense PyTorch CPU: AlexNet, VGG-16, ResNet-50", needs_gpu=False
 )
 def run(ctx: Context) -> None:
-    for name in MODELS:
-        for density in DENSITIES:
+    names = _choice("SPARSE_CPU_MODELS", list(MODELS))
+    unknown = [n for n in names if n not in MODELS]
+    if unknown:
+        raise ValueError(f"SPARSE_CPU_MODELS: unknown models {unknown}; expected some of {list(MODELS)}")
+    densities = [float(d) for d in _choice("SPARSE_CPU_DENSITIES", [str(d) for d in DENSITIES])]
+    for name in names:
+        for density in densities:
             _bench(ctx, name, density)
     ctx.note(
         "tendril cpu = per conv layer the compiled (numba) output-stationary sparse-weight dataflow or SCNN's "
-        "Cartesian product by a cost model, and on 1 thread MKL's CSR product for unpadded stride-1 1×1 layers "
+        "Cartesian product by a cost model, and on 1 thread MKL's CSR product for unpadded 1×1 layers "
         "(extra.*.layers.auto_choice_1thread; each dataflow forced, MKL's CSR product and the compression alone "
-        "timed on 1 thread); FC layers are compiled column-gather products over the nonzero inputs. "
+        "timed on 1 thread); FC layers are compiled column-gather products over the nonzero inputs; max pools are "
+        "separable strided maxima (torch's NCHW max_pool2d, which the dense model runs, is a scalar loop at batch 1). "
         "Dense = PyTorch CPU (oneDNN) on the same pruned weights, BatchNorm folded. Per-layer tendril times include "
-        "filling the phase planes and counting the input's nonzeros, bias, residual and ReLU; dense per-layer "
-        "times are the Conv2d/Linear module alone."
+        "filling the phase planes (counting the input's nonzeros on the way; 1×1 layers count only when asked), "
+        "bias, residual and ReLU; dense per-layer times are the Conv2d/Linear module alone."
     )

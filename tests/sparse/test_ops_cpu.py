@@ -6,6 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tendril.sparse.format import ActivationLayout, SparseLinearWeights
+from tendril.sparse.ops import cpu_pool
 from tendril.sparse.ops.compress import cpu as compress_cpu
 from tendril.sparse.ops.compress import reference as compress_reference
 from tendril.sparse.ops.conv import reference as conv_reference
@@ -132,9 +133,10 @@ def test_cpu_conv_rejects_a_foreign_plan_and_unknown_methods():
         conv_cpu.conv(acts, weights, init, method="dense")
 
 
-def _check_dense_input_conv(case: ConvCase, method: str, threads: int, fused: bool) -> None:
+def _check_dense_input_conv(case: ConvCase, method: str, threads: int, fused: bool, count: bool = True) -> None:
     """`conv_dense_input` (what a CPU network runs) against F.conv2d + bias (+ residual, ReLU), with the
-    output and the plan's planes poisoned so that a slot left unwritten shows up as NaN."""
+    output and the plan's planes poisoned so that a slot left unwritten shows up as NaN; with `count=False`,
+    only 1×1 layers may skip counting (the others count on the way)."""
     weights, x, init, ref = conv_operands(case, CPU)
     g = weights.geometry
     bias = init[:, 0, 0].clone()
@@ -148,9 +150,13 @@ def _check_dense_input_conv(case: ConvCase, method: str, threads: int, fused: bo
         out = torch.full((g.out_channels, *g.out_hw), float("nan"))
         counts = conv_cpu.conv_dense_input(
             x, plan, bias, out=out, layout=layout, residual=residual if fused else None, relu=fused,
-            threads=threads, method=method,
+            threads=threads, method=method, count=count,
         )  # fmt: skip
-        assert torch.equal(counts.long(), compress_reference.compress(x, layout).counts.long())
+        if count or counts is not None:
+            assert counts is not None
+            assert torch.equal(counts.long(), compress_reference.compress(x, layout).counts.long())
+        else:
+            assert plan.csr is not None or plan.reads_input
         if ref.abs().max() == 0:
             assert torch.equal(out, torch.zeros_like(out))
         else:
@@ -205,6 +211,8 @@ SPMM_CASES = [
     ConvCase(7, 9, (13, 12), 1, 1, 0, 1, 0.3, 0.6),
     ConvCase(3, 4, (6, 5), 1, 1, 0, 1, 0.0, 0.5),
     ConvCase(3, 4, (6, 5), 1, 1, 0, 1, 0.5, 0.0),
+    ConvCase(7, 9, (13, 12), 1, 2, 0, 1, 0.3, 0.6),
+    ConvCase(4, 6, (10, 9), 1, 3, 0, 1, 0.5, 0.5),
 ]
 
 
@@ -215,16 +223,17 @@ def test_spmm_conv_matches_dense_conv(case, method, threads):
     """The sparse-BLAS product of 1×1 layers, from compressed and from dense inputs (with its nonzero counts)."""
     check_conv(case, compress_cpu.compress, lambda a, w, i: conv_cpu.conv(a, w, i, threads=threads, method=method), CPU)
     _check_dense_input_conv(case, method, threads, fused=threads == 3)
+    _check_dense_input_conv(case, method, threads, fused=threads == 1, count=False)
 
 
 def test_auto_runs_spmm_exactly_where_it_is_supported():
-    stride_two = ConvCase(7, 9, (13, 12), 1, 2, 0, 1, 0.3, 0.6)
-    for case, supported in [(SPMM_CASES[1], True), (CONV_CASES[0], False), (CONV_CASES[3], False), (stride_two, False)]:
+    padded = ConvCase(7, 9, (13, 12), 1, 2, 1, 1, 0.3, 0.6)
+    for case, supported in [(SPMM_CASES[-1], True), (CONV_CASES[0], False), (CONV_CASES[3], False), (padded, False)]:
         weights, _, _, _ = conv_operands(case, CPU)
         plan = conv_cpu.CpuConvPlan.prepare(weights)
         assert (plan.csr is not None) == supported
         if not supported:
-            with pytest.raises(ValueError, match="only 1×1 stride-1 convolutions"):
+            with pytest.raises(ValueError, match="only 1×1 convolutions"):
                 conv_cpu.conv_dense_input(
                     torch.zeros(case.channels, *case.size), plan, torch.zeros(case.out_channels),
                     out=torch.empty(case.out_channels, *weights.geometry.out_hw),
@@ -267,3 +276,28 @@ def test_dense_input_ops_reject_wrong_shapes():
     linear_weights = SparseLinearWeights.from_dense(torch.ones(4, 6))
     with pytest.raises(ValueError, match="expected"):
         linear_cpu.linear_dense_input(torch.ones(5), linear_weights, torch.zeros(4), out=torch.empty(4))
+
+
+@pytest.mark.parametrize(
+    ("shape", "kernel", "stride", "padding"),
+    [
+        ((1, 3, 8, 8), 2, 2, 0),
+        ((2, 2, 9, 7), 3, 2, 1),
+        ((1, 2, 11, 11), 3, 2, 0),
+        ((1, 1, 5, 6), (2, 3), (1, 2), (1, 1)),
+    ],
+)
+def test_separable_max_pool_matches_torch(shape, kernel, stride, padding) -> None:
+    """The CPU networks' max pool (separable strided maxima) equals torch's, NaNs and negative values included."""
+    x = torch.randn(shape)
+    x[0, 0, 1, 1] = float("nan")
+    module = torch.nn.MaxPool2d(kernel, stride, padding)
+    pool = cpu_pool.pooling(module)
+    assert isinstance(pool, cpu_pool.SeparableMaxPool)
+    torch.testing.assert_close(pool(x), module(x), rtol=0, atol=0, equal_nan=True)
+    assert pool(x).is_contiguous()
+
+
+def test_pooling_keeps_modules_it_does_not_cover() -> None:
+    for module in (torch.nn.MaxPool2d(2, ceil_mode=True), torch.nn.MaxPool2d(3, dilation=2), torch.nn.AvgPool2d(2)):
+        assert cpu_pool.pooling(module) is module

@@ -31,6 +31,7 @@ from torch.fx.passes.shape_prop import ShapeProp
 
 from tendril.sparse.format import ActivationLayout, ConvGeometry, SparseConvWeights, SparseLinearWeights
 from tendril.sparse.network import SparseNetwork
+from tendril.sparse.ops import cpu_pool
 from tendril.sparse.ops.conv import registry
 from tendril.sparse.ops.conv.cartesian_cuda.dataflow import CARTESIAN_CUDA
 from tendril.sparse.steps import DenseStep, SparseConvStep, SparseLinearStep, Step
@@ -211,7 +212,7 @@ class _Converter:
         elif isinstance(module, _NO_OPS):
             self.alias[node.name] = self.value(source)
         elif isinstance(module, _POOLS):
-            self.dense(node, position, module)
+            self.dense(node, position, cpu_pool.pooling(module))
         else:
             raise UnsupportedLayerError(
                 f"layer {node.target!r} ({type(module).__name__}) is not supported by tendril.sparse.convert; "

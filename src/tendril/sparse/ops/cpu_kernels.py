@@ -34,6 +34,8 @@ about equal cost (never over a dimension as small as a layer's input channels).
 - `count_channels`: the nonzeros of each channel of a dense `[C, H, W]` input, for the layers whose
   direct dataflow reads the input itself (unpadded 1×1 stride-1 layers need no planes); parallel over
   channels, each row counted in float32 (vectorized, exact below 2^24 per row).
+- `bias_residual_relu`: `out[k] = [relu](out[k] + bias[k] + residual[k])` in place over a `[K, N]` product
+  (what follows a library product), one pass; parallel over rows.
 - `linear_dense_input`: the sparse FC layer. Each nonzero input feature meets the nonzero column of
   its feature (CSC); input features are split into parts of about equal weight nonzeros, one
   accumulator row each; a second parallel pass sums the parts with the bias and applies ReLU.
@@ -197,6 +199,22 @@ def count_channels(x, counts):
                 in_row += np.float32(row[i] != 0)
             n += np.int64(in_row)
         counts[c] = n
+
+
+@njit(parallel=True, cache=True, fastmath=True)
+def bias_residual_relu(out, bias, residual, relu):
+    has_residual = residual.shape[0] > 0
+    width = np.uint64(out.shape[1])
+    for k in prange(out.shape[0]):
+        row = out[k]
+        value_bias = bias[k]
+        for i in range(width):
+            value = row[i] + value_bias
+            if has_residual:
+                value += residual[k, i]
+            if relu:
+                value = max(value, np.float32(0))
+            row[i] = value
 
 
 @njit(inline="always", fastmath=True)

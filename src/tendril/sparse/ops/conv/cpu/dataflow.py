@@ -1,6 +1,8 @@
 """The CPU kernels as a `ConvKernel` (the `"cpu"` backend's only one, never tuned): they read the dense input,
 compress it only for SCNN's dataflow, and fuse bias, residual and ReLU (`kernel.conv_dense_input`). The weights
-in both dataflows' orders (`CpuConvPlan`, the layer's `cpu_plan`) are built on the first CPU forward."""
+in both dataflows' orders (`CpuConvPlan`, the layer's `cpu_plan`) are built on the first CPU forward. Unpadded 1×1
+layers count their input's nonzeros only where a count is reported or could overflow the layout's capacity (as the
+GPU's dense-input kernels count only for the layer report)."""
 
 from __future__ import annotations
 
@@ -35,8 +37,10 @@ class CpuKernel(ConvKernel):
                 residual=None if residual is None else residual[b],
                 relu=step.relu,
                 threads=state.threads,
+                count=state.count_inputs or step.layout.capacity < step.layout.plane_size,
             )
-            state.count(step.name, counts, step.layout)
+            if counts is not None:
+                state.count(step.name, counts, step.layout)
         return y
 
 

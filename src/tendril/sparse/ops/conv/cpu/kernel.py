@@ -23,12 +23,12 @@ accumulators in L1, so it wins unless activations are very sparse. With `method=
 default) both work counts are computed from the true nonzero counts and the cheaper by
 `NS_PER_PRODUCT` (fitted on one core, the `sparse-cpu` benchmark) is taken.
 
-`spmm` is the direct dataflow's product as one library call, for the layers that read their input
-itself (unpadded 1×1 stride-1 layers, without groups): the weights as a `[K, C]` sparse CSR matrix
-(built once, in the plan) times the input as a dense `[C, H·W]` matrix, by torch's sparse-dense `addmm`
-(MKL's sparse BLAS on x86) written straight into the output with the bias; the residual and ReLU follow
-in place, and a compiled pass counts the input's nonzeros. On one thread it beats the compiled loop on
-these shapes, so `auto` takes it there; on several threads `auto` keeps the compiled loops, because
+`spmm` is the direct dataflow's product as one library call, for unpadded 1×1 layers without groups: the
+weights as a `[K, C]` sparse CSR matrix (built once, in the plan) times the input as a dense `[C, OH·OW]`
+matrix (the input itself at stride 1, else its first phase planes or a subsampled copy), by torch's
+sparse-dense `addmm` (MKL's sparse BLAS on x86) written straight into the output; bias, residual and ReLU
+follow in one compiled pass, and the input's nonzeros are counted only when asked. On one thread it beats the
+compiled loop on these shapes, so `auto` takes it there; on several threads `auto` keeps the compiled loops, because
 MKL's OpenMP pool and numba's, alternating between layers, contend for the cores (the `sparse-cpu`
 benchmark's per-layer `extra` times MKL beside each dataflow). Elsewhere the library loses: on im2col
 columns it pays the unfold, and per kernel tap it is no faster than the compiled loop.
@@ -80,7 +80,7 @@ class CpuConvPlan:
     """Whether the planes would equal the input (an unpadded 1×1 stride-1 layer): the direct dataflow then
     reads the input itself and only counts its nonzeros, and `planes` stays empty."""
     csr: torch.Tensor | None
-    """The `[K, C]` sparse CSR weights of the `spmm` product (layers that read their input, without groups)."""
+    """The `[K, C]` sparse CSR weights of the `spmm` product (unpadded 1×1 layers without groups)."""
     direct_values: torch.Tensor
     direct_base: torch.Tensor
     """Where each weight's slice starts in the flat planes: `v × plane_stride + r' × R + s'`."""
@@ -124,6 +124,7 @@ class CpuConvPlan:
         block_ptr[1:] = torch.cumsum(torch.bincount(block_key, minlength=blocks * channels), 0)
         block_ptr = torch.cat([block_ptr[:-1].view(blocks, channels), block_ptr[channels::channels, None]], 1)
         base = (k % k_block) * plane - rp * acc_w - sp + (kh - 1) * acc_w + (kw - 1)
+        pointwise = g.kernel == (1, 1) and g.padding == (0, 0) and g.groups == 1
         reads_input = g.kernel == (1, 1) and g.stride == (1, 1) and g.padding == (0, 0)
         return cls(
             weights,
@@ -131,7 +132,7 @@ class CpuConvPlan:
             plane_rows,
             torch.empty(0 if reads_input else channels, plane_stride),
             reads_input,
-            _csr_weights(weights) if reads_input and g.groups == 1 else None,
+            _csr_weights(weights) if pointwise else None,
             direct_values,
             direct_base,
             k_ptr,
@@ -211,7 +212,7 @@ def conv(
         )
         out = torch.empty(g.out_channels, *g.out_hw)
         if method == "spmm":
-            _spmm(plan, planes, out, torch.zeros(g.out_channels), init.contiguous(), relu=False)
+            _spmm(plan, _columns(plan, planes), out, torch.zeros(g.out_channels), init.contiguous(), relu=False)
         else:
             _direct(plan, planes, out, torch.zeros(g.out_channels), init.contiguous(), relu=False, threads=used)
         return out
@@ -228,12 +229,18 @@ def conv_dense_input(
     relu: bool = False,
     threads: int = 1,
     method: str = "auto",
-) -> torch.Tensor:
+    count: bool = True,
+) -> torch.Tensor | None:
     """`out = [relu](bias + residual + conv(x))` for a dense `[C, H, W]` input; returns its true nonzero
     counts per virtual channel. `out` is a contiguous `[K, OH, OW]` tensor. `layout` is used only
     when `cartesian` compresses `x`: a count above its capacity means nonzeros were dropped there, and
     the caller must report it (`SparseNetwork` raises its overflow flag for any such count, whichever
-    dataflow ran, so that a capacity too small fails alike on every backend)."""
+    dataflow ran, so that a capacity too small fails alike on every backend).
+
+    `count=False` lets unpadded 1×1 layers skip the pass that only counts (a whole read of the input beside a
+    product that is itself short; a strided one then reads a subsampled copy of the input instead of its phase
+    planes); they then return None, every other layer its counts (they count on the way, for free). Pass it only
+    where no count can overflow and none is reported."""
     _check_method(method)
     g = plan.weights.geometry
     if tuple(x.shape) != (g.in_channels, *g.in_hw):
@@ -247,9 +254,15 @@ def conv_dense_input(
     counts = torch.empty(g.virtual_channels, dtype=torch.int32)
     resid = torch.empty(0, 0, 0) if residual is None else residual.contiguous()
     with kernel_threads(threads) as used:
+        if method == "spmm" and not count:
+            columns = x[:, :: g.stride[0], :: g.stride[1]].reshape(g.in_channels, -1)
+            _spmm(plan, columns, out, bias, resid, relu=relu)
+            return None
         planes = x.view(g.in_channels, -1) if plan.reads_input else plan.planes
+        counted = method == "auto" or count or not plan.reads_input
         if method != "cartesian" and plan.reads_input:
-            kernels().count_channels(x.numpy(), counts.numpy())
+            if counted:
+                kernels().count_channels(x.numpy(), counts.numpy())
         elif method != "cartesian":
             kernels().fill_planes(
                 x.numpy(), *g.stride, *g.padding, planes.numpy(), plan.row, plan.plane_rows, counts.numpy()
@@ -257,11 +270,11 @@ def conv_dense_input(
         if method == "auto":
             method = plan.choose(counts)
         if method == "spmm":
-            _spmm(plan, planes, out, bias, resid, relu=relu)
+            _spmm(plan, _columns(plan, planes), out, bias, resid, relu=relu)
             return counts
         if method == "direct":
             _direct(plan, planes, out, bias, resid, relu=relu, threads=used)
-            return counts
+            return counts if counted else None
         acts = compress_cpu.compress(x, layout, threads=used)
         init = bias.view(-1, 1, 1).expand(g.out_channels, *g.out_hw)
         y = _cartesian(acts, plan, acts.stored_counts, init if residual is None else init + residual)
@@ -276,7 +289,17 @@ def _check_method(method: str) -> None:
 
 def _check_supported(plan: CpuConvPlan, method: str) -> None:
     if method == "spmm" and plan.csr is None:
-        raise ValueError("method 'spmm' runs only 1×1 stride-1 convolutions without padding or groups")
+        raise ValueError("method 'spmm' runs only 1×1 convolutions without padding or groups")
+
+
+def _columns(plan: CpuConvPlan, planes: torch.Tensor) -> torch.Tensor:
+    """The `[C, OH·OW]` input of the `spmm` product: the input itself where the plan reads it, else (a strided
+    1×1 layer) every channel's first phase plane, which holds exactly the pixels the layer reads."""
+    g = plan.weights.geometry
+    if plan.reads_input:
+        return planes
+    phases = g.stride[0] * g.stride[1]
+    return planes.view(g.in_channels, phases, -1)[:, 0].contiguous()
 
 
 def _csr_weights(weights: SparseConvWeights) -> torch.Tensor:
@@ -296,15 +319,14 @@ def _spmm(
     *,
     relu: bool,
 ) -> None:
-    """`out = [relu](bias + residual + csr @ columns)` (`columns` is `[C, H·W]`), the product written into `out`
-    by the library call, the residual and ReLU in place."""
+    """`out = [relu](bias + residual + csr @ columns)` (`columns` is `[C, H·W]`): the library's product written
+    into `out` alone (`beta=0`: adding a bias matrix there costs it a pass more), then bias, residual and ReLU in
+    one compiled pass."""
     assert plan.csr is not None  # `_check_supported` ran
     flat = out.view(out.shape[0], -1)
-    torch.addmm(bias.view(-1, 1), plan.csr, columns, out=flat)
-    if residual.numel():
-        flat += residual.view(out.shape[0], -1)
-    if relu:
-        flat.relu_()
+    torch.addmm(flat, plan.csr, columns, beta=0, out=flat)
+    rows = residual.view(out.shape[0], -1) if residual.numel() else torch.empty(0, 0)
+    kernels().bias_residual_relu(flat.numpy(), bias.contiguous().numpy(), rows.numpy(), relu)
 
 
 def _direct(

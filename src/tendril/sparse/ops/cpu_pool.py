@@ -1,0 +1,72 @@
+"""Max pooling for CPU networks, as separable maxima of strided views.
+
+torch's `max_pool2d` on a contiguous (NCHW) CPU tensor runs a scalar loop per output pixel, at batch 1 an order
+of magnitude slower than a pass over the input; in a CPU network it can cost as much as a sparse convolution
+layer. A max pool is separable: the maximum over a `kh × kw` window is the maximum over `kw` columns of the
+maxima over `kh` rows. So `max_pool(x)` is `kh - 1` elementwise `torch.maximum`s of row-strided views, then
+`kw - 1` of column-strided views of that, every one a vectorized pass. The padding is implicit `-inf`, as in
+torch's (a copy padded with `-inf` first); NaNs propagate as they do there.
+
+`pooling(module)` wraps a `MaxPool2d` whose options this covers (no dilation, no `ceil_mode`, no indices) so
+that CPU tensors take the separable path and other devices the module itself; any other module is returned as
+it is.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class SeparableMaxPool:
+    """`module(x)` for a supported `nn.MaxPool2d`, computed separably on CPU tensors."""
+
+    def __init__(self, module: nn.MaxPool2d) -> None:
+        self.module = module
+        self.kernel, self.stride = _pair(module.kernel_size), _pair(module.stride)
+        self.padding = _pair(module.padding)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.device.type != "cpu":
+            return self.module(x)
+        return max_pool(x, self.kernel, self.stride, self.padding)
+
+
+def pooling(module: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The callable a network runs for a pooling module: `SeparableMaxPool` where it covers the module."""
+    if isinstance(module, nn.MaxPool2d) and _separable(module):
+        return SeparableMaxPool(module)
+    return module
+
+
+def max_pool(
+    x: torch.Tensor, kernel: tuple[int, int], stride: tuple[int, int], padding: tuple[int, int]
+) -> torch.Tensor:
+    """`F.max_pool2d(x, kernel, stride, padding)` (floor mode, no dilation) as separable strided maxima."""
+    (kh, kw), (sh, sw), (ph, pw) = kernel, stride, padding
+    if ph or pw:
+        x = F.pad(x, (pw, pw, ph, ph), value=float("-inf"))
+    height, width = x.shape[-2], x.shape[-1]
+    oh, ow = (height - kh) // sh + 1, (width - kw) // sw + 1
+    if oh < 1 or ow < 1:
+        raise ValueError(f"x: a {height}×{width} plane (padded) is smaller than the {kh}×{kw} pooling window")
+    rows = x[..., 0 : (oh - 1) * sh + 1 : sh, :]
+    for i in range(1, kh):
+        rows = torch.maximum(rows, x[..., i : i + (oh - 1) * sh + 1 : sh, :])
+    out = rows[..., 0 : (ow - 1) * sw + 1 : sw]
+    for j in range(1, kw):
+        out = torch.maximum(out, rows[..., j : j + (ow - 1) * sw + 1 : sw])
+    return out.contiguous()
+
+
+def _separable(module: nn.MaxPool2d) -> bool:
+    return _pair(module.dilation) == (1, 1) and not module.ceil_mode and not module.return_indices
+
+
+def _pair(value: int | tuple[int, ...]) -> tuple[int, int]:
+    if isinstance(value, int):
+        return value, value
+    return value[0], value[-1]
