@@ -92,6 +92,7 @@ def test_a_compile_failure_falls_back_to_plain_graphs_with_the_reason_and_one_wa
     assert stats.state == "failed" and "no kernels today" in stats.failure
     assert stats.compiled_keys == 0 and stats.switched_at_call is None
     assert fast.stats.captures == 3 and fast.stats.eager_calls == 0
+    assert "compile failed" in fast.stats.table() and "no kernels today" in fast.stats.table()
 
 
 def test_background_compile_serves_plain_graphs_then_recaptures_each_key_from_compiled_code(tmp_path):

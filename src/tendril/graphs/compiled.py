@@ -66,6 +66,13 @@ class CompileStats:
     failure: str | None = None
     """Why compiling failed (the exception), when it did."""
 
+    def summary(self) -> str:
+        """One line for `GraphStats.table()`."""
+        line = f"compile {self.state}: {self.compiles} compiles in {self.compile_s:.1f} s, "
+        line += f"{self.compiled_keys} graphs from compiled code ({self.recaptured_keys} recaptured), "
+        line += f"switched at call {self.switched_at_call}"
+        return line if self.failure is None else f"{line}; failure: {self.failure}"
+
 
 def inductor_cache_dir(config: Config) -> Path:
     """Where Inductor keeps its caches for tendril: `Config.cache_dir / "inductor"`."""

@@ -196,6 +196,8 @@ class GraphStats:
             )
         for miss, detail in self.misprediction_details.items():
             lines.append(f"  copied x{self.mispredictions[miss]}: {miss.value}: {detail}")
+        if self.compile is not None:
+            lines.append(f"  {self.compile.summary()}")
         for record in self.graphs.values():
             driver = "n/a" if record.driver_bytes is None else f"{record.driver_bytes / mib:.2f} MiB"
             lines.append(
