@@ -57,7 +57,7 @@ def test_results_equal_eager_over_a_random_length_order_and_compiles_stay_at_the
     model = Tiny().eval()
     fast = make(model, tmp_path)
     lengths = random.Random(0).sample(range(2, 40), 20)
-    with torch.no_grad():
+    with torch.inference_mode():
         x = ids(lengths[0])
         torch.testing.assert_close(fast(x), model(x))
         first = fast.stats.compile.compiles
@@ -68,6 +68,20 @@ def test_results_equal_eager_over_a_random_length_order_and_compiles_stay_at_the
     assert first >= 1 and stats.compiles == first, "a new length recompiled"
     assert (stats.state, stats.switched_at_call, stats.compiled_keys, stats.failure) == ("ready", 1, 20, None)
     assert fast.stats.captures == 20 and fast.stats.eager_calls == 0 and fast.stats.replays == 25
+
+
+def test_calls_in_inference_mode_compile_no_more_than_calls_under_no_grad(tmp_path):
+    """Compiling runs on normal-tensor copies of the call, as the placeholders are, so inference tensors add no
+    recompile for their dispatch keys."""
+    counts = []
+    for mode in (torch.no_grad, torch.inference_mode):
+        torch._dynamo.reset()
+        fast = make(Tiny().eval(), tmp_path)
+        with mode():
+            fast(ids(6))
+            fast(ids(11))
+        counts.append(fast.stats.compile.compiles)
+    assert counts[0] == counts[1], counts
 
 
 def test_a_compile_failure_falls_back_to_plain_graphs_with_the_reason_and_one_warning(tmp_path, monkeypatch):
@@ -98,17 +112,21 @@ def test_a_compile_failure_falls_back_to_plain_graphs_with_the_reason_and_one_wa
 def test_background_compile_serves_plain_graphs_then_recaptures_each_key_from_compiled_code(tmp_path):
     model = Tiny().eval()
     fast = make(model, tmp_path, background=True)
-    with torch.no_grad():
+    with torch.inference_mode():
         fast.capture([ids(4), ids(9)], progress=False)
         assert fast.stats.compile.state == "pending" and fast.stats.compile.compiled_keys == 0
         x = ids(4)
         torch.testing.assert_close(fast(x), model(x))  # starts compiling; the plain graph replays meanwhile
         assert fast.wait_compiled(timeout=120)
-        for length in (4, 9, 6, 4):
+        x = ids(4)
+        torch.testing.assert_close(fast(x), model(x))
+        first = fast.stats.compile.compiles
+        for length in (9, 6, 4):
             x = ids(length)
             torch.testing.assert_close(fast(x), model(x))
     stats = fast.stats.compile
     assert (stats.state, stats.switched_at_call, stats.recaptured_keys, stats.compiled_keys) == ("ready", 2, 2, 3)
+    assert stats.compiles == first, "a call after the switch recompiled (the side thread compiled for other inputs)"
     assert fast.stats.captures == 3 and fast.stats.eager_calls == 0
 
 

@@ -111,8 +111,12 @@ def test_background_compile_switches_plain_graphs_to_compiled_ones(tmp_path):
     run_sequence(fast, model, token_call(40), fp16_logits, calls=20, seed=17)
     assert fast.wait_compiled(timeout=300)
     run_sequence(fast, model, token_call(40), fp16_logits, calls=30, seed=18)
+    for n in lengths:
+        ids = torch.randint(0, 1000, (1, n), device="cuda")
+        with torch.inference_mode():
+            fp16_logits(fast(ids).logits, model(ids).logits)
     stats = fast.stats.compile
-    assert stats.state == "ready" and stats.switched_at_call is not None and stats.recaptured_keys >= 1
+    assert stats.state == "ready" and stats.switched_at_call is not None and stats.recaptured_keys == len(lengths)
     assert all(entry.compiled for entry in fast._entries.values())
 
 

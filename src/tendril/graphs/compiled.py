@@ -114,12 +114,12 @@ class Compiler:
     def start(self, flat: Flattened) -> None:
         """At every call: a background compile starts at the first one (ahead-of-time captures come before it)."""
         if self.options.background and self.stats.state == "pending":
-            self._start_thread(*flat.unflatten(list(flat.leaves)))
+            self._start_thread(*_normal_copies(flat))
 
     def prepare(self, flat: Flattened, call: int) -> tuple[Fallback, str] | None:
         """Before a capture: a foreground compile runs at the first one; why the capture must wait, or None."""
         if not self.options.background and self.stats.state == "pending":
-            self._compile(*flat.unflatten(list(flat.leaves)))
+            self._compile(*_normal_copies(flat))
         self._report_failure()
         if self.stats.state == "compiling":
             return Fallback.COMPILING, f"compiling {self.name} in the background"
@@ -172,7 +172,8 @@ class Compiler:
         self.stats.state = "ready"
 
     def _start_thread(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        copies = pytree.tree_map_only(torch.Tensor, torch.clone, (args, kwargs))
+        inference = torch.is_inference_mode_enabled()  # the thread compiles under the caller's mode (a guard)
+        copies = (args, kwargs)
         devices = {leaf.device for leaf in pytree.tree_leaves(copies) if isinstance(leaf, torch.Tensor)}
         cuda = next((device for device in devices if device.type == "cuda"), None)
         if cuda is not None:
@@ -180,10 +181,11 @@ class Compiler:
 
         def run() -> None:
             if cuda is None:
-                self._compile(*copies)
+                with torch.inference_mode(inference):
+                    self._compile(*copies)
                 return
             stream = torch.cuda.Stream(cuda)
-            with torch.cuda.device(cuda), torch.cuda.stream(stream):
+            with torch.inference_mode(inference), torch.cuda.device(cuda), torch.cuda.stream(stream):
                 self._compile(*copies)
             stream.synchronize()
 
@@ -205,6 +207,14 @@ class Compiler:
             CompileFallbackWarning,
             stacklevel=5,
         )
+
+
+def _normal_copies(flat: Flattened) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """The call's arguments with each tensor copied as a normal tensor, as the placeholders that graphs are captured
+    from are: compiling on an inference tensor would guard on its dispatch keys and recompile for the placeholders."""
+    args, kwargs = flat.unflatten(list(flat.leaves))
+    with torch.inference_mode(False):
+        return pytree.tree_map_only(torch.Tensor, torch.clone, (args, kwargs))
 
 
 def _reason(error: Exception) -> str:
