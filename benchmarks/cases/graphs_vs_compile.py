@@ -144,6 +144,7 @@ def run(ctx: Context) -> None:
             order,
         )
         ctx.extra["compile_stats"] = repr(both["variant"].stats.compile)
+        ctx.add_value("tendril.graphed compile=True", "recompiles_after_first_call", both["variant"].stats.compile.recompiles)
         _release(both)
         with fresh_inductor_cache():
             compiled = _measure(

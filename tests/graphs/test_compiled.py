@@ -66,6 +66,7 @@ def test_results_equal_eager_over_a_random_length_order_and_compiles_stay_at_the
             torch.testing.assert_close(fast(x), model(x))
     stats = fast.stats.compile
     assert first >= 1 and stats.compiles == first, "a new length recompiled"
+    assert stats.recompiles == first - stats.compiled_by_first_call and "compile ready" in fast.stats.table()
     assert (stats.state, stats.switched_at_call, stats.compiled_keys, stats.failure) == ("ready", 1, 20, None)
     assert fast.stats.captures == 20 and fast.stats.eager_calls == 0 and fast.stats.replays == 25
 

@@ -55,6 +55,8 @@ class CompileStats:
     """`pending` (no call yet), `compiling` (in the background), `ready`, or `failed`."""
     compiles: int = 0
     """Graphs the compiler backend compiled: the first call's frames, then each recompile."""
+    compiled_by_first_call: int = 0
+    """`compiles` when the compiling call ended; `recompiles` counts the ones after it."""
     compile_s: float = 0.0
     """Wall time of the call that compiled (tracing, code generation, and the first run)."""
     switched_at_call: int | None = None
@@ -66,9 +68,14 @@ class CompileStats:
     failure: str | None = None
     """Why compiling failed (the exception), when it did."""
 
+    @property
+    def recompiles(self) -> int:
+        """Compiles after the compiling call: new frames or failed guards (a length of 1, say), one per graph."""
+        return self.compiles - self.compiled_by_first_call if self.state == "ready" else 0
+
     def summary(self) -> str:
         """One line for `GraphStats.table()`."""
-        line = f"compile {self.state}: {self.compiles} compiles in {self.compile_s:.1f} s, "
+        line = f"compile {self.state}: {self.compiles} compiles in {self.compile_s:.1f} s ({self.recompiles} later), "
         line += f"{self.compiled_keys} graphs from compiled code ({self.recaptured_keys} recaptured), "
         line += f"switched at call {self.switched_at_call}"
         return line if self.failure is None else f"{line}; failure: {self.failure}"
@@ -169,6 +176,7 @@ class Compiler:
             return
         finally:
             self.stats.compile_s = time.perf_counter() - start
+        self.stats.compiled_by_first_call = self.stats.compiles
         self.stats.state = "ready"
 
     def _start_thread(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
