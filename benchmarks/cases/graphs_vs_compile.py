@@ -143,8 +143,9 @@ def run(ctx: Context) -> None:
             inputs,
             order,
         )
-        ctx.extra["compile_stats"] = repr(both["variant"].stats.compile)
-        ctx.add_value("tendril.graphed compile=True", "recompiles_after_first_call", both["variant"].stats.compile.recompiles)
+        compile_stats = both["variant"].stats.compile
+        ctx.extra["compile_stats"] = repr(compile_stats)
+        ctx.add_value("tendril.graphed compile=True", "recompiles_after_first_call", compile_stats.recompiles)
         _release(both)
         with fresh_inductor_cache():
             compiled = _measure(
