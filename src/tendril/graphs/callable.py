@@ -26,6 +26,8 @@ Output lifetime (see `outputs`): returned tensors live in graph memory shared by
 callable's graphs and are overwritten by its next call. Clone what you keep, pass
 `clone_outputs=True`, or set `TENDRIL_DEBUG=1` to have stale uses raise `StaleOutputError`.
 
+With `compile=...` (see `compiled`), graphs are captured from `torch.compile(fn, dynamic=True)`'s kernels.
+
 Inputs (see `inputs`): a call copies its tensors into its graph's placeholders. `zero_copy()` and
 `carry(...)` plug in `tendril.graphs.zero_copy`, which places inputs so that nothing needs copying; a
 callable that uses neither never creates it, and its calls check for it once.
@@ -35,7 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -44,15 +46,18 @@ import torch
 from tendril.config import Config
 from tendril.graphs.backend import Backend, Captured, CaptureFailed
 from tendril.graphs.buckets import Buckets, PaddedCall, cut_back, follow_length, parameter_positions, probe_length
+from tendril.graphs.examples import Call as Call
+from tendril.graphs.examples import as_call, progress_bar
 from tendril.graphs.inputs import InputPlacement, Staging
 from tendril.graphs.key import Flattened, GraphKey, Unkeyable, flatten_call, key_of
 from tendril.graphs.memory import PlaceholderArena
-from tendril.graphs.options import DEFAULT_MAX_GRAPHS, GraphMemoryPolicy, GraphOptions
+from tendril.graphs.options import DEFAULT_MAX_GRAPHS, CompileOptions, GraphMemoryPolicy, GraphOptions
 from tendril.graphs.outputs import Generation, clone_outputs, guard_outputs
 from tendril.graphs.stats import Fallback, GraphRecord, GraphStats
 from tendril.graphs.trainable import GradPolicy
 
 if TYPE_CHECKING:
+    from tendril.graphs.compiled import Compiler
     from tendril.graphs.zero_copy.plugin import ZeroCopy
 
 _KEY_CACHE_SIZE = 4096
@@ -70,14 +75,6 @@ def graphs_unavailable(backend: Backend, config: Config) -> tuple[Fallback, str]
     return backend.unavailable()
 
 
-@dataclass(frozen=True)
-class Call:
-    """One example call for ahead-of-time capture: `fast.capture([Call((ids,), {"attention_mask": m}), ...])`."""
-
-    args: tuple[Any, ...] = ()
-    kwargs: dict[str, Any] | None = None
-
-
 @dataclass
 class _Entry:
     key: GraphKey
@@ -88,6 +85,8 @@ class _Entry:
     staging: Staging
     cut_axes: tuple[tuple[int, ...], ...] | None = None
     """Per output tensor, the dimensions that follow a bucket's padded length (`buckets.follow_length`)."""
+    compiled: bool = False
+    """Captured from the compiled function (`tendril.graphs.compiled`)."""
 
 
 @dataclass
@@ -140,6 +139,12 @@ class GraphedCallable:
         self._grad = GradPolicy(fn)
         self._positions = parameter_positions(fn) if options.buckets is not None else {}
         self._unavailable = graphs_unavailable(backend, config)
+        self._compiler: Compiler | None = None
+        if options.compile is not None:
+            from tendril.graphs.compiled import Compiler
+
+            self._compiler = Compiler(fn, options.compile, config, self.name)
+            self.stats.compile = self._compiler.stats
 
     def __repr__(self) -> str:
         return f"GraphedCallable({self.name}, graphs={len(self._entries)}/{self.options.max_graphs})"
@@ -163,9 +168,14 @@ class GraphedCallable:
             return self._eager(args, kwargs, Fallback.REQUIRES_GRAD, detail)
         padded = self._pad(args, kwargs)
         flat = flatten_call(padded.args, padded.kwargs) if padded is not None else flatten_call(args, kwargs)
+        if self._compiler is not None:
+            self._compiler.start(flat)
         key, indices = self._key(flat)
         key = self._inputs.key_for(key, flat, indices)
         entry = self._entries.get(key) if isinstance(key, GraphKey) else None
+        if entry is not None and self._compiler is not None and self._compiler.replaces(entry, self.stats.calls):
+            del self._entries[entry.key]
+            entry = None
         if entry is None:
             admitted = self._admit(key, flat, padded)
             if not isinstance(admitted, _Entry):
@@ -191,7 +201,7 @@ class GraphedCallable:
         """
         pending: dict[GraphKey, tuple[Flattened, PaddedCall | None]] = {}
         for example in examples:
-            args, kwargs = _as_call(example)
+            args, kwargs = as_call(example)
             padded = self._pad(args, kwargs)
             if padded is not None:
                 args, kwargs = padded.args, padded.kwargs
@@ -211,7 +221,7 @@ class GraphedCallable:
                 if self._backend.accepts(spec.device):
                     self._arena.reserve(index, spec)
         before = len(self._entries)
-        for key, (flat, padded) in _progress(order, self.name, progress):
+        for key, (flat, padded) in progress_bar(order, self.name, progress):
             admitted = self._admit(key, flat, padded)
             if not isinstance(admitted, _Entry):
                 self._note(*admitted)
@@ -239,6 +249,10 @@ class GraphedCallable:
         for index, placeholder in zip(entry.leaf_indices, entry.placeholders, strict=True):
             leaves[index] = placeholder
         return flat.unflatten(leaves)
+
+    def wait_compiled(self, timeout: float | None = None) -> bool:
+        """With `compile=...`: block until a background compile ends (or `timeout` s pass); whether it ended."""
+        return self._compiler.wait(timeout) if self._compiler is not None else True
 
     def inputs_for(self, *args: Any, **kwargs: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
         """Writable views of the placeholders the graph for this call reads, in the call's structure.
@@ -341,9 +355,12 @@ class GraphedCallable:
         self, key: GraphKey | Unkeyable, flat: Flattened, padded: PaddedCall | None = None
     ) -> _Entry | tuple[Fallback, str]:
         refusal = self._refusal(key)
+        if refusal is None and self._compiler is not None:
+            refusal = self._compiler.prepare(flat, self.stats.calls)
         if refusal is not None:
             return refusal
         assert isinstance(key, GraphKey)
+        fn, compiled = self._compiler.current() if self._compiler is not None else (self.fn, False)
         probe = self._probe(padded)
         if isinstance(probe, tuple):
             self.stats.failed_keys[key] = probe[0]
@@ -355,7 +372,7 @@ class GraphedCallable:
             leaves[index] = placeholder
         args, kwargs = flat.unflatten(leaves)
         versions = [placeholder._version for placeholder in placeholders]
-        fn = self._inputs.wrap(_no_grad(self.fn), args, kwargs, key, indices, placeholders)
+        fn = self._inputs.wrap(_no_grad(fn), args, kwargs, key, indices, placeholders)
         try:
             captured = self._backend.capture(fn, args, kwargs, key, self.options.warmup)
         except CaptureFailed as failure:
@@ -381,7 +398,10 @@ class GraphedCallable:
                 return Fallback.PADDED_OUTPUTS, f"bucket {padded.bucket}: {traced}"
             cut_axes = traced
         captured.outputs = self._inputs.captured(key, indices, placeholders, captured.outputs)
-        entry = _Entry(key, indices, placeholders, captured, record, Staging.of(indices, placeholders), cut_axes)
+        staging = Staging.of(indices, placeholders)
+        entry = _Entry(key, indices, placeholders, captured, record, staging, cut_axes, compiled)
+        if self._compiler is not None:
+            self._compiler.stats.compiled_keys += compiled
         self._entries[key] = entry
         self.stats.graphs[key] = record
         self._sync_memory_stats()
@@ -447,6 +467,7 @@ def graphed(
     clone_outputs: bool = False,
     warmup: int = 1,
     memory: GraphMemoryPolicy | int | str | None = None,
+    compile: CompileOptions | bool | str = False,
     backend: Backend | None = None,
     config: Config | None = None,
 ) -> GraphedCallable:
@@ -463,8 +484,15 @@ def graphed(
     `tendril.graphs.executables`). Under a budget, captured graphs stay on the host and executables are made
     on demand, with results identical to one executable per graph. It configures the default backend, so it
     cannot be combined with `backend=` (`ValueError`).
+
+    `compile` captures the graphs from Inductor's kernels instead of the function's own: True, an Inductor mode
+    ("default", "max-autotune-no-cudagraphs") or a `CompileOptions` (background compiling, a debugging
+    backend). The function is compiled once for dynamic shapes, with persistent caches under tendril's cache
+    dir; `.stats.compile` counts compiles and records the switch, or why compiling failed (then graphs are
+    captured from the plain function, with one warning). See `tendril.graphs.compiled`.
     """
-    options = GraphOptions(buckets, max_graphs, clone_outputs, warmup, GraphMemoryPolicy.of(memory))
+    policy = GraphMemoryPolicy.of(memory)
+    options = GraphOptions(buckets, max_graphs, clone_outputs, warmup, policy, CompileOptions.of(compile))
     return GraphedCallable(fn, options, backend=backend, config=config)
 
 
@@ -474,26 +502,3 @@ def _no_grad(fn: Callable[..., Any]) -> Callable[..., Any]:
             return fn(*args, **kwargs)
 
     return run
-
-
-def _as_call(example: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    if isinstance(example, Call):
-        return tuple(example.args), dict(example.kwargs or {})
-    if isinstance(example, torch.Tensor):
-        return (example,), {}
-    if isinstance(example, dict):
-        return (), dict(example)
-    if isinstance(example, Sequence):
-        return tuple(example), {}
-    raise TypeError(
-        f"capture example of type {type(example).__name__}: expected a tuple of arguments, a dict of keyword "
-        "arguments, a tendril.graphs.Call or a tensor"
-    )
-
-
-def _progress(items: list[Any], name: str, show: bool) -> Iterable[Any]:
-    if not show:
-        return items
-    from rich.progress import track
-
-    return track(items, description=f"capturing {len(items)} graphs of {name}", transient=True)

@@ -2,7 +2,8 @@
 
 `GraphOptions` holds what the dispatcher needs (buckets, bounds, output handling, warm-up runs);
 `GraphMemoryPolicy` holds how the CUDA backend keeps the executables of the graphs (see
-`tendril.graphs.executables`). Both validate at construction, so a bad value fails where it is written.
+`tendril.graphs.executables`); `CompileOptions` holds how the function is compiled before its graphs are
+captured (see `tendril.graphs.compiled`). Both validate at construction, so a bad value fails where it is written.
 """
 
 from __future__ import annotations
@@ -85,6 +86,59 @@ class GraphMemoryPolicy:
         return self.strategy
 
 
+class CompileMode(str, enum.Enum):
+    """Inductor modes whose kernels a graphed callable captures. Inductor's own CUDA graphs stay off, since
+    tendril does the graphing (`reduce-overhead` and `max-autotune` would graph a second time)."""
+
+    DEFAULT = "default"
+    MAX_AUTOTUNE = "max-autotune-no-cudagraphs"
+
+
+COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")
+"""`torch.compile` backends a graphed callable accepts: Inductor, and two of dynamo's debugging backends that
+trace without generating code (quick on the CPU, for tests and to bisect a wrong answer)."""
+
+
+@dataclass(frozen=True)
+class CompileOptions:
+    """`tendril.graphed(fn, compile=...)`: capture the graphs from `torch.compile(fn, dynamic=True)`.
+
+    `mode`: Inductor's mode (`CompileMode`). `background`: compile on a side thread while calls keep
+    running (see `tendril.graphs.compiled` for what runs meanwhile). `backend`: one of `COMPILE_BACKENDS`.
+    """
+
+    mode: CompileMode = CompileMode.DEFAULT
+    background: bool = False
+    backend: str = "inductor"
+
+    def __post_init__(self) -> None:
+        try:
+            object.__setattr__(self, "mode", CompileMode(self.mode))
+        except ValueError:
+            names = ", ".join(repr(m.value) for m in CompileMode)
+            raise ValueError(f"compile mode {self.mode!r}: expected one of {names}") from None
+        if not isinstance(self.background, bool):
+            raise TypeError(f"compile background must be True or False, got {self.background!r}")
+        if self.backend not in COMPILE_BACKENDS:
+            raise ValueError(f"compile backend {self.backend!r}: expected one of {', '.join(COMPILE_BACKENDS)}")
+
+    @classmethod
+    def of(cls, value: CompileOptions | bool | str | None) -> CompileOptions | None:
+        """What `tendril.graphed(compile=...)` accepts: False/None (no compiling), True, a mode name, or options."""
+        if value is None or value is False:
+            return None
+        if value is True:
+            return cls()
+        if isinstance(value, CompileOptions):
+            return value
+        if isinstance(value, str):
+            return cls(mode=value)  # type: ignore[arg-type]  # __post_init__ reads the mode's name
+        raise TypeError(
+            f"compile={value!r}: expected True/False, a mode name ('default', 'max-autotune-no-cudagraphs') "
+            "or a tendril.graphs.CompileOptions"
+        )
+
+
 @dataclass(frozen=True)
 class GraphOptions:
     """What a `GraphedCallable` does with its calls (see `tendril.graphed` for each field's meaning)."""
@@ -94,9 +148,15 @@ class GraphOptions:
     clone_outputs: bool = False
     warmup: int = 1
     memory: GraphMemoryPolicy = field(default_factory=GraphMemoryPolicy)
+    compile: CompileOptions | None = None
 
     def __post_init__(self) -> None:
         if self.max_graphs < 0:
             raise ValueError(f"max_graphs must be >= 0, got {self.max_graphs}")
         if self.warmup < 0:
             raise ValueError(f"warmup must be >= 0, got {self.warmup}")
+        if self.compile is not None and self.warmup < 1:
+            raise ValueError(
+                f"warmup={self.warmup} with compile: a compiled function needs warmup >= 1, so that a recompile "
+                "for a new shape runs before the capture rather than inside it"
+            )

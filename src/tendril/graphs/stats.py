@@ -9,8 +9,12 @@ from __future__ import annotations
 import enum
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from tendril.graphs.key import GraphKey
+
+if TYPE_CHECKING:
+    from tendril.graphs.compiled import CompileStats
 
 
 class Fallback(enum.Enum):
@@ -30,6 +34,7 @@ class Fallback(enum.Enum):
     MUTATES_INPUTS = "the function writes into its tensor arguments"
     CAPTURE_ERROR = "capturing raised an error (an operation that cannot be captured)"
     PADDED_OUTPUTS = "a bucket's outputs cannot be cut back to the call's length (they do not follow it one to one)"
+    COMPILING = "a new key while the function compiles in the background (tendril.graphs.compiled)"
 
 
 class Misprediction(enum.Enum):
@@ -135,6 +140,8 @@ class GraphStats:
     mispredictions: Counter[Misprediction] = field(default_factory=Counter)
     misprediction_details: dict[Misprediction, str] = field(default_factory=dict)
     """The first detailed message seen for each misprediction reason."""
+    compile: CompileStats | None = None
+    """With `tendril.graphed(fn, compile=...)`: compiles, the switch to compiled graphs, a failure's reason."""
 
     @property
     def captures(self) -> int:
@@ -189,6 +196,8 @@ class GraphStats:
             )
         for miss, detail in self.misprediction_details.items():
             lines.append(f"  copied x{self.mispredictions[miss]}: {miss.value}: {detail}")
+        if self.compile is not None:
+            lines.append(f"  {self.compile.summary()}")
         for record in self.graphs.values():
             driver = "n/a" if record.driver_bytes is None else f"{record.driver_bytes / mib:.2f} MiB"
             lines.append(

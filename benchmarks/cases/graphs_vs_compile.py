@@ -1,0 +1,208 @@
+"""Case `graphs-vs-compile`: `tendril.graphed` beside `torch.compile`'s CUDA-graph trees, and the two together.
+
+GPT-2 fp16, batch 1, 46 distinct lengths in 1..256 called in a random order (144 timed calls), three variants in one
+process, each measured on its own (the previous one deleted and dynamo reset):
+
+- `tendril.graphed(model)`: tendril's shape-keyed graphs of the eager model;
+- `torch.compile(model, mode="reduce-overhead", dynamic=True)`: Inductor's kernels in its CUDA-graph trees, with
+  a cold Inductor cache of its own (`fresh_inductor_cache`);
+- `tendril.graphed(model, compile=True)`: Inductor's kernels (its cudagraphs off) captured into tendril's graphs,
+  with a cold cache under a fresh tendril cache dir.
+
+Warm-up: wall time from making the variant until every length has been called three times (enough for the CUDA-graph
+trees to record and replay each length; tendril captures at the first). Per call: CUDA-event medians over the
+144-call random order after warm-up. Memory: device memory in use after warm-up, over what was in use before the
+variant was made. Warm start: a second process (`python -m benchmarks.cases.graphs_vs_compile warm-start ...`) given
+the first process's tendril cache dir times `tendril.graphed(model, compile=True)` from its creation until all 46
+lengths are ready (called once, graphs captured).
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from benchmarks.registry import Context, Goal, register
+from tendril.config import Config
+from tendril.graphs.callable import graphed
+from tendril.utils.device_memory import device_memory_in_use
+from tendril.utils.timing import time_callable
+
+MIB = 1 << 20
+WARMUP_CALLS_PER_LENGTH = 3
+
+
+def draw_lengths(count: int, top: int, calls: int, seed: int = 0) -> tuple[list[int], list[int]]:
+    """`count` distinct lengths in 1..top, and a random order of `calls` calls over them using each at least once."""
+    if count > top or calls < count:
+        raise ValueError(f"cannot draw {count} distinct lengths in 1..{top} into {calls} calls")
+    rng = random.Random(seed)
+    lengths = sorted(rng.sample(range(1, top + 1), count))
+    order = lengths + [rng.choice(lengths) for _ in range(calls - count)]
+    rng.shuffle(order)
+    return lengths, order
+
+
+def sizes(quick: bool) -> tuple[int, int, int]:
+    """(distinct lengths, longest length, timed calls)."""
+    return (6, 64, 18) if quick else (46, 256, 144)
+
+
+def gpt2(device: torch.device, quick: bool) -> torch.nn.Module:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    config = GPT2Config(use_cache=False)
+    if quick:
+        config = GPT2Config(n_layer=2, n_embd=128, n_head=4, vocab_size=1000, n_positions=256, use_cache=False,
+                            bos_token_id=0, eos_token_id=0)  # fmt: skip
+    return GPT2LMHeadModel(config).to(device=device, dtype=torch.float16).eval()
+
+
+def ratio(numerator: float, denominator: float) -> float:
+    return numerator / denominator if denominator > 0 else float("inf")
+
+
+def _logits(fn: Callable[..., Any]) -> Callable[[torch.Tensor], torch.Tensor]:
+    return lambda ids: fn(ids).logits
+
+
+def _warm_up(fn: Callable[[torch.Tensor], torch.Tensor], inputs: dict[int, torch.Tensor], device: torch.device) -> None:
+    for _ in range(WARMUP_CALLS_PER_LENGTH):
+        for ids in inputs.values():
+            fn(ids)
+    torch.cuda.synchronize(device)
+
+
+def _measure(
+    ctx: Context,
+    name: str,
+    make: Callable[[], Callable[..., Any]],
+    model: torch.nn.Module,
+    inputs: dict[int, torch.Tensor],
+    order: list[int],
+) -> dict[str, Any]:
+    """Make one variant, warm it up on every length, time the random order; return its numbers and the variant."""
+    device = ctx.device
+    base = device_memory_in_use(device)
+    start = time.perf_counter()
+    variant = make()
+    fn = _logits(variant)
+    _warm_up(fn, inputs, device)
+    warmup_s = time.perf_counter() - start
+    memory = device_memory_in_use(device) - base
+    timing = time_callable(fn, [(inputs[n],) for n in order], device=device, warmup=0, reps=len(order))
+    errors = [(fn(ids).float() - model(ids).logits.float()).abs().max().item() for ids in inputs.values()]
+    ctx.add_timing(name, timing)
+    ctx.add_value(name, "warmup_s_all_lengths", warmup_s)
+    ctx.add_value(name, "device_MiB_after_warmup", memory / MIB)
+    ctx.add_value(name, "max_abs_logits_error_vs_eager", max(errors))
+    ctx.note(f"{name}: warm-up {warmup_s:.1f} s, {timing.median_ms:.3f} ms per call, {memory / MIB:.0f} MiB")
+    return {"variant": variant, "median_ms": timing.median_ms, "warmup_s": warmup_s, "memory": memory}
+
+
+def _release(measured: dict[str, Any]) -> None:
+    measured.pop("variant")
+    torch._dynamo.reset()
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+@register("graphs-vs-compile", "GPT-2 fp16 at 46 random lengths: tendril.graphed vs torch.compile vs both together")
+def run(ctx: Context) -> None:
+    from torch._inductor.utils import fresh_inductor_cache
+
+    device = ctx.device
+    count, top, calls = sizes(ctx.quick)
+    lengths, order = draw_lengths(count, top, calls)
+    model = gpt2(device, ctx.quick)
+    vocab = model.config.vocab_size
+    cache_dir = Path(tempfile.mkdtemp(prefix="tendril-graphs-vs-compile-"))
+    os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)  # Inductor's caches go under the fresh tendril cache dir
+    with torch.inference_mode():
+        inputs = {n: torch.randint(0, vocab, (1, n), device=device) for n in lengths}
+        model(inputs[lengths[-1]])
+        plain = _measure(ctx, "tendril.graphed", lambda: graphed(model, max_graphs=count), model, inputs, order)
+        _release(plain)
+        both = _measure(
+            ctx,
+            "tendril.graphed compile=True",
+            lambda: graphed(model, max_graphs=count, compile=True, config=Config(cache_dir=cache_dir)),
+            model,
+            inputs,
+            order,
+        )
+        compile_stats = both["variant"].stats.compile
+        ctx.extra["compile_stats"] = repr(compile_stats)
+        ctx.add_value("tendril.graphed compile=True", "recompiles_after_first_call", compile_stats.recompiles)
+        _release(both)
+        with fresh_inductor_cache():
+            compiled = _measure(
+                ctx,
+                "torch.compile reduce-overhead dynamic=True",
+                lambda: torch.compile(model, mode="reduce-overhead", dynamic=True),
+                model,
+                inputs,
+                order,
+            )
+            _release(compiled)
+    warm_start_s = _warm_start(cache_dir, ctx.quick)
+    ctx.add_value("tendril.graphed compile=True", "second_process_ready_s", warm_start_s)
+    ctx.extra["lengths"] = lengths
+    ctx.extra["tendril_cache_dir"] = str(cache_dir)
+    ctx.note(f"{count} lengths in 1..{top}, {calls} timed calls in a random order; GPT-2 fp16 batch 1")
+    ctx.target(
+        "compiled_graphed_over_compile_per_call", ratio(both["median_ms"], compiled["median_ms"]), Goal("<=", 1.0)
+    )
+    ctx.target("graphed_warmup_over_compile_warmup", ratio(plain["warmup_s"], compiled["warmup_s"]), Goal("<=", 0.05))
+    ctx.target("compiled_graphed_warm_start_s", warm_start_s, Goal("<=", 10))
+    ctx.target("compiled_graphed_memory_over_compile", ratio(both["memory"], compiled["memory"]), Goal("<=", 1.0))
+
+
+def _warm_start(cache_dir: Path, quick: bool) -> float:
+    """Seconds a second process, given `cache_dir`, takes from `graphed(model, compile=True)` to all lengths ready."""
+    root = Path(__file__).resolve().parents[2]
+    env = {key: value for key, value in os.environ.items() if key != "TORCHINDUCTOR_CACHE_DIR"}
+    env["TENDRIL_CACHE_DIR"] = str(cache_dir)
+    env["PYTHONPATH"] = os.pathsep.join([str(root), str(root / "src"), env.get("PYTHONPATH", "")])
+    command = [sys.executable, "-m", "benchmarks.cases.graphs_vs_compile", "warm-start", *(["--quick"] * quick)]
+    done = subprocess.run(command, env=env, cwd=root, capture_output=True, text=True, timeout=1800, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"the warm-start process failed ({done.returncode}):\n{done.stderr[-4000:]}")
+    return float(json.loads(done.stdout.strip().splitlines()[-1])["ready_s"])
+
+
+def warm_start_main(quick: bool) -> None:
+    """The second process: the same model and lengths, the cache dir from TENDRIL_CACHE_DIR; prints {"ready_s": ...}."""
+    device = torch.device("cuda")
+    count, top, calls = sizes(quick)
+    lengths, _ = draw_lengths(count, top, calls)
+    model = gpt2(device, quick)
+    with torch.inference_mode():
+        inputs = [torch.randint(0, model.config.vocab_size, (1, n), device=device) for n in lengths]
+        torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        fast = graphed(model, max_graphs=count, compile=True)
+        for ids in inputs:
+            fast(ids)
+        torch.cuda.synchronize(device)
+        ready_s = time.perf_counter() - start
+    stats = fast.stats.compile
+    print(json.dumps({"ready_s": ready_s, "compiles": stats.compiles if stats else None, "graphs": len(fast.keys())}))
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] != ["warm-start"]:
+        raise SystemExit("usage: python -m benchmarks.cases.graphs_vs_compile warm-start [--quick]")
+    warm_start_main("--quick" in sys.argv[2:])

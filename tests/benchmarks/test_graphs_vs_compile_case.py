@@ -1,0 +1,36 @@
+"""The CPU-independent parts of the `graphs-vs-compile` benchmark case: the drawn lengths and call order, the sizes,
+the ratio; the target names are a contract."""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+
+from benchmarks import registry
+from benchmarks.cases import graphs_vs_compile as case
+
+
+def test_the_case_is_registered_needs_a_gpu_and_reports_the_issues_targets():
+    assert registry.CASES["graphs-vs-compile"].needs_gpu
+    source = inspect.getsource(case)
+    for name in ("compiled_graphed_over_compile_per_call", "graphed_warmup_over_compile_warmup",
+                 "compiled_graphed_warm_start_s", "compiled_graphed_memory_over_compile"):  # fmt: skip
+        assert f'"{name}"' in source
+
+
+def test_46_distinct_lengths_in_1_to_256_over_144_calls_each_used():
+    count, top, calls = case.sizes(quick=False)
+    lengths, order = case.draw_lengths(count, top, calls)
+    assert (len(lengths), len(set(lengths)), len(order)) == (46, 46, 144)
+    assert min(lengths) >= 1 and max(lengths) <= 256 and set(order) == set(lengths)
+    assert case.draw_lengths(count, top, calls) == (lengths, order), "the second process must draw the same lengths"
+    assert order != sorted(order)
+
+
+def test_quick_is_small_and_bad_sizes_are_refused():
+    count, _, calls = case.sizes(quick=True)
+    assert count <= 8 and calls <= 24
+    with pytest.raises(ValueError, match="cannot draw"):
+        case.draw_lengths(10, 5, 20)
+    assert case.ratio(1.0, 2.0) == 0.5 and case.ratio(1.0, 0.0) == float("inf")
