@@ -11,6 +11,7 @@ settings it needs from it (or from an explicit `Config` passed in), so tests can
 | TENDRIL_GRAPH_MEMORY_BUDGET | graph_memory_budget | default device-memory budget of executables ("256MiB")      |
 | TENDRIL_PDL                 | pdl                 | programmatic dependent launch of decode kernels (0: off)    |
 | TRITON_INTERPRET            | triton_interpret    | Triton's CPU interpreter (Triton's variable, read here too) |
+| TORCHINDUCTOR_CACHE_DIR     | inductor_cache_dir  | Inductor caches of `graphed(compile=)` (else under cache_dir) |
 """
 
 from __future__ import annotations
@@ -54,6 +55,8 @@ class Config:
     """Launch the fused decode kernels with programmatic dependent launch where the GPU supports it."""
     triton_interpret: bool = False
     """Triton kernels run in Triton's interpreter (on CPU tensors), so CPU paths that bypass Triton must not."""
+    inductor_cache_dir: Path | None = None
+    """Where Inductor keeps its caches for `graphed(compile=...)`; None: `cache_dir / "inductor"`."""
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Config:
@@ -66,6 +69,7 @@ class Config:
             graph_memory_budget=env.get("TENDRIL_GRAPH_MEMORY_BUDGET", "").strip() or None,
             pdl=_flag(env, "TENDRIL_PDL") if env.get("TENDRIL_PDL", "").strip() else True,
             triton_interpret=_flag(env, "TRITON_INTERPRET"),
+            inductor_cache_dir=Path(env["TORCHINDUCTOR_CACHE_DIR"]) if env.get("TORCHINDUCTOR_CACHE_DIR") else None,
         )
 
 

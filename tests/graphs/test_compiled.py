@@ -7,6 +7,7 @@ test runs Inductor itself (C++ on the CPU)."""
 
 from __future__ import annotations
 
+import os
 import random
 import warnings
 
@@ -169,8 +170,9 @@ def test_persistent_caches_are_on_and_under_the_tendril_cache_dir(tmp_path, monk
     config = Config(cache_dir=tmp_path)
     assert enable_persistent_caches(config) == tmp_path / "inductor" == inductor_cache_dir(config)
     assert inductor_config.fx_graph_cache and functorch_config.enable_autograd_cache
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))
-    assert enable_persistent_caches(config) == tmp_path / "mine"
+    mine = Config.from_env({"TENDRIL_CACHE_DIR": str(tmp_path), "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "mine")})
+    assert enable_persistent_caches(mine) == tmp_path / "mine"
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "mine")
 
 
 def test_compile_options_are_typed_and_checked():

@@ -82,23 +82,25 @@ class CompileStats:
 
 
 def inductor_cache_dir(config: Config) -> Path:
-    """Where Inductor keeps its caches for tendril: `Config.cache_dir / "inductor"`."""
-    return config.cache_dir / "inductor"
+    """Where Inductor keeps its caches for tendril: TORCHINDUCTOR_CACHE_DIR if the user set it, else
+    `Config.cache_dir / "inductor"`."""
+    return config.inductor_cache_dir or config.cache_dir / "inductor"
 
 
 def enable_persistent_caches(config: Config) -> Path:
-    """Turn on Inductor's FX graph cache and the AOTAutograd cache, under tendril's cache dir; return the dir used.
+    """Turn on Inductor's FX graph cache and the AOTAutograd cache, in `inductor_cache_dir`; return that dir.
 
-    A TORCHINDUCTOR_CACHE_DIR the user set wins (Inductor reads it from the environment at each use, and so
-    does this). Call it before the first compile of the process: Inductor fixes its cache dir at first use.
+    Inductor takes its cache dir from TORCHINDUCTOR_CACHE_DIR, so the dir is exported there. Call it before the
+    first compile of the process: Inductor fixes its cache dir at first use.
     """
     import torch._functorch.config as functorch_config
     import torch._inductor.config as inductor_config
 
     inductor_config.fx_graph_cache = True
     functorch_config.enable_autograd_cache = True
-    directory = os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(inductor_cache_dir(config)))
-    return Path(directory)
+    directory = inductor_cache_dir(config)
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(directory)
+    return directory
 
 
 class Compiler:
