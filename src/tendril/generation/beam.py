@@ -5,8 +5,9 @@ HF's `_beam_search` already keeps its bookkeeping in fixed-size tensors; what ke
 reallocating. Here `cur_len` is a device tensor, columns are written by `scatter`, the length penalty is
 computed on the device, the cache is reordered in place (`StaticKVCache.reorder`: through its row table
 when the decoder's cache has one, which the fused step reads, by copying every layer's rows otherwise), and
-the stop test is a carried device flag. The finished hypotheses are HF's fixed-size scoreboard: the best `num_beams`
-(sequence, score) pairs per batch item, merged with the newly finished candidates by a top-k each step.
+the stop test is a carried device flag. The finished hypotheses are HF's fixed-size scoreboard: the best
+`num_beams` (sequence, score) pairs per batch item, merged with the newly finished candidates by a top-k
+each step.
 
 Carried state (B batch items, K beams, L = prompt + max_new_tokens, M = max_new_tokens):
   cur_len [] long; running_sequences [B,K,L] long; running_scores [B,K] float; sequences [B,K,L] long;
@@ -14,7 +15,8 @@ Carried state (B batch items, K beams, L = prompt + max_new_tokens, M = max_new_
   beam_indices [B,K,M] int32; done [] bool.
 
 The body is also safe to evaluate on a finished state (predicated loops do that and discard the result):
-column indices are clamped into range and the cache is not reordered once `done` is set.
+column indices are clamped into range and the cache is not reordered once `done` is set (its rows keep their
+places; through a row table, the slot such a step rewrote in every row points at the row itself again).
 """
 
 from __future__ import annotations
