@@ -7,7 +7,7 @@ import torch
 
 from tendril.config import settings
 from tendril.generation.kernels import attention
-from tests.generation.kernel_cases import check_argmax, check_attention, check_linear
+from tests.generation.kernel_cases import check_argmax, check_attention, check_attention_through_rows, check_linear
 
 
 def main() -> None:
@@ -22,6 +22,7 @@ def main() -> None:
     for dtype in (torch.float32, torch.float16):
         assert check_attention(dtype, "cpu") > 0  # the GPU test's cases, cache writes compared exactly
     assert check_attention(torch.bfloat16, "cpu", slots=(20,), exact_cache=False) > 0  # see check_attention
+    assert check_attention_through_rows(torch.float32, "cpu", slots=(5, 20)) > 0  # beam search's row table
     assert check_argmax("cpu") > 0
     print("interpreted checks passed")
 

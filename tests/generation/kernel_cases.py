@@ -151,3 +151,46 @@ def check_attention(dtype: torch.dtype, device: str, slots=SLOTS, exact_cache: b
                         torch.testing.assert_close(cache.float(), ref_cache.float(), rtol=ulps, atol=ulps)
                 checked += 1
     return checked
+
+
+def check_attention_through_rows(dtype: torch.dtype, device: str, slots=(0, 5, 20)) -> int:
+    """The kernel reading earlier slots through a row table (beam search's reorder by indirection) against
+    the reference over an explicitly gathered cache; MHA and GQA, with and without rotary. Every cache entry
+    no visible (row, slot) reads through the table is NaN, so a read of the wrong row shows."""
+    torch.manual_seed(2)
+    rows, max_len, head_dim = 3, 21, 16
+    checked = 0
+    for heads, kv_heads, kind in ((4, 4, None), (4, 2, "half")):
+        for slot_value in slots:
+            keys = torch.randn(rows, kv_heads, max_len, head_dim, device=device).to(dtype)
+            values = torch.randn(rows, kv_heads, max_len, head_dim, device=device).to(dtype)
+            key_valid = torch.rand(rows, max_len, device=device) > 0.2
+            source_rows = torch.randint(0, rows, (rows, max_len), device=device, dtype=torch.int32)
+            q = torch.randn(rows, heads * head_dim, device=device).to(dtype)
+            k = torch.randn(rows, kv_heads * head_dim, device=device).to(dtype)
+            v = torch.randn(rows, kv_heads * head_dim, device=device).to(dtype)
+            rotary = None
+            if kind is not None:
+                angles = torch.rand(rows, head_dim // 2, device=device) * 6
+                rotary = (kind, angles.cos().repeat(1, 2).to(dtype), angles.sin().repeat(1, 2).to(dtype))
+            slot = torch.tensor([slot_value], device=device)
+            read = torch.zeros(rows, max_len, dtype=torch.bool, device=device)
+            seen = key_valid & (torch.arange(max_len, device=device) < slot_value)
+            read[source_rows.long()[seen], torch.nonzero(seen)[:, 1]] = True
+            ref_keys, ref_values = keys.clone(), values.clone()
+            expected = reference.decode_attention(q, k, v, ref_keys, ref_values, key_valid, slot, 0.25, rotary,
+                                                  source_rows=source_rows)
+            gathered = [reference._read_rows(c, source_rows, slot) for c in (ref_keys, ref_values)]
+            explicit = reference.decode_attention(q, k, v, *gathered, key_valid, slot, 0.25, rotary)
+            torch.testing.assert_close(expected, explicit, rtol=0, atol=0)
+            unread = ~read[:, None, :, None]
+            keys, values = keys.masked_fill(unread, float("nan")), values.masked_fill(unread, float("nan"))
+            out = torch.full_like(expected, float("nan"))
+            got = attention.decode_attention(q, k, v, keys, values, key_valid, slot, 0.25, rotary,
+                                             source_rows=source_rows, out=out, block_s=8)
+            assert not got.isnan().any()
+            torch.testing.assert_close(got, expected, **_tolerance(dtype))
+            own = (slice(None), slice(None), slot_value)  # each row wrote its own key and value at the slot
+            assert torch.equal(keys[own], ref_keys[own]) and torch.equal(values[own], ref_values[own])
+            checked += 1
+    return checked

@@ -1,11 +1,14 @@
-"""tendril's static KV cache: masks from device lengths, writes at device slots, in-place reordering."""
+"""tendril's static KV cache: masks from device lengths, writes at device slots, in-place reordering, by copy or
+through a row table."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 
 from tendril.generation.cache import StaticKVCache
+from tendril.generation.kernels import reference
 
 
 def _cache(rows: int = 2, max_len: int = 6) -> StaticKVCache:
@@ -64,3 +67,36 @@ def test_reorder_moves_rows_in_place():
     assert cache.keys[0][:, 0, 0, 0].tolist() == [2, 2, 0]
     assert cache.values[0][:, 0, 0, 0].tolist() == [12, 12, 10]
     assert cache.keys[0].data_ptr() == address
+
+
+def test_reorder_through_the_row_table_reads_what_the_copying_reorder_holds():
+    """Beam steps (write each row's token at the slot, attend, reorder by random sources) give the same
+    attention with the cache copied and with only its row table gathered; the table cache's storage keeps
+    every row's own writes."""
+    torch.manual_seed(3)
+    rows, max_len, prompt = 4, 9, 3
+    key_valid = torch.ones(rows, max_len, dtype=torch.bool)
+    copied, indirect = (StaticKVCache(1, rows, 2, max_len, 4, torch.float32, torch.device("cpu"), key_valid.clone(),
+                                      row_table=table) for table in (False, True))
+    k, v = torch.randn(rows, 2, prompt, 4), torch.randn(rows, 2, prompt, 4)
+    for cache in (copied, indirect):
+        cache.reset_order()
+        cache.attend(0, k, k, v, torch.arange(prompt), cache.attention_mask(torch.arange(prompt)), 0.5)
+    for slot_value in range(prompt, max_len):
+        slot = torch.tensor([slot_value])
+        q, k, v = torch.randn(rows, 8), torch.randn(rows, 8), torch.randn(rows, 8)
+        outs = [reference.decode_attention(q, k, v, c.keys[0], c.values[0], c.key_valid, slot, 0.5,
+                                           source_rows=c.source_rows) for c in (copied, indirect)]
+        torch.testing.assert_close(outs[1], outs[0], rtol=0, atol=0)
+        assert torch.equal(indirect.keys[0][:, :, slot_value], k.view(rows, 2, 4))
+        sources = torch.randint(0, rows, (rows,))
+        for cache in (copied, indirect):
+            cache.reorder(sources, slot.view(()))
+    assert indirect.source_rows is not None and indirect.source_rows.dtype == torch.int32
+    with pytest.raises(ValueError, match="row table"):
+        indirect.attend(0, q.view(rows, 2, 1, 4), k.view(rows, 2, 1, 4), v.view(rows, 2, 1, 4), slot,
+                        indirect.attention_mask(slot), 0.5)
+    with pytest.raises(ValueError, match="written"):
+        indirect.reorder(sources)
+    indirect.reset_order()
+    assert torch.equal(indirect.source_rows, torch.arange(rows, dtype=torch.int32)[:, None].expand(rows, max_len))

@@ -11,10 +11,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from tendril.generation import UnsupportedModelError, generate
+from tendril.generation import UnsupportedModelError, decode_step, generate
 from tendril.generation.api import _architecture
 from tendril.generation.cache import StaticKVCache
 from tendril.generation.kernels import Norm, Projection, reference
+from tendril.generation.loop import DecodeLoop, Plan
 from tendril.generation.processors import LogitsProcessing
 from tendril.generation.state import Decoder
 from tests.generation.models import hf_generate, left_padded, tiny_model
@@ -95,6 +96,7 @@ def test_fused_step_matches_the_architecture_forward(family):
 
 
 @pytest.mark.parametrize("family, options", [("gpt2", dict(num_beams=3, num_return_sequences=2)),
+                                             ("llama", dict(num_beams=2, length_penalty=0.5)),
                                              *((family, dict()) for family in FAMILIES)])
 def test_fused_generate_matches_hf(family, options):
     model = tiny_model(family)
@@ -103,6 +105,37 @@ def test_fused_generate_matches_hf(family, options):
     got = generate(model, ids, mask, max_new_tokens=6, eos_token_id=[], pad_token_id=0, step="fused",
                    **options)
     assert torch.equal(got, expected)
+
+
+@pytest.mark.parametrize("step, num_beams, table", [("fused", 3, True), ("fused", 1, False), ("eager", 3, False)])
+def test_only_fused_beam_search_reorders_through_a_row_table(step, num_beams, table):
+    model = tiny_model("gpt2")
+    plan = Plan.build(max_new_tokens=4, processing=LogitsProcessing(), eos=(), pad=0, num_beams=num_beams, step=step)
+    ids = left_padded([4])[0].repeat_interleave(num_beams, dim=0)
+    key = torch.zeros((), dtype=torch.long)
+    search = DecodeLoop(model, _architecture(model), plan).search(ids, torch.ones_like(ids), key)
+    assert (search.decoder.cache.source_rows is not None) == table
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_fused_beam_steps_through_the_row_table_follow_the_copying_eager_steps(family):
+    """Beam states stepped by the fused step (cache reordered through its row table) and by the eager step
+    (cache copied): same sequences and source beams, scores equal up to summation order; again after a
+    prompt pass of another prompt on the same buffers (the table is reset by it)."""
+    model = tiny_model(family)
+    first, second = left_padded([5, 5])[0], left_padded([5, 5], seed=1)[0]
+    states = [decode_step(model, first, max_new_tokens=6, num_beams=3, step=step) for step in ("eager", "fused")]
+    for prompt in (None, second):
+        for state in states:
+            if prompt is not None:
+                state.restart(prompt)
+            for _ in range(4):
+                state.step()
+        for eager, fused in zip(*(state.buffers for state in states), strict=True):
+            if eager.is_floating_point():
+                torch.testing.assert_close(fused, eager, rtol=1e-5, atol=1e-5)
+            else:
+                assert torch.equal(fused, eager)
 
 
 def test_step_values_are_checked(gpt2):
@@ -174,6 +207,11 @@ def test_decode_kernels_compile_for_hopper():
     assert hopper_compile(attention._decode_attention_kernel, lambda: attention.decode_attention(
         q, k, v, cache, cache.clone(), torch.ones(1, 144, dtype=torch.bool), torch.zeros(1, dtype=torch.long),
         0.125, ("half", tables, tables), pdl=True)) == 1
+    beams = torch.zeros(4, 12, 144, 64, dtype=half)  # GPT-2's 4-beam step reads through the row table
+    q4, k4, v4 = torch.zeros(4, 3 * 768, dtype=half).split(768, dim=1)
+    assert hopper_compile(attention._decode_attention_kernel, lambda: attention.decode_attention(
+        q4, k4, v4, beams, beams.clone(), torch.ones(4, 144, dtype=torch.bool), torch.zeros(1, dtype=torch.long),
+        0.125, source_rows=torch.zeros(4, 144, dtype=torch.int32), pdl=True)) == 1
     assert hopper_compile(argmax_kernel._argmax_kernel, lambda: argmax_kernel.argmax(torch.zeros(1, 50257),
                                                                                      pdl=True)) == 1
 

@@ -13,7 +13,7 @@ from tendril.generation.api import graphed_runners, release_graphs
 from tendril.generation.kernels import linear, reference
 from tendril.generation.kernels.layers import Norm, Projection
 from tendril.generation.noise import draw_key
-from tests.generation.kernel_cases import check_argmax, check_attention, check_linear
+from tests.generation.kernel_cases import check_argmax, check_attention, check_attention_through_rows, check_linear
 from tests.generation.models import hf_generate, left_padded, tiny_model
 
 pytestmark = pytest.mark.gpu
@@ -36,6 +36,11 @@ def test_argmax_kernel_matches_torch():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_attention_kernel_matches_reference(dtype):
     assert check_attention(dtype, "cuda") > 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_attention_kernel_reads_through_a_row_table(dtype):
+    assert check_attention_through_rows(dtype, "cuda") > 0
 
 
 @pytest.mark.parametrize("out_f, in_f, conv1d", [(2304, 768, True), (768, 3072, True), (50257, 768, False)])

@@ -3,9 +3,11 @@
 HF's `_beam_search` already keeps its bookkeeping in fixed-size tensors; what keeps it on the host is
 `cur_len` as a Python int (column writes, length penalty), the stop test, and a cache it reorders by
 reallocating. Here `cur_len` is a device tensor, columns are written by `scatter`, the length penalty is
-computed on the device, the cache is reordered in place (`StaticKVCache.reorder`), and the stop test is a
-carried device flag. The finished hypotheses are HF's fixed-size scoreboard: the best `num_beams`
-(sequence, score) pairs per batch item, merged with the newly finished candidates by a top-k each step.
+computed on the device, the cache is reordered in place (`StaticKVCache.reorder`: through its row table
+when the decoder's cache has one, which the fused step reads, by copying every layer's rows otherwise), and
+the stop test is a carried device flag. The finished hypotheses are HF's fixed-size scoreboard: the best
+`num_beams` (sequence, score) pairs per batch item, merged with the newly finished candidates by a top-k
+each step.
 
 Carried state (B batch items, K beams, L = prompt + max_new_tokens, M = max_new_tokens):
   cur_len [] long; running_sequences [B,K,L] long; running_scores [B,K] float; sequences [B,K,L] long;
@@ -13,7 +15,8 @@ Carried state (B batch items, K beams, L = prompt + max_new_tokens, M = max_new_
   beam_indices [B,K,M] int32; done [] bool.
 
 The body is also safe to evaluate on a finished state (predicated loops do that and discard the result):
-column indices are clamped into range and the cache is not reordered once `done` is set.
+column indices are clamped into range and the cache is not reordered once `done` is set (its rows keep their
+places; through a row table, the slot such a step rewrote in every row points at the row itself again).
 """
 
 from __future__ import annotations
@@ -163,7 +166,7 @@ class BeamSearch:
 
         # f. reorder the cache to the surviving beams, then decide whether to go on
         source_rows = running_beam_indices.view(b * k, -1).gather(1, generated.expand(b * k, 1)).squeeze(1)
-        d.cache.reorder(torch.where(done, self.same_rows, source_rows.long()))
+        d.cache.reorder(torch.where(done, self.same_rows, source_rows.long()), cur_len - 1)
         cur_len = cur_len + 1
         improvable = self._still_improvable(improvable, running_scores, scores, finished, cur_len)
         go_on = improvable.any() & ~hits.all()

@@ -6,8 +6,18 @@ length and `max_new_tokens` and its addresses never change. Which slots a query 
 boolean mask computed on the device from `key_valid` (the prompt's attention mask, then all ones) and
 the query's slot, so the same captured kernels serve every step: no host decision, no reallocation.
 
-Writes use `index_copy_` with slot indices held in device tensors; beam search reorders rows with
-`index_select` followed by an in-place copy, keeping the cache's storage (and a graph's placeholders) fixed.
+Writes use `index_copy_` with slot indices held in device tensors. Beam search reorders rows in one of two
+ways, both keeping the cache's storage (and a graph's placeholders) fixed:
+
+- physically (the default): every layer's keys and values are gathered by source row and copied back in
+  place, which `attend` (the eager and compiled steps, PyTorch's SDPA over whole rows) needs;
+- through a row table (`row_table=True`, FasterTransformer's indirection): `source_rows[r, s]` names the
+  physical row holding slot `s` of the sequence now in row `r`. A reorder gathers that small int32 table
+  instead of the cache, each row writes its new token's key and value in its own row, and attention reads
+  slot `s` of row `r` from row `source_rows[r, s]`. Only the fused decode kernels read through the table
+  (`kernels.decode_attention(source_rows=...)`); `attend` refuses a cache that has been reordered this way.
+
+`key_valid` is a property of the sequence, not of the storage: it is reordered physically in both modes.
 """
 
 from __future__ import annotations
@@ -29,6 +39,7 @@ class StaticKVCache:
         dtype: torch.dtype,
         device: torch.device,
         key_valid: torch.Tensor,
+        row_table: bool = False,
     ) -> None:
         if key_valid.shape != (rows, max_len) or key_valid.dtype != torch.bool:
             raise ValueError(f"key_valid must be a bool tensor of shape ({rows}, {max_len}), got {key_valid.dtype} "
@@ -39,6 +50,19 @@ class StaticKVCache:
         self.key_valid = key_valid
         """[rows, max_len] bool: slots that hold real tokens (False for left padding)."""
         self.slots = torch.arange(max_len, device=device)
+        self.row_ids = torch.arange(rows, dtype=torch.int32, device=device)
+        self.source_rows: torch.Tensor | None = (
+            self.row_ids[:, None].expand(rows, max_len).contiguous() if row_table else None)
+        """[rows, max_len] int32 with `row_table`: the physical row holding each (row, slot); None otherwise.
+        Invariant after `reorder(rows, written)`: entries of slots up to `written` are the sources, entries
+        of later slots name their own row (where that row's next token is written)."""
+        self._reordered = False
+
+    def reset_order(self) -> None:
+        """Every row reads its own storage again (a prompt pass writes every row's prompt slots itself)."""
+        if self.source_rows is not None:
+            self.source_rows.copy_(self.row_ids[:, None].expand_as(self.source_rows))
+        self._reordered = False
 
     @property
     def max_len(self) -> int:
@@ -69,14 +93,30 @@ class StaticKVCache:
         `query` is [rows, heads, T, head_dim]; heads may be a multiple of kv_heads (grouped-query attention).
         Returns [rows, heads, T, head_dim].
         """
+        if self._reordered:
+            raise ValueError("attend reads whole physical rows, but this cache was reordered through its row table "
+                             "(only the fused decode kernels read through it); call reset_order() first")
         keys, values = self.keys[layer], self.values[layer]
         keys.index_copy_(2, query_slots, key.to(keys.dtype))
         values.index_copy_(2, query_slots, value.to(values.dtype))
         grouped = query.shape[1] != keys.shape[1]
         return F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scale, enable_gqa=grouped)
 
-    def reorder(self, rows: torch.Tensor) -> None:
-        """Row `i` becomes old row `rows[i]` in every layer (beam search), in place."""
-        for tensor in (*self.keys, *self.values):
-            tensor.copy_(tensor.index_select(0, rows))
+    def reorder(self, rows: torch.Tensor, written: torch.Tensor | None = None) -> None:
+        """Row `i` becomes old row `rows[i]` (beam search), in place.
+
+        Without a row table every layer's keys and values are copied. With one, only the table is: `written`
+        (0-d long, required then) is the last slot the rows wrote themselves; slots before it keep their
+        sources' sources, slot `written` comes from row `rows[i]`, and later slots point at row `i` again
+        (so stale entries of an earlier, longer run never leak into this one)."""
+        if self.source_rows is None:
+            for tensor in (*self.keys, *self.values):
+                tensor.copy_(tensor.index_select(0, rows))
+        else:
+            if written is None:
+                raise ValueError("written (the last slot the rows wrote) is required to reorder through a row table")
+            table, slots = self.source_rows, self.slots[None, :]
+            later = torch.where(slots == written, rows.to(torch.int32)[:, None], self.row_ids[:, None])
+            table.copy_(torch.where(slots < written, table.index_select(0, rows), later))
+            self._reordered = True
         self.key_valid.copy_(self.key_valid.index_select(0, rows))

@@ -109,8 +109,11 @@ class DecodeLoop:
     def search(self, prompt: torch.Tensor, mask: torch.Tensor, noise_key: torch.Tensor) -> TokenSearch | BeamSearch:
         """The search (cond/body/start over a new decoder and cache) for these inputs."""
         plan = self.plan
+        # beam search reorders the cache through a row table when the fused kernels read it (a gather of a
+        # small int32 table instead of every layer's keys and values); PyTorch's attention needs the copy
+        row_table = plan.num_beams > 1 and plan.step == "fused" and self.arch.fused_step_reads_row_table
         decoder = Decoder.build(self.arch, prompt, mask, plan.max_new_tokens, plan.processing, self.eos, noise_key,
-                                self.cache_dtype, self.step_forward)
+                                self.cache_dtype, self.step_forward, row_table)
         if plan.num_beams == 1:
             return TokenSearch(decoder, plan.pad_token_id, self.ring)
         return BeamSearch(decoder, prompt.shape[0] // plan.num_beams, plan.num_beams, plan.length_penalty,

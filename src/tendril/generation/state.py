@@ -46,13 +46,16 @@ class Decoder:
         noise_key: torch.Tensor,
         cache_dtype: torch.dtype,
         step_forward: StepForward | None = None,
+        row_table: bool = False,
     ) -> Decoder:
+        """`row_table`: the cache is reordered through a row table (see `StaticKVCache`); only for a
+        `step_forward` that reads through it (the fused steps do)."""
         rows, prompt_len = prompt.shape
         layout = arch.layout()
         generated = torch.ones(rows, max_new_tokens, dtype=torch.bool, device=prompt.device)
         key_valid = torch.cat([mask != 0, generated], dim=1)
         cache = StaticKVCache(layout.num_layers, rows, layout.kv_heads, prompt_len + max_new_tokens, layout.head_dim,
-                              cache_dtype, prompt.device, key_valid)
+                              cache_dtype, prompt.device, key_valid, row_table)
         return cls(arch, cache, prompt, mask, max_new_tokens, processing, eos, noise_key, step_forward)
 
     def __post_init__(self) -> None:
@@ -75,6 +78,7 @@ class Decoder:
 
     def prefill(self) -> torch.Tensor:
         """Run the prompt through the model, filling cache slots 0..P-1; logits of the last position."""
+        self.cache.reset_order()
         positions = (self.mask.cumsum(-1) - 1).masked_fill(self.mask == 0, 0)
         return self.arch.forward(self.prompt, positions, self.cache.slots[: self.prompt_len], self.cache)
 

@@ -36,6 +36,9 @@ class DecoderArchitecture(ABC):
     """
 
     model_types: ClassVar[tuple[str, ...]] = ()
+    fused_step_reads_row_table: ClassVar[bool] = False
+    """True when `fused_step`'s attention reads the cache through `StaticKVCache.source_rows` (when it is not
+    None), so beam search may reorder the table instead of copying the cache."""
 
     def __init__(self, model: nn.Module) -> None:
         self.model: Any = model

@@ -27,6 +27,7 @@ from tendril.generation.kernels import Norm, Projection, activation_for, decode_
 
 @register
 class GPT2(DecoderArchitecture):
+    fused_step_reads_row_table = True
     model_types = ("gpt2",)
 
     def check(self, config: Any) -> None:
@@ -85,7 +86,7 @@ class GPT2(DecoderArchitecture):
             for index, (ln_1, qkv, attn_out, ln_2, fc, mlp_out, scale) in enumerate(layers):
                 query, key, value = fused_linear(hidden, qkv, norm=ln_1).split(width, dim=1)
                 out = decode_attention(query, key, value, cache.keys[index], cache.values[index], cache.key_valid,
-                                       query_slots, scale)
+                                       query_slots, scale, source_rows=cache.source_rows)
                 hidden = fused_linear(out, attn_out, addends=(hidden,))
                 hidden = fused_linear(fused_linear(hidden, fc, norm=ln_2, activation=activation), mlp_out,
                                       addends=(hidden,))

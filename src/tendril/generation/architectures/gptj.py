@@ -33,6 +33,7 @@ from tendril.generation.kernels import Norm, Projection, activation_for, decode_
 
 @register
 class GPTJ(DecoderArchitecture):
+    fused_step_reads_row_table = True
     model_types = ("gptj",)
 
     def check(self, config: Any) -> None:
@@ -103,7 +104,7 @@ class GPTJ(DecoderArchitecture):
             for index, (ln_1, qkv, attn_out, fc_in, fc_out) in enumerate(layers):
                 query, key, value = fused_linear(hidden, qkv, norm=ln_1).split(qkv.out_sizes, dim=1)
                 out = decode_attention(query, key, value, cache.keys[index], cache.values[index], cache.key_valid,
-                                       query_slots, self.scale, rotary)
+                                       query_slots, self.scale, rotary, source_rows=cache.source_rows)
                 attended = fused_linear(out, attn_out)
                 hidden = fused_linear(fused_linear(hidden, fc_in, norm=ln_1, activation=activation), fc_out,
                                       addends=(attended, hidden))

@@ -55,6 +55,7 @@ _STATIC_ROPE = {"default", "linear", "llama3", "yarn"}
 
 @register
 class Llama(DecoderArchitecture):
+    fused_step_reads_row_table = True
     model_types = ("llama", "mistral", "qwen2")
 
     def check(self, config: Any) -> None:
@@ -143,7 +144,7 @@ class Llama(DecoderArchitecture):
             for index, (norm_1, qkv, attn_out, norm_2, gate_up, down, scale) in enumerate(layers):
                 query, key, value = fused_linear(hidden, qkv, norm=norm_1).split(qkv.out_sizes, dim=1)
                 out = decode_attention(query, key, value, cache.keys[index], cache.values[index], cache.key_valid,
-                                       query_slots, scale, rotary)
+                                       query_slots, scale, rotary, source_rows=cache.source_rows)
                 hidden = parallel.reduce(fused_linear(out, attn_out, addends=parallel.residual(hidden)))
                 gated = fused_linear(hidden, gate_up, norm=norm_2, activation=activation, gated=True)
                 hidden = parallel.reduce(fused_linear(gated, down, addends=parallel.residual(hidden)))

@@ -73,11 +73,14 @@ def decode_attention(
     slot: torch.Tensor,
     scale: float,
     rotary: tuple[str, torch.Tensor, torch.Tensor] | None = None,
+    *,
+    source_rows: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """One query token per row over the static cache, writing its key and value at `slot`; see
-    `reference.decode_attention`."""
+    """One query token per row over the static cache, writing its key and value at `slot`, reading earlier
+    slots through `source_rows` when given; see `reference.decode_attention`."""
     if _use_triton(q):
         from tendril.generation.kernels import attention
 
-        return attention.decode_attention(q, k, v, keys, values, key_valid, slot, scale, rotary)
-    return reference.decode_attention(q, k, v, keys, values, key_valid, slot, scale, rotary)
+        return attention.decode_attention(q, k, v, keys, values, key_valid, slot, scale, rotary,
+                                          source_rows=source_rows)
+    return reference.decode_attention(q, k, v, keys, values, key_valid, slot, scale, rotary, source_rows=source_rows)

@@ -18,6 +18,10 @@ rotary embedding's `x * cos + rotate(x) * sin` into a fused multiply-add, one ro
 (separate multiply and add kernels) round twice, and the key written to the cache would differ from HF's in
 the last bit. (In fp16/bf16 the explicit rounding of each product already keeps them apart.)
 
+With a row table (`source_rows`, beam search's reorder by indirection, see `StaticKVCache`) slot `s` of
+row `r` is read from row `source_rows[r, s]`: the table's entries load with the validity flags and only
+offset the key/value loads, so greedy decoding (no table) compiles the kernel without them.
+
 One program walks all earlier slots of its (row, head): right for the short caches of a decode step at
 batch 1 (a few hundred slots); long contexts would want the slots split across programs (flash decoding).
 """
@@ -51,6 +55,8 @@ def _decode_attention_kernel(
     stride_cs,
     valid_ptr,
     stride_valid,
+    table_ptr,
+    stride_table,
     slot_ptr,
     out_ptr,
     stride_om,
@@ -61,6 +67,7 @@ def _decode_attention_kernel(
     BLOCK_S: tl.constexpr,
     ROTARY: tl.constexpr,
     ROTARY_DIM: tl.constexpr,
+    INDIRECT: tl.constexpr,
     PDL: tl.constexpr,
 ):
     if PDL:  # nothing here is constant during a step: start early, then wait for the previous kernel
@@ -113,9 +120,15 @@ def _decode_attention_kernel(
     acc = v_new
     for start in range(0, slot, BLOCK_S):
         s = start + tl.arange(0, BLOCK_S)  # [BLOCK_S]
-        # the three loads are independent (masking the cache reads by `valid` would wait for it)
+        # the flags, keys and values load independently (masking the cache reads by `valid` would wait for
+        # it); with a row table the keys and values wait for the table's entries, loaded alongside the flags
         valid = tl.load(valid_ptr + row * stride_valid + s, mask=s < slot, other=0) != 0
-        offsets = cache_row + s[:, None] * stride_cs + d[None, :]  # [BLOCK_S, BLOCK_D]
+        if INDIRECT:  # each slot from the row its table entry names
+            source = tl.load(table_ptr + row * stride_table + s, mask=s < slot, other=0).to(tl.int64)
+            slot_rows = source * stride_cr + kv_head * stride_ch + s * stride_cs  # [BLOCK_S]
+        else:
+            slot_rows = cache_row + s * stride_cs
+        offsets = slot_rows[:, None] + d[None, :]  # [BLOCK_S, BLOCK_D]
         tile_mask = (s < slot)[:, None] & d_mask[None, :]
         keys = tl.load(keys_ptr + offsets, mask=tile_mask, other=0.0).to(tl.float32)
         values = tl.load(values_ptr + offsets, mask=tile_mask, other=0.0).to(tl.float32)
@@ -149,6 +162,7 @@ def decode_attention(
     scale: float,
     rotary: tuple[str, torch.Tensor, torch.Tensor] | None = None,
     *,
+    source_rows: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
     block_s: int | None = None,
     num_warps: int = 4,
@@ -156,7 +170,7 @@ def decode_attention(
 ) -> torch.Tensor:
     """The Triton kernel of `reference.decode_attention` (same arguments and result), writing into `out`
     ([rows, heads * head_dim], contiguous rows) when given. `block_s` slots per block default to the cache
-    length up to `MAX_BLOCK_S`; `pdl` as in `pdl.enabled`."""
+    length up to `MAX_BLOCK_S`; `pdl` as in `pdl.enabled`; `source_rows` as in the reference."""
     rows, kv_heads, max_len, head_dim = keys.shape
     if values.shape != keys.shape or values.stride() != keys.stride() or keys.stride(3) != 1:
         raise ValueError(f"keys and values must share shape and strides with contiguous head_dim, got "
@@ -171,6 +185,10 @@ def decode_attention(
     if key_valid.shape != (rows, max_len) or key_valid.dtype != torch.bool or key_valid.stride(1) != 1:
         raise ValueError(f"key_valid must be a bool [{rows}, {max_len}] tensor, got {key_valid.dtype} "
                          f"{tuple(key_valid.shape)}")
+    if source_rows is not None and (source_rows.shape != (rows, max_len) or source_rows.dtype != torch.int32
+                                    or source_rows.stride(1) != 1):
+        raise ValueError(f"source_rows must be an int32 [{rows}, {max_len}] tensor with contiguous rows, got "
+                         f"{source_rows.dtype} {tuple(source_rows.shape)} strides {source_rows.stride()}")
     if slot.numel() != 1 or slot.dtype != torch.long:
         raise ValueError(f"slot must be a one-element int64 tensor, got {slot.dtype} {tuple(slot.shape)}")
     kind, cos, sin = rotary if rotary is not None else (None, q, q)
@@ -191,6 +209,7 @@ def decode_attention(
         cos, sin, cos.stride(0),
         keys, values, keys.stride(0), keys.stride(1), keys.stride(2),
         key_valid.view(torch.uint8), key_valid.stride(0),
+        source_rows if source_rows is not None else slot, source_rows.stride(0) if source_rows is not None else 0,
         slot,
         out, out.stride(0),
         float(scale),
@@ -200,6 +219,7 @@ def decode_attention(
         BLOCK_S=block_s,
         ROTARY=_ROTARY[kind],
         ROTARY_DIM=rotary_dim,
+        INDIRECT=source_rows is not None,
         PDL=pdl,
         num_warps=num_warps,
         enable_fp_fusion=False,

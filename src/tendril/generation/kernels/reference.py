@@ -108,12 +108,16 @@ def decode_attention(
     slot: torch.Tensor,
     scale: float,
     rotary: tuple[str, torch.Tensor, torch.Tensor] | None = None,
+    *,
+    source_rows: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One query token per row over a static cache, writing its own key and value first.
 
     q: [rows, heads * D]; k, v: [rows, kv_heads * D]; keys/values: [rows, kv_heads, max_len, D] (written
     at `slot`, a one-element long tensor); key_valid: [rows, max_len] bool. The query sees valid slots
-    before its own and its own. `rotary`: (kind, cos, sin) applied to q and k. Returns [rows, heads * D].
+    before its own and its own. `rotary`: (kind, cos, sin) applied to q and k. `source_rows` ([rows,
+    max_len] int, `StaticKVCache`'s row table): slot `s < slot` of row `r` is read from row
+    `source_rows[r, s]` (the own slot always from row `r`, where it is written). Returns [rows, heads * D].
     """
     rows, kv_heads, _, head_dim = keys.shape
     q = q.reshape(rows, -1, head_dim)
@@ -127,8 +131,20 @@ def decode_attention(
     values.index_copy_(2, slot, v[:, :, None].to(values.dtype))
     slots = torch.arange(keys.shape[2], device=keys.device)
     visible = (key_valid & (slots < slot)) | (slots == slot)  # [rows, max_len]
+    if source_rows is not None:
+        keys, values = _read_rows(keys, source_rows, slot), _read_rows(values, source_rows, slot)
     group = q.shape[1] // kv_heads
     scores = torch.einsum("rhd,rhsd->rhs", q.float(), keys.float().repeat_interleave(group, dim=1)) * scale
     scores = scores.masked_fill(~visible[:, None, :], float("-inf"))
     out = torch.einsum("rhs,rhsd->rhd", scores.softmax(-1), values.float().repeat_interleave(group, dim=1))
     return out.to(q.dtype).reshape(rows, -1)
+
+
+def _read_rows(cache: torch.Tensor, source_rows: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
+    """[rows, kv_heads, max_len, D] with slot `s` of row `r` taken from row `source_rows[r, s]` for `s < slot`
+    and from row `r` for later slots (gathered explicitly: the oracle of the kernel's indirection)."""
+    rows, _, max_len, _ = cache.shape
+    slots = torch.arange(max_len, device=cache.device)
+    own = torch.arange(rows, device=cache.device)[:, None]
+    table = torch.where(slots < slot, source_rows.long(), own)  # [rows, max_len]
+    return cache[table, :, slots[None, :].expand(rows, max_len)].permute(0, 2, 1, 3)
