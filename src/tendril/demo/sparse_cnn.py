@@ -1,7 +1,7 @@
 """Demo: a pruned CNN run by tendril's sparse×sparse engine against dense PyTorch.
 
-A VGG-style network (random weights, Deep-Compression-like 30% weight density, ReLU activations)
-is pruned, converted with `tendril.sparse.convert`, and run on the same input: on a GPU, dense
+A VGG-style network (random weights pruned to `WEIGHT_DENSITY`, the 90% sparsity the engines target; ReLU
+activations) is pruned, converted with `tendril.sparse.convert`, and run on the same input: on a GPU, dense
 cuDNN fp32 and tendril's engine each replayed as one CUDA graph; on the CPU, dense PyTorch against
 tendril's CPU implementation of the same sparse algorithm. Every tendril row is checked against
 dense PyTorch on the same pruned weights.
@@ -16,6 +16,8 @@ from tendril.demo import DemoSection, Row, SectionResult
 from tendril.graphs.capture import capture
 from tendril.sparse import convert, prune
 from tendril.utils.timing import time_callable
+
+WEIGHT_DENSITY = 0.1
 
 
 def _vgg_style(width: int) -> nn.Module:
@@ -37,7 +39,7 @@ def run(device: torch.device, quick: bool) -> SectionResult:
     else:
         size, width = (32, 8) if quick else (64, 16)
     model = _vgg_style(width).eval().to(device)
-    prune(model, 0.3)
+    prune(model, WEIGHT_DENSITY)
     x = torch.randn(1, 3, size, size, device=device)
     reps = 3 if quick else 30
     net = convert(model, x)
