@@ -3,11 +3,6 @@ fused step of every architecture against its forward, and the Triton kernels und
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -19,8 +14,8 @@ from tendril.generation.loop import DecodeLoop, Plan
 from tendril.generation.processors import LogitsProcessing
 from tendril.generation.state import Decoder
 from tests.generation.models import hf_generate, left_padded, tiny_model
+from tests.utils.interpreter import run_interpreted
 
-ROOT = Path(__file__).resolve().parents[2]
 FAMILIES = ["gpt2", "gptj", "llama", "mistral", "qwen2"]
 
 
@@ -164,11 +159,7 @@ def test_projection_and_norm_read_hf_modules():
 
 
 def test_triton_kernels_match_their_references_under_the_interpreter():
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT)])}
-    result = subprocess.run([sys.executable, "-m", "tests.generation.interpreted_kernels"], cwd=ROOT, env=env,
-                            capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stdout + result.stderr
-    assert "interpreted checks passed" in result.stdout
+    run_interpreted("tests.generation.interpreted_kernels", "interpreted checks passed")
 
 
 def _gpt2_projection(out_f: int, in_f: int, conv1d: bool, dtype: torch.dtype = torch.float16) -> Projection:

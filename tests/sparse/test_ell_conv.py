@@ -6,10 +6,6 @@ residual and ReLU, empty channels), and the kernel as `tune` admits it on conver
 from __future__ import annotations
 
 import dataclasses
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -24,8 +20,8 @@ from tendril.sparse.steps import RunState, SparseConvStep
 from tendril.sparse.tuning import KernelTuner
 from tests.sparse.ell_checks import CASES, SMALL_CONFIGS, EllCase, check_case, operands
 from tests.sparse.models import Bottleneck, ResNetLike, randomize_batchnorm, vgg_like
+from tests.utils.interpreter import run_interpreted
 
-ROOT = Path(__file__).resolve().parents[2]
 CPU = torch.device("cpu")
 
 
@@ -120,17 +116,7 @@ def test_the_emulation_matches_the_float64_reference(case, dtype):
 
 
 def test_the_triton_kernel_matches_the_float64_reference_under_the_interpreter():
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT)])}
-    result = subprocess.run(
-        [sys.executable, "-m", "tests.sparse.interpreted_ell"],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert result.returncode == 0, result.stdout + result.stderr
-    assert "interpreted ell checks passed" in result.stdout
+    run_interpreted("tests.sparse.interpreted_ell", "interpreted ell checks passed")
 
 
 def test_bad_arguments_are_rejected_by_name():

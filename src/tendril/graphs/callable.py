@@ -44,6 +44,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from tendril.config import Config
+from tendril.graphs.admission import graphs_unavailable, placement_refusal
 from tendril.graphs.backend import Backend, Captured, CaptureFailed
 from tendril.graphs.buckets import Buckets, PaddedCall, cut_back, follow_length, parameter_positions, probe_length
 from tendril.graphs.examples import Call as Call
@@ -66,13 +67,6 @@ _KEY_CACHE_SIZE = 4096
 
 class GraphFallbackWarning(UserWarning):
     """A graphed callable ran a call eagerly; issued once per reason per callable."""
-
-
-def graphs_unavailable(backend: Backend, config: Config) -> tuple[Fallback, str] | None:
-    """Why every call runs eagerly (the backend cannot capture here, or `TENDRIL_NO_GRAPHS`), or None."""
-    if config.disable_graphs:
-        return Fallback.GRAPHS_DISABLED, "TENDRIL_NO_GRAPHS is set"
-    return backend.unavailable()
 
 
 @dataclass
@@ -341,15 +335,7 @@ class GraphedCallable:
         failed = self.stats.failed_keys.get(key)
         if failed is not None:
             return failed, f"capture of {key} failed before"
-        devices = key.devices()
-        refused = sorted(str(device) for device in devices if not self._backend.accepts(device))
-        if refused:
-            return Fallback.CPU_TENSOR, f"tensor arguments on {', '.join(refused)}"
-        if len(devices) > 1:
-            return Fallback.MIXED_DEVICES, f"tensor arguments on {', '.join(sorted(map(str, devices)))}"
-        if len(self._entries) >= self.options.max_graphs:
-            return Fallback.LIMIT, f"{len(self._entries)} graphs captured, max_graphs={self.options.max_graphs}"
-        return None
+        return placement_refusal(key, self._backend, len(self._entries), self.options.max_graphs)
 
     def _admit(
         self, key: GraphKey | Unkeyable, flat: Flattened, padded: PaddedCall | None = None

@@ -107,7 +107,7 @@ class ValueChecks:
     def raise_first(self) -> None:
         if not self.broken:
             return
-        flags = torch.stack([flag for flag, _ in self.broken]).tolist()
+        flags = torch.stack([flag for flag, _ in self.broken]).tolist()  # one host read, at construction only
         for flag, (_, message) in zip(flags, self.broken, strict=True):
             if flag:
                 raise ValueError(f"{self.owner}: {message}")

@@ -48,9 +48,10 @@ from typing import Any
 import torch
 
 from tendril.config import Config
+from tendril.graphs.admission import graphs_unavailable, placement_refusal
 from tendril.graphs.backend import Backend, Captured, CaptureFailed
 from tendril.graphs.buckets import Buckets, parameter_positions
-from tendril.graphs.callable import GraphFallbackWarning, graphs_unavailable
+from tendril.graphs.callable import GraphFallbackWarning
 from tendril.graphs.key import Flattened, GraphKey, Unkeyable, flatten_call, key_of
 from tendril.graphs.memory import PlaceholderArena
 from tendril.graphs.options import DEFAULT_MAX_GRAPHS, GraphMemoryPolicy
@@ -214,15 +215,7 @@ class GraphedStep:
         if failed is not None:
             detail = self.stats.fallback_details.get(failed, "")
             return failed, f"the key {key} failed before: {detail}"
-        devices = key.devices()
-        refused = sorted(str(device) for device in devices if not self._backend.accepts(device))
-        if refused:
-            return Fallback.CPU_TENSOR, f"tensor arguments on {', '.join(refused)}"
-        if len(devices) > 1:
-            return Fallback.MIXED_DEVICES, f"tensor arguments on {', '.join(sorted(map(str, devices)))}"
-        if len(self._graphs) >= self.max_graphs:
-            return Fallback.LIMIT, f"{len(self._graphs)} graphs captured, max_graphs={self.max_graphs}"
-        return None
+        return placement_refusal(key, self._backend, len(self._graphs), self.max_graphs)
 
     def _warm(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], key: GraphKey) -> Any:
         """Rule 1: the call's step, eagerly, on the capture stream; checked for host syncs once the optimizer has

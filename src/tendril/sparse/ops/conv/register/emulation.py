@@ -46,6 +46,7 @@ def conv(
     tickets = torch.zeros(tiles * k_blocks, dtype=torch.int64)
     counts = torch.zeros(g.groups * splits * tiles, dtype=torch.int32)
     blocks = [(tile, kb, split) for split in range(splits) for kb in range(k_blocks) for tile in range(tiles)]
+    # CPU emulation only (never captured): a random program order shows the result does not depend on it
     order = range(len(blocks)) if block_order is None else torch.randperm(len(blocks), generator=block_order).tolist()
     for index in order:
         tile, kb, split = blocks[index]
