@@ -41,7 +41,8 @@ def build(case: str, command: str, ctx: Context, error: str | None = None) -> di
 def merge(parts: list[dict[str, Any]]) -> dict[str, Any]:
     """One result from the results of one case run in parts (e.g. one model per device call, chosen by the case's
     environment variable): rows and notes in order, targets, goals and `extra` united. The parts must be of one
-    case, on one kind of device, and may not set one target twice (`ValueError`)."""
+    case, on one kind of device (`ValueError`). A target with a goal that several parts set (an aggregate such as
+    the largest error over models) takes its worst value under that goal; one without a goal may be set once."""
     if not parts:
         raise ValueError("merge needs at least one result")
     case = parts[0]["case"]
@@ -52,11 +53,20 @@ def merge(parts: list[dict[str, Any]]) -> dict[str, Any]:
             raise ValueError(f"{case}: parts ran on different devices or torch versions: "
                              f"{parts[0]['device']} / {parts[0]['torch']} and {part['device']} / {part['torch']}")
     targets: dict[str, Any] = {}
+    goals: dict[str, Any] = {}
     for part in parts:
-        twice = sorted(targets.keys() & part["targets"].keys())
-        if twice:
-            raise ValueError(f"{case}: targets {twice} are set by more than one part")
-        targets.update(part["targets"])
+        for name, value in part["targets"].items():
+            goal = part["goals"].get(name)
+            if name not in targets:
+                targets[name] = value
+                if goal is not None:
+                    goals[name] = dict(goal)
+                continue
+            if goal is None or goals.get(name, {}).get("goal") != goal["goal"]:
+                raise ValueError(f"{case}: target {name!r} is set by more than one part without one goal")
+            higher_is_worse = goal["goal"].startswith("<")
+            targets[name] = (max if higher_is_worse else min)(targets[name], value)
+            goals[name]["met"] = goals[name]["met"] and goal["met"]
     extra: dict[str, Any] = {}
     for part in parts:
         _unite(extra, part.get("extra", {}), case)
@@ -69,7 +79,7 @@ def merge(parts: list[dict[str, Any]]) -> dict[str, Any]:
         "quick": any(part["quick"] for part in parts),
         "rows": [row for part in parts for row in part["rows"]],
         "targets": targets,
-        "goals": {name: goal for part in parts for name, goal in part["goals"].items()},
+        "goals": goals,
         "notes": [note for part in parts for note in part["notes"]],
         "extra": extra,
         **({"error": "; ".join(errors)} if errors else {}),

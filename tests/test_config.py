@@ -34,3 +34,8 @@ def test_triton_interpret_is_read_like_tendrils_own_flags():
     assert not Config.from_env({}).triton_interpret
     assert Config.from_env({"TRITON_INTERPRET": "1"}).triton_interpret
     assert not Config.from_env({"TRITON_INTERPRET": "0"}).triton_interpret
+
+
+def test_directories_given_as_strings_are_kept_as_paths(tmp_path):
+    config = Config(cache_dir=str(tmp_path), inductor_cache_dir=str(tmp_path / "inductor"))
+    assert config.cache_dir == tmp_path and config.inductor_cache_dir == tmp_path / "inductor"

@@ -58,6 +58,12 @@ class Config:
     inductor_cache_dir: Path | None = None
     """Where Inductor keeps its caches for `graphed(compile=...)`; None: `cache_dir / "inductor"`."""
 
+    def __post_init__(self) -> None:
+        """Directories may be given as strings; they are kept as `Path`s."""
+        object.__setattr__(self, "cache_dir", Path(self.cache_dir))
+        if self.inductor_cache_dir is not None:
+            object.__setattr__(self, "inductor_cache_dir", Path(self.inductor_cache_dir))
+
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Config:
         env = os.environ if env is None else env

@@ -104,12 +104,32 @@ def test_merge_unites_a_case_run_in_parts(fake_case, tmp_path):
     assert "`other_target`" in (tmp_path / "m" / f"{fake_case}.md").read_text()
 
 
+def test_merge_keeps_the_worst_value_of_a_target_several_parts_set(fake_case, tmp_path):
+    from benchmarks import results
+
+    run_case(fake_case, quick=True, out_dir=tmp_path, command="cmd")
+    part = json.loads((tmp_path / f"{fake_case}.json").read_text())
+    part["targets"] = {"error": 0.01, "speedup": 2.0}
+    part["goals"] = {"error": {"goal": "<= 0.02", "met": True}, "speedup": {"goal": ">= 1.5", "met": True}}
+    worse = {**part, "targets": {"error": 0.03, "speedup": 1.2},
+             "goals": {"error": {"goal": "<= 0.02", "met": False}, "speedup": {"goal": ">= 1.5", "met": False}}}
+    merged = results.merge([part, worse, part])
+    assert merged["targets"] == {"error": 0.03, "speedup": 1.2}
+    assert not merged["goals"]["error"]["met"] and not merged["goals"]["speedup"]["met"]
+    assert part["goals"]["error"]["met"], "merge must not change its parts"
+
+
 def test_merge_refuses_parts_that_set_one_target_twice_or_differ_in_case(fake_case, tmp_path):
     from benchmarks import results
 
     run_case(fake_case, quick=True, out_dir=tmp_path, command="cmd")
     part = json.loads((tmp_path / f"{fake_case}.json").read_text())
+    part["targets"] = {"no_goal": 1.0}
+    part["goals"] = {}
     with pytest.raises(ValueError, match="more than one part"):
         results.merge([part, part])
+    other_goal = {**part, "goals": {"no_goal": {"goal": ">= 2", "met": False}}}
+    with pytest.raises(ValueError, match="more than one part"):
+        results.merge([other_goal, {**other_goal, "goals": {"no_goal": {"goal": ">= 3", "met": False}}}])
     with pytest.raises(ValueError, match="cannot merge"):
         results.merge([part, {**part, "case": "another", "targets": {}}])

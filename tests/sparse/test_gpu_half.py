@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from tendril.sparse import convert
 from tendril.sparse.ops.compress import triton as compress_triton
 from tendril.sparse.ops.conv.cartesian_triton import kernel as conv_triton
-from tendril.sparse.ops.conv.registry import DENSE_KERNELS, dense_kernels_for
+from tendril.sparse.ops.conv.registry import BY_NAME, DENSE_KERNELS, dense_kernels_for
 from tendril.sparse.ops.linear import triton as linear_triton
 from tendril.sparse.steps import SparseConvStep, SparseLinearStep
 from tests.sparse.checks import CONV_CASES, GEMM_CASES
@@ -146,7 +146,8 @@ def test_tuned_half_network_per_layer_end_to_end_and_in_a_cuda_graph(index, dtyp
 def test_sparse_only_half_network_end_to_end_and_in_a_cuda_graph(index, dtype):
     model, placeholder, net = _half_network(index, dtype, dense_fallback=False)
     kernels = {s.conv_kernel for s in net.steps if isinstance(s, SparseConvStep)}
-    assert kernels == {"triton"} and not kernels & set(DENSE_KERNELS)
+    assert kernels and not kernels & set(DENSE_KERNELS), kernels
+    assert all(dtype in BY_NAME[name].dtypes for name in kernels), kernels
     check_network_half(model, placeholder, dtype, net)
     _assert_graph_replays_match(net, model, placeholder, dtype, replays=3)
     net.set_backend("triton")

@@ -77,14 +77,20 @@ def batches(lengths: list[int], device: str | torch.device = "cpu", batch: int =
     return out
 
 
-def padded(data: list[tuple], buckets: Buckets | None) -> list[tuple]:
-    """The batches as the graphed step runs them (padded to their bucket): what the eager reference runs too."""
+def padded(data: list[tuple], buckets: Buckets | None, names: tuple[str, ...] = ("x", "y")) -> list[tuple]:
+    """The batches as the graphed step runs them (padded to their bucket): what the eager reference runs too.
+    `names` are the step's parameter names, in order; every argument the buckets pad must be among them (else the
+    reference would silently run unpadded batches)."""
     if buckets is None:
         return data
+    missing = [name for name, _ in buckets.pads if name not in names]
+    if missing:
+        raise ValueError(f"the buckets pad {missing}, not parameters of the step {names}")
+    positions = {name: index for index, name in enumerate(names)}
     result = []
-    for x, y in data:
-        call = buckets.pad((x, y), {}, {"x": 0, "y": 1})
-        result.append(call.args if call is not None else (x, y))
+    for batch in data:
+        call = buckets.pad(batch, {}, positions)
+        result.append(tuple(call.args) if call is not None else batch)
     return result
 
 

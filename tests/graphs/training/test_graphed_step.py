@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import tendril
+from benchmarks.hf_training_steps import wav2vec2_buckets
 from tendril.config import Config
 from tendril.graphs.backend import CaptureFailed, NullBackend
 from tendril.graphs.callable import GraphFallbackWarning
@@ -60,6 +61,16 @@ def test_twenty_steps_equal_the_eager_loop_exactly(buckets):
     assert all(int(s["step"].item()) == 20 for s in optimizer.state.values())
     if buckets is not None:
         assert stats.padded_calls > 0
+
+
+def test_the_eager_reference_pads_the_arguments_the_buckets_name():
+    buckets = wav2vec2_buckets((8, 16))
+    audio, mask, labels = torch.randn(2, 5), torch.ones(2, 5, dtype=torch.long), torch.tensor([[3, -100], [4, 5]])
+    [(padded_audio, padded_mask, same_labels)] = padded([(audio, mask, labels)], buckets, ("audio", "mask", "labels"))
+    assert padded_audio.shape == padded_mask.shape == (2, 8) and same_labels is labels
+    assert torch.equal(padded_audio[:, :5], audio) and not padded_mask[:, 5:].any()
+    with pytest.raises(ValueError, match=r"pad \['audio', 'mask'\], not parameters of the step"):
+        padded([(audio, mask, labels)], buckets)
 
 
 def test_gradient_accumulation_updates_every_nth_call_exactly_as_eager():

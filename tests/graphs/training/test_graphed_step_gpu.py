@@ -3,6 +3,8 @@ step; fp32 within 1e-5 relative after 20 steps, AMP within 1e-3, dropout drawing
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import torch
 from torch.nn.attention import sdpa_kernel
@@ -43,8 +45,9 @@ def run_both(make_model, make_optimizer, make_step, data, buckets, scaler=None):
     reference_scaler = None if scaler is None else scaler()
     step_scaler = None if scaler is None else scaler()
     eager = make_step(reference, reference_optimizer, reference_scaler)
+    names = tuple(inspect.signature(eager).parameters)
     with sdpa_kernel(list(GRAPH_SDPA_BACKENDS)):
-        for batch in padded(data, buckets):
+        for batch in padded(data, buckets, names):
             eager(*batch)
         step = tendril.graphed_step(
             make_step(model, optimizer, step_scaler), model=model, optimizer=optimizer, scaler=step_scaler,
