@@ -53,6 +53,7 @@ from torch.fx.experimental.optimization import fuse
 
 from benchmarks.registry import Context, Goal, register
 from tendril.sparse import convert, prune
+from tendril.sparse.ops import cpu_threads
 from tendril.sparse.ops.compress import cpu as compress_cpu
 from tendril.sparse.ops.conv.cpu import kernel as conv_cpu
 from tendril.sparse.steps import RunState, SparseConvStep, SparseLinearStep
@@ -342,5 +343,8 @@ def run(ctx: Context) -> None:
         "separable strided maxima (torch's NCHW max_pool2d, which the dense model runs, is a scalar loop at batch 1). "
         "Dense = PyTorch CPU (oneDNN) on the same pruned weights, BatchNorm folded. Per-layer tendril times include "
         "filling the phase planes (counting the input's nonzeros on the way; 1×1 layers count only when asked), "
-        "bias, residual and ReLU; dense per-layer times are the Conv2d/Linear module alone."
+        "bias, residual and ReLU; dense per-layer times are the Conv2d/Linear module alone. "
+        f"tendril's kernels ran on numba's {cpu_threads.threading_layer()!r} threading layer, torch on one thread "
+        "during its forwards."
     )
+    ctx.extra["numba_threading_layer"] = cpu_threads.threading_layer()

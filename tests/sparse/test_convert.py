@@ -41,6 +41,32 @@ def test_cpu_network_matches_dense_pytorch(name, threads):
     assert 0 < compressed < dense
 
 
+def test_a_cpu_forward_runs_torch_on_one_thread_and_restores_the_callers_counts(monkeypatch):
+    import numba
+
+    from tendril.sparse.ops import cpu_threads
+
+    torch.manual_seed(0)
+    model = alexnet_like().eval()
+    prune(model, "alexnet")
+    net = convert(model, torch.randn(1, 3, 67, 67)).set_backend("cpu", 2)
+    seen = []
+    step = next(s for s in net.steps if isinstance(s, SparseConvStep))
+    run = step.run
+    record = lambda *a: seen.append((torch.get_num_threads(), numba.get_num_threads())) or run(*a)  # noqa: E731
+    monkeypatch.setattr(step, "run", record)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(3)
+    try:
+        with torch.no_grad():
+            net(torch.randn(1, 3, 67, 67))
+        assert torch.get_num_threads() == 3
+    finally:
+        torch.set_num_threads(previous)
+    assert seen == [(1, min(2, numba.config.NUMBA_NUM_THREADS))]
+    assert cpu_threads.threading_layer() in ("omp", "tbb", "workqueue")
+
+
 def test_fusions_fold_batchnorm_relu_and_residual_adds_into_the_sparse_layers():
     model = randomize_batchnorm(ResNetLike(Bottleneck, (1, 1))).eval()
     net = convert(model, torch.randn(1, 3, 32, 32))

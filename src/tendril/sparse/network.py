@@ -29,12 +29,14 @@ run the network's dtype (`ConvKernel.dtypes`; the CUDA C++ ones are fp32 only), 
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
+from tendril.sparse.ops import cpu_threads
 from tendril.sparse.ops.conv.register.tiling import RegisterTilePlan
 from tendril.sparse.steps import DenseStep, RunState, SparseConvStep, SparseLinearStep, Step
 from tendril.sparse.tuning import KernelTuner
@@ -143,11 +145,19 @@ class SparseNetwork:
             raise ValueError(f"x: expected a {self.dtype} input on {self.device}, got {x.dtype} on {x.device}")
         self.state.count_inputs = self.count_activations
         values = {self.input_name: x}
-        for step in self.steps:
-            values[step.output] = step.run([values[name] for name in step.inputs], self.state)
+        with self._cpu_threads():
+            for step in self.steps:
+                values[step.output] = step.run([values[name] for name in step.inputs], self.state)
         return values[self.output_name]
 
     __call__ = forward
+
+    def _cpu_threads(self) -> contextlib.AbstractContextManager[object]:
+        """The CPU backend's thread counts for a whole forward (`cpu_threads.kernel_threads`: numba's workers for
+        the kernels, torch on one thread so that its pool does not spin against them); nothing elsewhere."""
+        if self.backend != "cpu":
+            return contextlib.nullcontext()
+        return cpu_threads.kernel_threads(self.threads)
 
     @torch.no_grad()
     def profile(self, x: torch.Tensor) -> list[tuple[str, float]]:
@@ -158,10 +168,11 @@ class SparseNetwork:
         self.state.count_inputs = True
         if self.device.type != "cuda":
             timings = []
-            for step in self.steps:
-                start = time.perf_counter()
-                values[step.output] = step.run([values[name] for name in step.inputs], self.state)
-                timings.append((step.name, (time.perf_counter() - start) * 1e3))
+            with self._cpu_threads():
+                for step in self.steps:
+                    start = time.perf_counter()
+                    values[step.output] = step.run([values[name] for name in step.inputs], self.state)
+                    timings.append((step.name, (time.perf_counter() - start) * 1e3))
             return timings
         events = []
         for step in self.steps:

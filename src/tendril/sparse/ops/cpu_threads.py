@@ -1,22 +1,27 @@
 """Thread control shared by the CPU operators.
 
-The compiled kernels (`cpu_kernels.py`) run on numba's thread pool, the library calls (torch's sparse
-BLAS) on torch's; `kernel_threads(n)` sets how many threads of each a call may use (numba's capped at
-its pool size, `NUMBA_NUM_THREADS`, which defaults to the number of cores) and restores the previous
-counts afterwards (torch's only if it changed them: a caller that sets torch's count to the backend's
-pays nothing). Importing numba is deferred to the
-first CPU-kernel call, so the GPU backends never need it.
+The compiled kernels (`cpu_kernels.py`) run on numba's thread pool. `kernel_threads(n)` gives them `n` threads
+(capped at the pool size, `NUMBA_NUM_THREADS`, which defaults to the number of cores) and puts torch on one
+thread meanwhile, restoring both counts afterwards. Torch's own work inside the engine (MKL's sparse BLAS on one
+thread, small glue ops between layers) is small; what matters is that torch's OpenMP pool stays asleep: at more
+than one thread its workers spin-wait after every op, and while they spin they take the cores numba's workers
+need, so a forward on `n` threads would run no faster than on one. A CPU network's forward holds
+`kernel_threads` for its whole run, so the kernels inside it find the counts set and change nothing. Importing
+numba is deferred to the first CPU-kernel call, so the GPU backends never need it.
 
-Threading layer: unless `NUMBA_THREADING_LAYER` says otherwise, numba's `workqueue` pool is used.
-Its default here, `omp`, loads the system libgomp beside the libgomp bundled with torch, and the two
-OpenMP pools spin-wait against each other between a network's alternating torch ops and kernels,
-which slows a whole forward several times over. `workqueue` does not support parallel launches from
-several Python threads at once, so call a CPU network from one thread at a time.
+Threading layer: unless `NUMBA_THREADING_LAYER` or `NUMBA_THREADING_LAYER_PRIORITY` says otherwise, numba takes
+OpenMP (`omp`) where it loads, else TBB, else its own `workqueue` pool (`threading_layer()` says which ran). A
+forward starts a parallel region per kernel, several per layer: OpenMP starts one in microseconds, where
+`workqueue` wakes and waits for every worker twice through a condition variable, a cost that grows with the thread
+count and would take a deep network's whole gain away. Numba's OpenMP runtime is the system's libgomp, beside the
+one torch bundles; they do not contend because torch stays on one thread during a forward (above). GNU OpenMP is
+not fork-safe: a process forked after a CPU forward must not run CPU networks.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 from collections.abc import Iterator
 from types import ModuleType
@@ -25,8 +30,9 @@ from typing import Any
 import torch
 
 
+@functools.cache
 def _numba() -> ModuleType:
-    """numba, with the threading layer chosen (before its pool starts) as the module docstring says."""
+    """numba with its pool started, on the threading layer the module docstring says (chosen before the start)."""
     try:
         import numba
     except ImportError as error:
@@ -34,9 +40,23 @@ def _numba() -> ModuleType:
             "the sparse CPU backend compiles its loops with numba, which is not installed: pip install numba"
         ) from error
     config: Any = numba.config
-    if "NUMBA_THREADING_LAYER" not in os.environ and config.THREADING_LAYER == "default":
-        config.THREADING_LAYER = "workqueue"
+    chosen_by_user = {"NUMBA_THREADING_LAYER", "NUMBA_THREADING_LAYER_PRIORITY"} & os.environ.keys()
+    if not chosen_by_user and config.THREADING_LAYER == "default":
+        config.THREADING_LAYER_PRIORITY = ["omp", "tbb", "workqueue"]
+    torch_threads = torch.get_num_threads()
+    numba.get_num_threads()  # starts the pool; the OpenMP layer sets the thread count of a runtime torch may share
+    if torch.get_num_threads() != torch_threads:
+        torch.set_num_threads(torch_threads)
     return numba
+
+
+def threading_layer() -> str | None:
+    """The threading layer numba's parallel kernels run on, once one has run (None before)."""
+    numba = _numba()
+    try:
+        return str(numba.threading_layer())
+    except ValueError:
+        return None
 
 
 def kernels() -> ModuleType:
@@ -49,18 +69,21 @@ def kernels() -> ModuleType:
 
 @contextlib.contextmanager
 def kernel_threads(threads: int) -> Iterator[int]:
-    """Let the compiled kernels use `threads` threads (at most the pool size); yields the count used."""
+    """Let the compiled kernels use `threads` threads (at most the pool size) and torch one; yields the count
+    used. Only the counts that differ are set (and restored)."""
     numba = _numba()
     if threads < 1:
         raise ValueError(f"threads={threads}: expected at least 1")
     previous, previous_torch = numba.get_num_threads(), torch.get_num_threads()
     used = min(threads, numba.config.NUMBA_NUM_THREADS)
-    numba.set_num_threads(used)
-    if previous_torch != threads:
-        torch.set_num_threads(threads)
+    if previous != used:
+        numba.set_num_threads(used)
+    if previous_torch != 1:
+        torch.set_num_threads(1)
     try:
         yield used
     finally:
-        numba.set_num_threads(previous)
-        if previous_torch != threads:
+        if previous != used:
+            numba.set_num_threads(previous)
+        if previous_torch != 1:
             torch.set_num_threads(previous_torch)
