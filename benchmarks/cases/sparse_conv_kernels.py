@@ -39,7 +39,8 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.registry import Context, Goal, register
-from tendril.sparse.format import ActivationLayout, ConvGeometry, SparseConvWeights
+from tendril.sparse.activations import ActivationLayout
+from tendril.sparse.format import ConvGeometry, SparseConvWeights
 from tendril.sparse.ops.compress import triton as compress_triton
 from tendril.sparse.ops.conv.cartesian_cuda import kernel as conv_cuda
 from tendril.sparse.ops.conv.cartesian_cuda import tiling

@@ -17,13 +17,8 @@ from typing import Any
 
 import torch
 
-from tendril.sparse.format import (
-    ActivationLayout,
-    CompressedActivations,
-    ConvGeometry,
-    SparseConvWeights,
-    SparseLinearWeights,
-)
+from tendril.sparse.activations import ActivationLayout, CompressedActivations
+from tendril.sparse.format import ConvGeometry, SparseConvWeights, SparseLinearWeights
 from tests.fuzz.bad_inputs import BadCase, Broken, SilentWrong
 
 # -- sparse formats ----------------------------------------------------------------------------------------

@@ -9,13 +9,8 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from tendril.sparse.format import (
-    ActivationLayout,
-    CompressedActivations,
-    ConvGeometry,
-    SparseConvWeights,
-    SparseLinearWeights,
-)
+from tendril.sparse.activations import ActivationLayout, CompressedActivations
+from tendril.sparse.format import ConvGeometry, SparseConvWeights, SparseLinearWeights
 from tendril.sparse.ops.compress import reference as compress_reference
 
 if TYPE_CHECKING:

@@ -14,7 +14,8 @@ import copy
 import torch
 import torch.nn.functional as F
 
-from tendril.sparse.format import ActivationLayout, SparseConvWeights, SparseLinearWeights
+from tendril.sparse.activations import ActivationLayout
+from tendril.sparse.format import SparseConvWeights, SparseLinearWeights
 from tendril.sparse.ops.compress import reference as compress_reference
 from tests.sparse.checks import ConvCase, assert_same_compression, poisoned, sparse_tensor
 

@@ -8,7 +8,7 @@ import os
 import torch
 
 from tendril.sparse import convert, prune
-from tendril.sparse.format import ActivationLayout
+from tendril.sparse.activations import ActivationLayout
 from tendril.sparse.ops.compress import reference as compress_reference
 from tendril.sparse.ops.compress import triton as compress_triton
 from tendril.sparse.ops.conv.cartesian_triton import kernel as conv_triton

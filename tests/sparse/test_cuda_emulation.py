@@ -4,7 +4,8 @@ emulated on the CPU, against the dense convolution; and the tile planner's invar
 import pytest
 import torch
 
-from tendril.sparse.format import ActivationLayout, ConvGeometry
+from tendril.sparse.activations import ActivationLayout
+from tendril.sparse.format import ConvGeometry
 from tendril.sparse.ops.compress import cpu as compress_cpu
 from tendril.sparse.ops.conv.cartesian_cuda import emulation as cuda_emulation
 from tendril.sparse.ops.conv.cartesian_cuda import tiling

@@ -8,14 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from tendril.sparse.format import (
-    ActivationLayout,
-    CompressedActivations,
-    ConvGeometry,
-    CsrLinearWeights,
-    SparseConvWeights,
-    SparseLinearWeights,
-)
+from tendril.sparse.activations import ActivationLayout, CompressedActivations
+from tendril.sparse.format import ConvGeometry, CsrLinearWeights, SparseConvWeights, SparseLinearWeights
 from tendril.sparse.ops.compress import cpu as compress_cpu
 from tendril.sparse.ops.linear import cpu as linear_cpu
 from tests.sparse.checks import CONV_CASES, poisoned, sparse_tensor

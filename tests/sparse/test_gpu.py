@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from tendril.sparse import ActivationOverflowError, convert, prune
-from tendril.sparse.format import ActivationLayout
+from tendril.sparse.activations import ActivationLayout
 from tendril.sparse.ops.compress import reference as compress_reference
 from tendril.sparse.ops.compress import triton as compress_triton
 from tendril.sparse.ops.conv.cartesian_cuda import kernel as conv_cuda

@@ -6,13 +6,8 @@ import pytest
 import torch
 
 from tendril.sparse import convert, prune
-from tendril.sparse.format import (
-    ActivationLayout,
-    CompressedActivations,
-    ConvGeometry,
-    SparseConvWeights,
-    SparseLinearWeights,
-)
+from tendril.sparse.activations import ActivationLayout, CompressedActivations
+from tendril.sparse.format import ConvGeometry, SparseConvWeights, SparseLinearWeights
 from tendril.sparse.ops.conv import registry
 from tendril.sparse.steps import SparseConvStep, SparseLinearStep
 from tendril.sparse.tuning import AGREEMENT_RTOL, agreement_rtol

@@ -5,7 +5,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tendril.sparse.format import ActivationLayout, SparseLinearWeights
+from tendril.sparse.activations import ActivationLayout
+from tendril.sparse.format import SparseLinearWeights
 from tendril.sparse.ops import cpu_pool
 from tendril.sparse.ops.compress import cpu as compress_cpu
 from tendril.sparse.ops.compress import reference as compress_reference

@@ -29,7 +29,8 @@ import torch.nn.functional as F
 from torch import fx, nn
 from torch.fx.passes.shape_prop import ShapeProp
 
-from tendril.sparse.format import ActivationLayout, ConvGeometry, SparseConvWeights, SparseLinearWeights
+from tendril.sparse.activations import ActivationLayout
+from tendril.sparse.format import ConvGeometry, SparseConvWeights, SparseLinearWeights
 from tendril.sparse.network import SparseNetwork
 from tendril.sparse.ops import cpu_pool
 from tendril.sparse.ops.conv import registry

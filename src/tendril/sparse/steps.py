@@ -26,13 +26,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from tendril.sparse.format import (
-    ActivationLayout,
-    CompressedActivations,
-    CsrLinearWeights,
-    SparseConvWeights,
-    SparseLinearWeights,
-)
+from tendril.sparse.activations import ActivationLayout, CompressedActivations
+from tendril.sparse.format import CsrLinearWeights, SparseConvWeights, SparseLinearWeights
 from tendril.sparse.ops.compress import cpu as compress_cpu
 from tendril.sparse.ops.compress import triton as compress_triton
 from tendril.sparse.ops.conv import registry

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from tendril.sparse.format import ActivationLayout, CompressedActivations
+from tendril.sparse.activations import ActivationLayout, CompressedActivations
 from tendril.sparse.ops.cpu_threads import kernel_threads, kernels
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from tendril.sparse.format import ActivationLayout, CompressedActivations
+from tendril.sparse.activations import ActivationLayout, CompressedActivations
 
 
 def phase_planes(x: torch.Tensor, layout: ActivationLayout) -> torch.Tensor:

@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tendril.sparse.format import ActivationLayout, CompressedActivations
+from tendril.sparse.activations import ActivationLayout, CompressedActivations
 from tendril.sparse.validation import VALUE_DTYPES
 
 

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from tendril.sparse.format import CompressedActivations
+from tendril.sparse.activations import CompressedActivations
 
 if TYPE_CHECKING:
     from tendril.sparse.steps import RunState, SparseConvStep

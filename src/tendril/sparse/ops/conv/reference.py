@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from tendril.sparse.format import CompressedActivations, SparseConvWeights
+from tendril.sparse.activations import CompressedActivations
+from tendril.sparse.format import SparseConvWeights
 from tendril.sparse.ops.compress.reference import decompress
 
 

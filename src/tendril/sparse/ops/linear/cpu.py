@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import torch
 
-from tendril.sparse.format import CompressedActivations, SparseLinearWeights
+from tendril.sparse.activations import CompressedActivations
+from tendril.sparse.format import SparseLinearWeights
 from tendril.sparse.ops.cpu_threads import kernel_threads, kernels
 
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from tendril.sparse.format import CompressedActivations, SparseLinearWeights
+from tendril.sparse.activations import CompressedActivations
+from tendril.sparse.format import SparseLinearWeights
 from tendril.sparse.ops.compress.reference import decompress
 
 

@@ -23,7 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
-from tendril.sparse.format import CompressedActivations, CsrLinearWeights, SparseLinearWeights
+from tendril.sparse.activations import CompressedActivations
+from tendril.sparse.format import CsrLinearWeights, SparseLinearWeights
 
 
 @triton.jit

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from tendril.sparse.format import CompressedActivations, SparseConvWeights
+from tendril.sparse.activations import CompressedActivations
+from tendril.sparse.format import SparseConvWeights
 from tendril.sparse.ops.conv.cartesian_cuda.tiling import ACC_CAPACITY, TiledWeights
 
 

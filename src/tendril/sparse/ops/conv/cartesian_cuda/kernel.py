@@ -25,7 +25,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from tendril.sparse.format import CompressedActivations, SparseConvWeights
+from tendril.sparse.activations import CompressedActivations
+from tendril.sparse.format import SparseConvWeights
 from tendril.sparse.ops.conv.cartesian_cuda.tiling import ACC_CAPACITY, THREADS, TiledWeights
 
 if TYPE_CHECKING:

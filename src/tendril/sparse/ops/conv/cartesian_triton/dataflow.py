@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from tendril.sparse.format import CompressedActivations
+from tendril.sparse.activations import CompressedActivations
 from tendril.sparse.ops.conv.cartesian_triton import kernel
 from tendril.sparse.ops.conv.interface import CompressedInputKernel
 from tendril.sparse.validation import VALUE_DTYPES

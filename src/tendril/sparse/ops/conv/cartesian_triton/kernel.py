@@ -19,7 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
-from tendril.sparse.format import CompressedActivations, SparseConvWeights
+from tendril.sparse.activations import CompressedActivations
+from tendril.sparse.format import SparseConvWeights
 
 
 @triton.jit

@@ -49,7 +49,8 @@ from dataclasses import dataclass
 
 import torch
 
-from tendril.sparse.format import ActivationLayout, CompressedActivations, SparseConvWeights
+from tendril.sparse.activations import ActivationLayout, CompressedActivations
+from tendril.sparse.format import SparseConvWeights
 from tendril.sparse.ops.compress import cpu as compress_cpu
 from tendril.sparse.ops.cpu_threads import kernel_threads, kernels
 
