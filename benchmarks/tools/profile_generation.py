@@ -1,4 +1,5 @@
-"""Kernel-level profile of tendril's greedy decode step on GPT-2 124M fp16, batch 1 (the `generation` case's model).
+"""Kernel-level profile of tendril's decode step, batch 1: GPT-2 124M fp16 (the `generation` case's model) or
+Llama-3.2-1B's shape in bf16 (`--model llama1b`, the `decode-roofline` case's), greedy or `--beams N`.
 
 For each step variant (`generate`'s `step`, the compiled one optionally with Inductor options):
 - end to end: warm-up seconds, ms per call and per token of `tendril.generate` (128 new tokens, eos off),
@@ -13,6 +14,7 @@ For each step variant (`generate`'s `step`, the compiled one optionally with Ind
 launches, weights rotated through more memory than L2 holds), about two minutes.
 
     PYTHONPATH=src:. python3 -m benchmarks.tools.profile_generation --out OUT [--variants eager,compiled,fused]
+        [--model gpt2|llama1b] [--beams N]
 
 Writes OUT/profile_generation.json and OUT/profile_generation.md.
 """
@@ -36,6 +38,7 @@ import torch._dynamo
 import torch._inductor.config as inductor_config
 from torch import nn
 
+from benchmarks.cases import decode_models
 from benchmarks.cases import generation as case
 from tendril.generation import STEPS, Step, decode_step, generate
 from tendril.generation.api import release_graphs
@@ -48,6 +51,12 @@ INDUCTOR_OPTIONS: dict[str, dict[str, Any]] = {
     "autotune": {"max_autotune": True, "coordinate_descent_tuning": True},
 }
 """Variant suffixes: `compiled-cdt` compiles with these `torch._inductor.config` options patched in."""
+
+MODELS: dict[str, tuple[str, Callable[[torch.device], nn.Module]]] = {
+    "gpt2": ("GPT-2 124M fp16", lambda device: case.gpt2(device)),
+    "llama1b": ("Llama-3.2-1B's shape, bf16", lambda device: decode_models.llama(device, torch.bfloat16)),
+}
+"""`--model`: a description and a builder (random weights, eos off) of each profiled model."""
 
 GAP_LIMIT_US = 50.0
 """Idle time between consecutive kernels shorter than this counts as launch latency inside a graph."""
@@ -100,8 +109,8 @@ def kernel_profile(fn: Callable[[], Any], calls: int) -> KernelProfile:
 class StepGraph:
     """The variant's decode step (loop body) captured alone, replayed from the state after prefill."""
 
-    def __init__(self, model: nn.Module, prompt: torch.Tensor, new_tokens: int, step: Step) -> None:
-        self.state = decode_step(model, prompt, max_new_tokens=new_tokens, step=step)  # the loop `generate` ran
+    def __init__(self, model: nn.Module, prompt: torch.Tensor, new_tokens: int, step: Step, beams: int) -> None:
+        self.state = decode_step(model, prompt, max_new_tokens=new_tokens, num_beams=beams, step=step)  # `generate`'s
         with torch.inference_mode():
             self.graph = capture(self.state.step, sdpa_backends=GRAPH_SDPA_BACKENDS)
         self.max_replays = self.state.max_new_tokens - 4  # capture's warm-up ran the step twice
@@ -135,13 +144,13 @@ def parse_variant(variant: str) -> tuple[Step, dict[str, Any]]:
 
 
 def run_variant(variant: str, model: nn.Module, prompts: list[torch.Tensor], reference: torch.Tensor,
-                new_tokens: int, reps: int) -> dict[str, Any]:
+                new_tokens: int, reps: int, beams: int = 1) -> dict[str, Any]:
     step, options = parse_variant(variant)
     release_graphs(model)
     torch._dynamo.reset()
 
     def call(prompt: torch.Tensor) -> torch.Tensor:
-        return generate(model, prompt, max_new_tokens=new_tokens, eos_token_id=[], pad_token_id=0,
+        return generate(model, prompt, max_new_tokens=new_tokens, num_beams=beams, eos_token_id=[], pad_token_id=0,
                         step=step)
 
     torch.cuda.synchronize()
@@ -158,7 +167,7 @@ def run_variant(variant: str, model: nn.Module, prompts: list[torch.Tensor], ref
     loop = kernel_profile(lambda: call(prompts[0]), calls=2)
     result["loop_operations_per_call"] = loop.operations_per_call
     result["loop_busy_us_per_call"] = loop.busy_us_per_call
-    step_graph = StepGraph(model, prompts[0], new_tokens, step)
+    step_graph = StepGraph(model, prompts[0], new_tokens, step, beams)
     replays = min(64, step_graph.max_replays)
     result["step_graph_ms"] = step_graph.ms_per_step(replays)
     profiled = kernel_profile(lambda: step_graph.replay(replays), calls=1)
@@ -290,7 +299,8 @@ def sweep_linear() -> list[dict[str, Any]]:
 
 
 def markdown(report: dict[str, Any]) -> str:
-    lines = ["# Profile of the greedy decode step (GPT-2 124M fp16, batch 1)", "",
+    search = "greedy" if report.get("beams", 1) == 1 else f"{report['beams']}-beam"
+    lines = [f"# Profile of the {search} decode step ({MODELS[report.get('model', 'gpt2')][0]}, batch 1)", "",
              f"- device: {report['device']}; torch {report['torch']}; {report['new_tokens']} new tokens, "
              f"prompt {report['prompt_len']}; fused kernels with programmatic dependent launch: "
              f"{'yes' if report.get('programmatic_launch') else 'no'} (then a kernel's traced time includes its wait "
@@ -336,20 +346,26 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=16)
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--sweep", action="store_true", help="also sweep the fused linear kernel's block sizes")
+    parser.add_argument("--model", choices=sorted(MODELS), default="gpt2")
+    parser.add_argument("--beams", type=int, default=1, help="beam search with this many beams (1: greedy)")
     args = parser.parse_args()
+    if args.beams < 1:
+        parser.error(f"--beams {args.beams}: expected at least 1")
     args.out.mkdir(parents=True, exist_ok=True)
     device = torch.device("cuda")
-    model = case.gpt2(device)
+    model = MODELS[args.model][1](device)
+    vocab = model.config.vocab_size
     generator = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(0, 50257, (1, args.prompt_len), generator=generator).to(device) for _ in range(4)]
-    reference = case.hf_eager(model, args.new_tokens, 1)(prompts[0])
+    prompts = [torch.randint(0, vocab, (1, args.prompt_len), generator=generator).to(device) for _ in range(4)]
+    reference = case.hf_eager(model, args.new_tokens, args.beams)(prompts[0])
     report: dict[str, Any] = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                              "model": args.model, "beams": args.beams,
                               "new_tokens": args.new_tokens, "prompt_len": args.prompt_len,
                               "programmatic_launch": pdl.enabled(device), "variants": []}
     for variant in args.variants.split(","):
         print(f"variant {variant} ...", flush=True)
         try:
-            result = run_variant(variant, model, prompts, reference, args.new_tokens, args.reps)
+            result = run_variant(variant, model, prompts, reference, args.new_tokens, args.reps, args.beams)
         except Exception as error:  # one failing variant must not hide the others
             traceback.print_exc()
             result = {"variant": variant, "error": f"{type(error).__name__}: {error}"[:500]}

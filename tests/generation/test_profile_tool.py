@@ -35,3 +35,10 @@ def test_markdown_reports_variants_failures_and_sweep():
     assert "| compiled | failed: RuntimeError: boom |" in text
     assert "`triton_\\|fused`" in text
     assert "| ln_1+c_attn | 5.00 | 4.50 | 4.00 | n=16 k=256 split=3 warps=4 |" in text
+
+
+def test_markdown_titles_name_the_model_and_the_search():
+    report = {"device": "test", "torch": torch.__version__, "new_tokens": 8, "prompt_len": 4, "variants": []}
+    assert markdown(report).startswith("# Profile of the greedy decode step (GPT-2 124M fp16, batch 1)")
+    text = markdown({**report, "model": "llama1b", "beams": 4})
+    assert text.startswith("# Profile of the 4-beam decode step (Llama-3.2-1B's shape, bf16, batch 1)")
