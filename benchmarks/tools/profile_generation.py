@@ -10,8 +10,8 @@ For each step variant (`generate`'s `step`, the compiled one optionally with Ind
   mean and total microseconds, busy time (sum of kernel durations) and the idle gaps between kernels (launch latency);
 - the whole loop graph under the profiler: GPU operations per call, to see what the loop adds to the step.
 `--sweep` also times the fused linear kernel over launch configurations (block sizes, split-K, warps; see
-`sweep_configs`) for GPT-2's five batch-1 projection shapes against cuBLAS (each in a CUDA graph of repeated
-launches, weights rotated through more memory than L2 holds), about two minutes.
+`sweep_configs`) for the model's five projection shapes (`SWEEP_SHAPES`) at `--beams` rows against cuBLAS (each
+in a CUDA graph of repeated launches, weights rotated through more memory than L2 holds), about two minutes.
 
     PYTHONPATH=src:. python3 -m benchmarks.tools.profile_generation --out OUT [--variants eager,compiled,fused]
         [--model gpt2|llama1b] [--beams N]
@@ -183,14 +183,24 @@ def run_variant(variant: str, model: nn.Module, prompts: list[torch.Tensor], ref
 
 # ------------------------------------------------------------------------------------ linear sweep
 
-GPT2_SHAPES = [
-    # (label, out, in, weight layout, norm, activation, residual)
-    ("ln_1+c_attn", 2304, 768, "conv1d", True, "none", False),
-    ("attn.c_proj+res", 768, 768, "conv1d", False, "none", True),
-    ("ln_2+c_fc+gelu", 3072, 768, "conv1d", True, "gelu_tanh", False),
-    ("mlp.c_proj+res", 768, 3072, "conv1d", False, "none", True),
-    ("ln_f+lm_head", 50257, 768, "linear", True, "none", False),
-]
+SWEEP_SHAPES = {
+    # (label, out, in, weight layout, norm ("layer", "rms" or None), activation, residual)
+    "gpt2": [
+        ("ln_1+c_attn", 2304, 768, "conv1d", "layer", "none", False),
+        ("attn.c_proj+res", 768, 768, "conv1d", None, "none", True),
+        ("ln_2+c_fc+gelu", 3072, 768, "conv1d", "layer", "gelu_tanh", False),
+        ("mlp.c_proj+res", 768, 3072, "conv1d", None, "none", True),
+        ("ln_f+lm_head", 50257, 768, "linear", "layer", "none", False),
+    ],
+    "llama1b": [  # gate_up as one ungated projection: the launch and the bytes are the gated one's
+        ("norm+qkv", 3072, 2048, "linear", "rms", "none", False),
+        ("o_proj+res", 2048, 2048, "linear", None, "none", True),
+        ("norm+gate_up", 16384, 2048, "linear", "rms", "none", False),
+        ("down_proj+res", 2048, 8192, "linear", None, "none", True),
+        ("norm+lm_head", 128256, 2048, "linear", "rms", "none", False),
+    ],
+}
+"""The projections of one decoder layer and the head, per `--model`."""
 
 
 def _graph_time_us(fn: Callable[[int], Any], copies: int, launches: int = 24, reps: int = 10) -> float:
@@ -217,15 +227,15 @@ SWEEP_SIZE = 16
 """Launches timed per shape by `--sweep` besides the default (a Triton compilation each: about 2 minutes in all)."""
 
 
-def sweep_configs(out_f: int, in_f: int, k_contiguous: bool) -> list[tuple[int, int, int, int]]:
-    """(BLOCK_N, BLOCK_K, SPLIT_K, num_warps) tried by `--sweep` for one batch-1 shape, the default first, then
+def sweep_configs(out_f: int, in_f: int, k_contiguous: bool, rows: int = 1) -> list[tuple[int, int, int, int]]:
+    """(BLOCK_N, BLOCK_K, SPLIT_K, num_warps) tried by `--sweep` for one shape and row count, the default first, then
     `SWEEP_SIZE` others drawn (with a fixed seed) from the plausible ones: tiles of 2-16K elements, at least 64
     programs, at most 4 tiles a program, K split into whole non-empty shares."""
     import random
 
     from tendril.generation.kernels import linear
 
-    d = linear.launch_config(out_f, in_f, 1, k_contiguous=k_contiguous,
+    d = linear.launch_config(out_f, in_f, rows, k_contiguous=k_contiguous,
                              sm_count=torch.cuda.get_device_properties(0).multi_processor_count)
     default = (d.block_n, d.block_k, d.split_k, d.num_warps)
     pool = []
@@ -241,13 +251,12 @@ def sweep_configs(out_f: int, in_f: int, k_contiguous: bool) -> list[tuple[int, 
     return [default, *[c for c in pool if c != default][:SWEEP_SIZE]]
 
 
-def _sweep_shape(label: str, out_f: int, in_f: int, layout: str, with_norm: bool, activation: str,
-                 residual: bool) -> dict[str, Any]:
+def _sweep_shape(label: str, out_f: int, in_f: int, layout: str, norm_kind: str | None, activation: str,
+                 residual: bool, rows: int, dtype: torch.dtype) -> dict[str, Any]:
     from tendril.generation.kernels import linear
     from tendril.generation.kernels.layers import Norm, Projection
 
     device = torch.device("cuda")
-    dtype = torch.float16
     copies = max(2, min(64, -(-160 * 2**20 // (out_f * in_f * 2))))
     projections = []
     for _ in range(copies):
@@ -256,18 +265,18 @@ def _sweep_shape(label: str, out_f: int, in_f: int, layout: str, with_norm: bool
             w = w.t().contiguous().t()  # an [out, in] view of an [in, out] tensor, like Conv1D's
         bias = None if layout == "linear" else torch.randn(out_f, device=device, dtype=dtype) * 0.02
         projections.append(Projection((w,), (bias,)))
-    x = torch.randn(1, in_f, device=device, dtype=dtype)
-    norm = Norm("layer", torch.ones(in_f, device=device, dtype=dtype), torch.zeros(in_f, device=device, dtype=dtype),
-                1e-5) if with_norm else None
-    addends = (torch.randn(1, out_f, device=device, dtype=dtype),) if residual else ()
-    out = torch.empty(1, out_f, device=device, dtype=dtype)
+    x = torch.randn(rows, in_f, device=device, dtype=dtype)
+    norm_bias = torch.zeros(in_f, device=device, dtype=dtype) if norm_kind == "layer" else None
+    norm = None if norm_kind is None else Norm(norm_kind, torch.ones(in_f, device=device, dtype=dtype), norm_bias, 1e-5)
+    addends = (torch.randn(rows, out_f, device=device, dtype=dtype),) if residual else ()
+    out = torch.empty(rows, out_f, device=device, dtype=dtype)
 
     def cublas(i: int) -> torch.Tensor:
         return torch.nn.functional.linear(x, projections[i].weights[0], projections[i].biases[0])
 
     expected = linear.fused_linear(x, projections[0], norm=norm, activation=activation, addends=addends)
-    entry: dict[str, Any] = {"shape": label, "cublas_us": _graph_time_us(cublas, copies), "configs": []}
-    for index, (block_n, block_k, split_k, warps) in enumerate(sweep_configs(out_f, in_f, layout == "linear")):
+    entry: dict[str, Any] = {"shape": label, "rows": rows, "cublas_us": _graph_time_us(cublas, copies), "configs": []}
+    for index, (block_n, block_k, split_k, warps) in enumerate(sweep_configs(out_f, in_f, layout == "linear", rows)):
         def fused(i: int, bn: int = block_n, bk: int = block_k, sk: int = split_k, nw: int = warps) -> torch.Tensor:
             return linear.fused_linear(x, projections[i], norm=norm, activation=activation, addends=addends,
                                        out=out, block_n=bn, block_k=bk, split_k=sk, num_warps=nw)
@@ -286,10 +295,11 @@ def _sweep_shape(label: str, out_f: int, in_f: int, layout: str, with_norm: bool
     return entry
 
 
-def sweep_linear() -> list[dict[str, Any]]:
+def sweep_linear(model: str = "gpt2", rows: int = 1) -> list[dict[str, Any]]:
+    dtype = torch.float16 if model == "gpt2" else torch.bfloat16
     results = []
-    for shape in GPT2_SHAPES:
-        entry = _sweep_shape(*shape)
+    for shape in SWEEP_SHAPES[model]:
+        entry = _sweep_shape(*shape, rows=rows, dtype=dtype)
         results.append(entry)
         print(f"sweep {entry['shape']}: cublas {entry['cublas_us']:.2f} us, best {entry['best']}", flush=True)
     return results
@@ -331,7 +341,8 @@ def markdown(report: dict[str, Any]) -> str:
             default = next((c["us"] for c in e["configs"] if c.get("default")), float("nan"))
             best = e["best"] or {}
             best_us = best.get("us", float("nan"))
-            lines.append(f"| {e['shape']} | {e['cublas_us']:.2f} | {default:.2f} | {best_us:.2f} | "
+            shape = e["shape"] if e.get("rows", 1) == 1 else f"{e['shape']} ({e['rows']} rows)"
+            lines.append(f"| {shape} | {e['cublas_us']:.2f} | {default:.2f} | {best_us:.2f} | "
                          f"n={best.get('block_n')} k={best.get('block_k')} split={best.get('split_k')} "
                          f"warps={best.get('warps')} |")
     return "\n".join(lines) + "\n"
@@ -373,7 +384,7 @@ def main() -> None:
         print(json.dumps({k: v for k, v in result.items() if k != "step"}), flush=True)
         (args.out / "profile_generation.json").write_text(json.dumps(report, indent=1))
     if args.sweep:
-        report["sweep"] = sweep_linear()
+        report["sweep"] = sweep_linear(args.model, args.beams)
     (args.out / "profile_generation.json").write_text(json.dumps(report, indent=1))
     (args.out / "profile_generation.md").write_text(markdown(report))
     print(markdown(report))

@@ -40,5 +40,7 @@ def test_markdown_reports_variants_failures_and_sweep():
 def test_markdown_titles_name_the_model_and_the_search():
     report = {"device": "test", "torch": torch.__version__, "new_tokens": 8, "prompt_len": 4, "variants": []}
     assert markdown(report).startswith("# Profile of the greedy decode step (GPT-2 124M fp16, batch 1)")
-    text = markdown({**report, "model": "llama1b", "beams": 4})
+    sweep = [{"shape": "norm+qkv", "rows": 4, "cublas_us": 5.0, "best": None, "configs": []}]
+    text = markdown({**report, "model": "llama1b", "beams": 4, "sweep": sweep})
     assert text.startswith("# Profile of the 4-beam decode step (Llama-3.2-1B's shape, bf16, batch 1)")
+    assert "| norm+qkv (4 rows) | 5.00 | nan | nan |" in text
