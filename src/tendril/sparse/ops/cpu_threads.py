@@ -6,8 +6,9 @@ thread meanwhile, restoring both counts afterwards. Torch's own work inside the 
 thread, small glue ops between layers) is small; what matters is that torch's OpenMP pool stays asleep: at more
 than one thread its workers spin-wait after every op, and while they spin they take the cores numba's workers
 need, so a forward on `n` threads would run no faster than on one. A CPU network's forward holds
-`kernel_threads` for its whole run, so the kernels inside it find the counts set and change nothing. Importing
-numba is deferred to the first CPU-kernel call, so the GPU backends never need it.
+`kernel_threads` for its whole run, so the kernels inside it find the counts set and change nothing. Torch's
+count is process-wide, so run CPU networks from one Python thread at a time. Importing numba is deferred to the
+first CPU-kernel call, so the GPU backends never need it.
 
 Threading layer: unless `NUMBA_THREADING_LAYER` or `NUMBA_THREADING_LAYER_PRIORITY` says otherwise, numba takes
 OpenMP (`omp`) where it loads, else TBB, else its own `workqueue` pool (`threading_layer()` says which ran). A
