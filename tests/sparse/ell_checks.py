@@ -64,6 +64,8 @@ SMALL_CONFIGS = [
     EllConfig(2, 4, 32, 1, splits=2),
     EllConfig(8, 2, 16, 2),
     EllConfig(4, 2, 16, 1, splits=4),
+    EllConfig(2, 2, 32, 1, run=16),
+    EllConfig(2, 2, 32, 1, splits=2, run=32),
 ]
 """Tile configs small enough for the tiny cases to span several channel tiles, pixel blocks and chunks."""
 

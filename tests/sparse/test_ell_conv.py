@@ -107,6 +107,10 @@ def test_the_packed_layout_is_validated_at_construction():
         rebuilt(offsets=packed.offsets[:-1].contiguous())
     with pytest.raises(ValueError, match=r"EllConfig\.channels"):
         EllConfig(3, 2, 16)
+    with pytest.raises(ValueError, match=r"EllConfig\.run=32: at most pixels \(16\)"):
+        EllConfig(4, 2, 16, run=32)
+    with pytest.raises(ValueError, match=r"EllConfig\.run=64: at most pixels \(128\) and a warp \(32\)"):
+        EllConfig(4, 2, 128, run=64)
 
 
 @pytest.mark.parametrize("case", CASES)

@@ -27,6 +27,8 @@ if TYPE_CHECKING:
     from tendril.sparse.tuning import KernelTuner
 
 CONFIGS = (
+    EllConfig(channels=4, depth=8, pixels=256, warps=4, run=32),
+    EllConfig(channels=8, depth=8, pixels=128, warps=4, run=32),
     EllConfig(channels=8, depth=8, pixels=128, warps=4),
     EllConfig(channels=4, depth=8, pixels=128, warps=4),
     EllConfig(channels=16, depth=4, pixels=64, warps=4),
@@ -37,11 +39,12 @@ CONFIGS = (
     EllConfig(channels=2, depth=16, pixels=64, warps=2, splits=8),
 )
 """The tile configs `tune` times: long pixel blocks for large planes (a thread then holds 16 pixels of each
-nonzero it loads); wide channel tiles with shallow steps for channels with few nonzeros; narrow, deep ones for
-channels with many (fewer loop steps, each with more loads in flight) and for small planes, where only narrow
-tiles make enough programs to fill the GPU; and for small planes of long channels (deep layers), tiles whose
-chunks are split between programs, the loop's length divided by `splits` (`configs_for`). A thread's
-accumulator holds 32 or 64 fp32 values."""
+nonzero it loads), with whole-warp runs (`run=32`: a load instruction reads one nonzero's 32 consecutive
+inputs, one or two cache lines, where runs of 8 touch four nonzeros' lines); wide channel tiles with shallow
+steps for channels with few nonzeros; narrow, deep ones for channels with many (fewer loop steps, each with
+more loads in flight) and for small planes, where only narrow tiles make enough programs to fill the GPU; and
+for small planes of long channels (deep layers), tiles whose chunks are split between programs, the loop's
+length divided by `splits` (`configs_for`). A thread's accumulator holds 32 or 64 fp32 values."""
 FEW_PROGRAMS = 1024
 """Below this many programs (tiles × pixel blocks) a layer is also timed with the split configs."""
 

@@ -5,8 +5,8 @@ Grid: (channel tile, pixel block, sample). A program computes its tile's `channe
 `pixels` consecutive pixels of the plane its reading mode computes (`planes.py`: the output plane, or for
 `SHIFTED` layers a virtual plane whose extra columns are computed and not stored). It walks its tile's chunks:
 each step loads one chunk's `[depth, channels]` weights and offsets (the next chunk's one step ahead, so their
-latency hides behind the gather), gathers the input values they read for every pixel (for one channel, a run
-of input pixels, coalesced along the pixel axis) and accumulates the products in a
+latency hides behind the gather), gathers the input values they read for every pixel (for one nonzero, a run
+of `RUN` consecutive input pixels on neighbouring lanes, `EllConfig.run`) and accumulates the products in a
 `[pixels / RUN, depth, channels, RUN]` fp32 accumulator, reduced over the depth once at the end. Every product
 but the padding of the tile's ELL chunks is useful, so work and input traffic follow the nonzero count.
 
@@ -32,11 +32,6 @@ from tendril import config
 from tendril.sparse.ops.conv.ell import emulation
 from tendril.sparse.ops.conv.ell.packing import EllConvWeights
 from tendril.sparse.ops.conv.ell.planes import input_planes, plane_hw, virtual_width
-
-RUN = 8
-"""Consecutive pixels a warp's neighbouring lanes compute for one channel and nonzero (one 16-byte segment of
-fp16 input): the rest of a program's `[pixels, depth, channels]` tile goes to the other lanes and to registers,
-so that a thread holds `pixels / RUN` pixels of each nonzero whose weight and offset it loads."""
 
 
 @triton.jit
@@ -199,7 +194,7 @@ def conv(
         CHANNELS=cfg.channels,
         DEPTH=cfg.depth,
         PIXELS=cfg.pixels,
-        RUN=min(RUN, cfg.pixels),
+        RUN=cfg.run,
         SPLITS=cfg.splits,
         num_warps=cfg.warps,
     )

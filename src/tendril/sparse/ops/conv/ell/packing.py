@@ -29,26 +29,36 @@ from tendril.sparse.ops.conv.ell.planes import (
 )
 from tendril.sparse.validation import ValueChecks, capturing, check_tensor, segment_of
 
+WARP = 32
+"""Lanes of a warp: the longest run of consecutive pixels a load instruction can cover for one nonzero."""
+
 
 @dataclass(frozen=True)
 class EllConfig:
     """One tile shape of the kernel: a program computes `channels` output channels × `pixels` output pixels,
     `depth` nonzeros per channel per loop step, with `warps` warps, over `1 / splits` of its tile's chunks
-    (`splits` programs share a tile's work; the last to finish sums their partial sums). All powers of two."""
+    (`splits` programs share a tile's work; the last to finish sums their partial sums). Neighbouring lanes of
+    a warp compute `run` consecutive pixels of one nonzero, so one load instruction reads `run` consecutive
+    input values per nonzero: 8 (one 16-byte fp16 segment, four nonzeros per warp) suits short rows, 32 (a
+    warp on one nonzero, fewer cache lines per instruction) long ones. All powers of two; `run` <= `pixels`
+    and at most a warp."""
 
     channels: int
     depth: int
     pixels: int
     warps: int = 4
     splits: int = 1
+    run: int = 8
 
     def __post_init__(self) -> None:
-        for name in ("channels", "depth", "pixels", "warps", "splits"):
+        for name in ("channels", "depth", "pixels", "warps", "splits", "run"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1 or value & (value - 1):
                 raise ValueError(f"EllConfig.{name}={value!r}: expected a positive power of two")
         if self.pixels > MAX_PIXELS:
             raise ValueError(f"EllConfig.pixels={self.pixels}: at most {MAX_PIXELS}")
+        if self.run > min(self.pixels, WARP):
+            raise ValueError(f"EllConfig.run={self.run}: at most pixels ({self.pixels}) and a warp ({WARP})")
 
 
 @dataclass(frozen=True)
