@@ -39,7 +39,7 @@ def gpt2_step(model: Any, optimizer: torch.optim.Optimizer, scaler: Any = None, 
     def step(input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         with torch.autocast("cuda", torch.float16, enabled=amp):
             loss = model(input_ids=input_ids, labels=labels).loss
-        _backward_and_update(loss, optimizer, scaler)
+        backward_and_update(loss, optimizer, scaler)
         return loss.detach()
 
     return step
@@ -52,7 +52,7 @@ def wav2vec2_step(model: Any, optimizer: torch.optim.Optimizer, scaler: Any = No
         frames = model._get_feat_extract_output_lengths(mask.sum(-1))
         log_probs = logits.float().log_softmax(-1).transpose(0, 1)
         loss = ctc_loss(log_probs, labels, frames, (labels >= 0).sum(-1), zero_infinity=True)
-        _backward_and_update(loss, optimizer, scaler)
+        backward_and_update(loss, optimizer, scaler)
         return loss.detach()
 
     return step
@@ -66,13 +66,15 @@ def wav2vec2_hf_loss_step(
     def step(audio: torch.Tensor, mask: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         with torch.autocast("cuda", torch.float16, enabled=amp):
             loss = model(audio, attention_mask=mask, labels=labels).loss
-        _backward_and_update(loss, optimizer, scaler)
+        backward_and_update(loss, optimizer, scaler)
         return loss.detach()
 
     return step
 
 
-def _backward_and_update(loss: torch.Tensor, optimizer: torch.optim.Optimizer, scaler: Any) -> None:
+def backward_and_update(loss: torch.Tensor, optimizer: torch.optim.Optimizer, scaler: Any) -> None:
+    """Backward, optimizer step (through `scaler` when given) and `zero_grad(set_to_none=False)`: gradients stay
+    allocated, so a graphed step's replays find them where its capture wrote them."""
     if scaler is None:
         loss.backward()
         optimizer.step()

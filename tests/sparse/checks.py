@@ -183,22 +183,29 @@ def check_linear_rows(
     assert relative_error(y.cpu(), ref) <= REL_TOL
 
 
+def graph_replays(net, placeholder: torch.Tensor, replays: int):
+    """`net` captured in a CUDA graph reading `placeholder` (after a warm-up on a side stream), replayed on
+    `replays` fresh random inputs with its output poisoned (NaN) before each replay: yields `(input, output)`."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        net(placeholder)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = net(placeholder)
+    for _ in range(replays):
+        x = torch.randn_like(placeholder)
+        placeholder.copy_(x)
+        out.fill_(float("nan"))
+        graph.replay()
+        yield x, out
+
+
 def assert_network_matches_dense(net, model: torch.nn.Module, placeholder: torch.Tensor, replays: int) -> None:
     """`net` agrees with `model` eagerly on `placeholder` and, captured in a CUDA graph reading `placeholder`,
     on `replays` fresh random inputs, with the graph's output poisoned (NaN) before each replay."""
     with torch.no_grad():
         assert relative_error(net(placeholder), model(placeholder)) <= REL_TOL
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            net(placeholder)
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = net(placeholder)
-        for _ in range(replays):
-            x = torch.randn_like(placeholder)
-            placeholder.copy_(x)
-            out.fill_(float("nan"))
-            graph.replay()
+        for x, out in graph_replays(net, placeholder, replays):
             assert relative_error(out, model(x)) <= REL_TOL

@@ -14,7 +14,7 @@ from tendril.sparse.ops.conv.cartesian_triton import kernel as conv_triton
 from tendril.sparse.ops.conv.registry import BY_NAME, DENSE_KERNELS, dense_kernels_for
 from tendril.sparse.ops.linear import triton as linear_triton
 from tendril.sparse.steps import SparseConvStep, SparseLinearStep
-from tests.sparse.checks import CONV_CASES, GEMM_CASES
+from tests.sparse.checks import CONV_CASES, GEMM_CASES, graph_replays
 from tests.sparse.half_checks import (
     HALF_DTYPES,
     NETWORK_TOL,
@@ -95,19 +95,7 @@ def _assert_graph_replays_match(net, model, placeholder: torch.Tensor, dtype: to
     output poisoned (NaN) before each replay."""
     double_model = copy.deepcopy(model).double()
     with torch.no_grad():
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            net(placeholder)
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = net(placeholder)
-        for _ in range(replays):
-            x = torch.randn_like(placeholder)
-            placeholder.copy_(x)
-            out.fill_(float("nan"))
-            graph.replay()
+        for x, out in graph_replays(net, placeholder, replays):
             assert relative_l2(out, double_model(x.double())) <= NETWORK_TOL[dtype]
     net.check_overflow()
 

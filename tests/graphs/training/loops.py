@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from benchmarks.hf_training_steps import max_rel_diff, state_of
+from benchmarks.hf_training_steps import backward_and_update, max_rel_diff, state_of
 from tendril.graphs.buckets import Buckets, Pad
 
 __all__ = ["max_rel_diff", "state_of"]
@@ -43,14 +43,7 @@ def full_step(model: nn.Module, optimizer: torch.optim.Optimizer, scaler: Any = 
 
     def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         loss = (model(x) - y).square().sum() / x.shape[0]
-        if scaler is None:
-            loss.backward()
-            optimizer.step()
-        else:
-            scaler.scale(loss).backward()
-            scaler.step(optimizer)
-            scaler.update()
-        optimizer.zero_grad(set_to_none=False)
+        backward_and_update(loss, optimizer, scaler)
         return loss.detach()
 
     return step
