@@ -22,6 +22,8 @@ from tendril.graphs.compiled import CompileFallbackWarning, enable_persistent_ca
 from tendril.graphs.options import CompileMode, CompileOptions, GraphOptions
 from tendril.graphs.stats import Fallback
 
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
+
 
 class Tiny(torch.nn.Module):
     def __init__(self) -> None:
@@ -34,15 +36,6 @@ class Tiny(torch.nn.Module):
         h = self.embed(ids)
         h = h + torch.softmax(h @ h.transpose(-1, -2) / 8**0.5, dim=-1) @ self.mix(h)
         return self.out(torch.nn.functional.gelu(h))
-
-
-@pytest.fixture(autouse=True)
-def fresh_dynamo(monkeypatch):
-    """Each test compiles afresh, and Inductor's cache dir (set in the environment) is put back afterwards."""
-    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
 
 
 def make(model, tmp_path, **compile_options):

@@ -11,15 +11,7 @@ from tendril.graphs.callable import GraphedCallable, graphed
 from tendril.graphs.options import CompileOptions
 from tests.graphs.gpu_models import fp16_logits, gpt2, run_sequence, tight, wav2vec2
 
-pytestmark = pytest.mark.gpu
-
-
-@pytest.fixture(autouse=True)
-def fresh_dynamo(monkeypatch):
-    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("fresh_dynamo")]
 
 
 def compiled(model: torch.nn.Module, tmp_path, **options) -> GraphedCallable:
