@@ -340,7 +340,7 @@ def run(ctx: Context) -> None:
         "Cartesian product by a cost model, and on 1 thread MKL's CSR product for unpadded 1×1 layers "
         "(extra.*.layers.auto_choice_1thread; each dataflow forced, MKL's CSR product and the compression alone "
         "timed on 1 thread); FC layers are compiled column-gather products over the nonzero inputs; max pools are "
-        "separable strided maxima (torch's NCHW max_pool2d, which the dense model runs, is a scalar loop at batch 1). "
+        "compiled separable maxima, parallel over channels (torch's NCHW max_pool2d, which the dense model runs, is a scalar loop at batch 1). "
         "Dense = PyTorch CPU (oneDNN) on the same pruned weights, BatchNorm folded. Per-layer tendril times include "
         "filling the phase planes (counting the input's nonzeros on the way; 1×1 layers count only when asked), "
         "bias, residual and ReLU; dense per-layer times are the Conv2d/Linear module alone. "

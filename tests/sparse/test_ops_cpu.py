@@ -288,10 +288,13 @@ def test_dense_input_ops_reject_wrong_shapes():
         ((1, 1, 5, 6), (2, 3), (1, 2), (1, 1)),
     ],
 )
-def test_separable_max_pool_matches_torch(shape, kernel, stride, padding) -> None:
-    """The CPU networks' max pool (separable strided maxima) equals torch's, NaNs and negative values included."""
-    x = torch.randn(shape)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["compiled", "separable"])
+def test_cpu_max_pool_matches_torch(shape, kernel, stride, padding, dtype) -> None:
+    """The CPU networks' max pool (compiled for fp32, separable strided maxima otherwise) equals torch's, NaNs and
+    negative values included."""
+    x = torch.randn(shape, dtype=dtype)
     x[0, 0, 1, 1] = float("nan")
+    x[-1, -1, -1, -1] = float("nan")  # on the border: inside some windows only through the padding's side
     module = torch.nn.MaxPool2d(kernel, stride, padding)
     pool = cpu_pool.pooling(module)
     assert isinstance(pool, cpu_pool.SeparableMaxPool)

@@ -36,6 +36,9 @@ about equal cost (never over a dimension as small as a layer's input channels).
   channels, each row counted in float32 (vectorized, exact below 2^24 per row).
 - `bias_residual_relu`: `out[k] = [relu](out[k] + bias[k] + residual[k])` in place over a `[K, N]` product
   (what follows a library product), one pass; parallel over rows.
+- `max_pool_planes`: max pooling of `[P, H, W]` planes, parallel over planes, separably: per output row, the
+  maxima over its window rows (one contiguous, vectorizable pass per row into a `-inf`-padded buffer), then over
+  each window's columns; NaNs propagate as in torch's `max_pool2d`.
 - `linear_dense_input`: the sparse FC layer. Each nonzero input feature meets the nonzero column of
   its feature (CSC); input features are split into parts of about equal weight nonzeros, one
   accumulator row each; a second parallel pass sums the parts with the bias and applies ReLU.
@@ -241,3 +244,41 @@ def write_band(out, acc, bias, residual, has_residual, relu, k, y0, rows, row):
 def _at(base, offset):
     """An unsigned flat index: numba indexes with it without a negative-index check, so loops vectorize."""
     return np.uint64(base + offset)
+
+
+@njit(parallel=True, cache=True)
+def max_pool_planes(x, out, kh, kw, sh, sw, ph, pw):
+    height, width = x.shape[1], x.shape[2]
+    oh, ow = out.shape[1], out.shape[2]
+    for p in prange(x.shape[0]):
+        nan = np.isnan(x[p]).any()  # only then the exact NaN test runs; the plain maximum vectorizes
+        rows = np.empty(width + 2 * pw, dtype=x.dtype)  # the window rows' maxima of one output row, padded
+        for oy in range(oh):
+            rows[:] = -np.inf
+            for i in range(kh):
+                iy = oy * sh - ph + i
+                if iy < 0 or iy >= height:
+                    continue
+                row = x[p, iy]
+                if nan:
+                    for ix in range(width):
+                        rows[pw + ix] = _nan_max(row[ix], rows[pw + ix])
+                else:
+                    for ix in range(width):
+                        rows[pw + ix] = max(row[ix], rows[pw + ix])
+            out_row = out[p, oy]
+            out_row[:] = rows[: (ow - 1) * sw + 1 : sw]
+            for j in range(1, kw):
+                window = rows[j : j + (ow - 1) * sw + 1 : sw]
+                if nan:
+                    for ox in range(ow):
+                        out_row[ox] = _nan_max(window[ox], out_row[ox])
+                else:
+                    for ox in range(ow):
+                        out_row[ox] = max(window[ox], out_row[ox])
+
+
+@njit(inline="always")
+def _nan_max(value, held):
+    """The larger of the two, NaN if either is NaN (torch's max_pool2d)."""
+    return value if value > held or value != value else held

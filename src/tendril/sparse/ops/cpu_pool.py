@@ -1,15 +1,17 @@
-"""Max pooling for CPU networks, as separable maxima of strided views.
+"""Max pooling for CPU networks: compiled (fp32) or as separable maxima of strided views (other dtypes).
 
 torch's `max_pool2d` on a contiguous (NCHW) CPU tensor runs a scalar loop per output pixel, at batch 1 an order
 of magnitude slower than a pass over the input; in a CPU network it can cost as much as a sparse convolution
-layer. A max pool is separable: the maximum over a `kh × kw` window is the maximum over `kw` columns of the
-maxima over `kh` rows. So `max_pool(x)` is `kh - 1` elementwise `torch.maximum`s of row-strided views, then
-`kw - 1` of column-strided views of that, every one a vectorized pass. The padding is implicit `-inf`, as in
-torch's (a copy padded with `-inf` first); NaNs propagate as they do there.
+layer. For fp32 (the CPU backend's dtype) the pool is a compiled loop on numba's pool
+(`cpu_kernels.max_pool_planes`), parallel over planes with the network's thread count: torch stays on one thread
+during a CPU forward (`cpu_threads`), so a torch-op pool would run serially. Other dtypes take separable maxima:
+the maximum over a `kh × kw` window is the maximum over `kw` columns of the maxima over `kh` rows, so
+`max_pool(x)` is `kh - 1` elementwise `torch.maximum`s of row-strided views, then `kw - 1` of column-strided views
+of that, every one a vectorized pass. Either way the padding is implicit `-inf`, as in torch's, and NaNs propagate
+as they do there.
 
 `pooling(module)` wraps a `MaxPool2d` whose options this covers (no dilation, no `ceil_mode`, no indices) so
-that CPU tensors take the separable path and other devices the module itself; any other module is returned as
-it is.
+that CPU tensors take these paths and other devices the module itself; any other module is returned as it is.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from tendril.sparse.ops.cpu_threads import kernels
 
 
 class SeparableMaxPool:
@@ -45,14 +49,20 @@ def pooling(module: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
 def max_pool(
     x: torch.Tensor, kernel: tuple[int, int], stride: tuple[int, int], padding: tuple[int, int]
 ) -> torch.Tensor:
-    """`F.max_pool2d(x, kernel, stride, padding)` (floor mode, no dilation) as separable strided maxima."""
+    """`F.max_pool2d(x, kernel, stride, padding)` (floor mode, no dilation) of a CPU tensor: compiled for fp32,
+    separable strided maxima otherwise."""
     (kh, kw), (sh, sw), (ph, pw) = kernel, stride, padding
-    if ph or pw:
-        x = F.pad(x, (pw, pw, ph, ph), value=float("-inf"))
-    height, width = x.shape[-2], x.shape[-1]
+    height, width = x.shape[-2] + 2 * ph, x.shape[-1] + 2 * pw
     oh, ow = (height - kh) // sh + 1, (width - kw) // sw + 1
     if oh < 1 or ow < 1:
         raise ValueError(f"x: a {height}×{width} plane (padded) is smaller than the {kh}×{kw} pooling window")
+    if x.dtype == torch.float32:
+        planes = x.detach().contiguous().reshape(-1, *x.shape[-2:])
+        out = torch.empty(planes.shape[0], oh, ow)
+        kernels().max_pool_planes(planes.numpy(), out.numpy(), kh, kw, sh, sw, ph, pw)
+        return out.view(*x.shape[:-2], oh, ow)
+    if ph or pw:
+        x = F.pad(x, (pw, pw, ph, ph), value=float("-inf"))
     rows = x[..., 0 : (oh - 1) * sh + 1 : sh, :]
     for i in range(1, kh):
         rows = torch.maximum(rows, x[..., i : i + (oh - 1) * sh + 1 : sh, :])
