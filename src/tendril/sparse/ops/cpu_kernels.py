@@ -250,32 +250,51 @@ def _at(base, offset):
 def max_pool_planes(x, out, kh, kw, sh, sw, ph, pw):
     height, width = x.shape[1], x.shape[2]
     oh, ow = out.shape[1], out.shape[2]
+    n_in, n_out = np.uint64(width), np.uint64(ow)
+    scratch = np.full((x.shape[0], width + 2 * pw), -np.inf, dtype=x.dtype)  # one output row's window-row maxima
     for p in prange(x.shape[0]):
-        nan = np.isnan(x[p]).any()  # only then the exact NaN test runs; the plain maximum vectorizes
-        rows = np.empty(width + 2 * pw, dtype=x.dtype)  # the window rows' maxima of one output row, padded
+        nan = _has_nan(x[p])  # only then the exact NaN test runs; the plain maximum vectorizes
+        rows = scratch[p]  # padded with -inf on both sides
+        inner = rows[pw : pw + width]
         for oy in range(oh):
-            rows[:] = -np.inf
-            for i in range(kh):
-                iy = oy * sh - ph + i
-                if iy < 0 or iy >= height:
-                    continue
+            first = max(0, oy * sh - ph)  # the window's rows inside the plane (floor mode: at least one)
+            stop = min(height, oy * sh - ph + kh)
+            inner[:] = x[p, first]
+            for iy in range(first + 1, stop):
                 row = x[p, iy]
                 if nan:
-                    for ix in range(width):
-                        rows[pw + ix] = _nan_max(row[ix], rows[pw + ix])
+                    for ix in range(n_in):
+                        inner[ix] = _nan_max(row[ix], inner[ix])
                 else:
-                    for ix in range(width):
-                        rows[pw + ix] = max(row[ix], rows[pw + ix])
+                    for ix in range(n_in):
+                        value, held = row[ix], inner[ix]
+                        inner[ix] = value if value > held else held
             out_row = out[p, oy]
-            out_row[:] = rows[: (ow - 1) * sw + 1 : sw]
+            if sw == 2 and not nan:  # the common stride, a constant: the loops vectorize as interleaved loads
+                for ox in range(n_out):
+                    out_row[ox] = rows[ox * np.uint64(2)]
+                for j in range(1, kw):
+                    window = rows[j:]
+                    for ox in range(n_out):
+                        value, held = window[ox * np.uint64(2)], out_row[ox]
+                        out_row[ox] = value if value > held else held
+                continue
+            for ox in range(n_out):
+                out_row[ox] = rows[ox * np.uint64(sw)]
             for j in range(1, kw):
-                window = rows[j : j + (ow - 1) * sw + 1 : sw]
-                if nan:
-                    for ox in range(ow):
-                        out_row[ox] = _nan_max(window[ox], out_row[ox])
-                else:
-                    for ox in range(ow):
-                        out_row[ox] = max(window[ox], out_row[ox])
+                window = rows[j:]
+                for ox in range(n_out):
+                    out_row[ox] = _nan_max(window[ox * np.uint64(sw)], out_row[ox])
+
+
+@njit(inline="always")
+def _has_nan(plane):
+    """Whether a `[H, W]` plane holds a NaN (one vectorized pass, no temporary array)."""
+    found = False
+    for row in plane:
+        for i in range(np.uint64(row.shape[0])):
+            found |= row[i] != row[i]
+    return found
 
 
 @njit(inline="always")
