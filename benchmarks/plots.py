@@ -188,6 +188,9 @@ GENERATION_LABELS = {
     "tendril": 'tendril step="eager"',
     "tendril compiled step": 'tendril step="compiled"',
     "tendril fused step": 'tendril step="fused"',
+    "tendril eager": 'tendril step="eager"',
+    "tendril compiled": 'tendril step="compiled"',
+    "tendril fused": 'tendril step="fused"',
 }
 
 
@@ -213,6 +216,32 @@ def generation(result: Result) -> Figure:
     return figure
 
 
+def decode_roofline(result: Result) -> Figure:
+    """Per model and search, each variant's decode speed as a fraction of the HBM roofline (1.0: every weight and
+    cache byte read once per token at the measured bandwidth)."""
+    fractions: dict[str, dict[str, float]] = {}
+    for variant, row in _rows(result, "roofline_fraction").items():
+        model, mode, name = variant.split(" ", 2)
+        if "fastest" not in name:
+            fractions.setdefault(f"{model} {mode}", {})[name] = row["median"]
+    if not fractions:
+        raise ValueError("decode-roofline results hold no roofline fraction to plot")
+    figure, panels = _figure(columns=len(fractions), width=3.6)
+    for axes, (panel, values) in zip(panels, fractions.items(), strict=True):
+        variants = sorted((fraction, name) for name, fraction in values.items())
+        bars = axes.barh(
+            [GENERATION_LABELS.get(name, name) for _, name in variants],
+            [fraction for fraction, _ in variants],
+            color=["tab:orange" if name.startswith("tendril") else "tab:grey" for _, name in variants],
+        )
+        axes.bar_label(bars, fmt="%.2f", fontsize=8)
+        axes.axvline(1.0, color="black", linewidth=0.8)
+        axes.set(xlim=(0, 1.1), xlabel="fraction of the HBM roofline")
+        axes.set_title(panel, fontsize=10)
+    figure.suptitle(_title(result, "batch-1 decode against the memory-bandwidth roofline"), fontsize=10)
+    return figure
+
+
 PLOTS: dict[str, Callable[[Result], Figure]] = {
     "graphs-dynamic-shapes": graphs_dynamic_shapes,
     "graphs-memory": graphs_memory,
@@ -220,6 +249,7 @@ PLOTS: dict[str, Callable[[Result], Figure]] = {
     "sparse-conv-kernels": sparse_conv_kernels,
     "sparse-scaling": sparse_scaling,
     "generation": generation,
+    "decode-roofline": decode_roofline,
 }
 
 
