@@ -38,8 +38,8 @@ CONFIGS = (
     EllConfig(channels=4, depth=16, pixels=64, warps=4, splits=4),
     EllConfig(channels=2, depth=16, pixels=64, warps=2, splits=8),
 )
-"""The tile configs `tune` times: long pixel blocks for large planes (a thread then holds 16 pixels of each
-nonzero it loads), with whole-warp runs (`run=32`: a load instruction reads one nonzero's 32 consecutive
+"""The tile configs `tune` times: long pixel blocks for large planes (a thread then holds 8 or 16 pixels of each
+nonzero it loads), also with whole-warp runs (`run=32`: a load instruction reads one nonzero's 32 consecutive
 inputs, one or two cache lines, where runs of 8 touch four nonzeros' lines); wide channel tiles with shallow
 steps for channels with few nonzeros; narrow, deep ones for channels with many (fewer loop steps, each with
 more loads in flight) and for small planes, where only narrow tiles make enough programs to fill the GPU; and
