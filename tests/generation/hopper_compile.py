@@ -3,11 +3,17 @@
 Triton's interpreter runs kernel bodies as NumPy code, so type errors of the compiled language (a loop-carried
 variable changing shape, a constexpr branch that does not type-check) only show on a GPU. `hopper_compile`
 intercepts the launches a wrapper makes (its kernel's `run`) and compiles each for an H100/H200 target with
-Triton's own compiler, down to a cubin: the same code generation a GPU run does, on the CPU.
+Triton's own compiler, down to a cubin: the same code generation a GPU run does, on the CPU. Each cubin's resource
+usage (Triton's bundled `cuobjdump`) must show no local memory: a launch configuration whose registers spill would
+run far slower than its neighbours, and nothing else on the CPU would notice.
 """
 
 from __future__ import annotations
 
+import os
+import re
+import subprocess
+import tempfile
 from collections.abc import Callable
 from typing import Any
 
@@ -54,4 +60,18 @@ def hopper_compile(kernel: triton.runtime.JITFunction, launch: Callable[[], Any]
         patch.setattr(kernel, "run", compile_launch)
         launch()
     assert all("cubin" in c.asm for c in compiled)
+    for c in compiled:
+        usage = resource_usage(c.asm["cubin"])
+        assert usage["LOCAL"] == 0, f"{kernel.__name__} spills to local memory: {usage}"
     return len(compiled)
+
+
+def resource_usage(cubin: bytes) -> dict[str, int]:
+    """Registers, shared and local memory (bytes) of a cubin's kernel, from `cuobjdump --dump-resource-usage`."""
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as file:
+        file.write(cubin)
+        file.flush()
+        report = subprocess.run([tool, "--dump-resource-usage", file.name], capture_output=True, text=True, check=True)
+    line = next(line for line in report.stdout.splitlines() if "REG:" in line)
+    return {key: int(value) for key, value in re.findall(r"(REG|SHARED|LOCAL|STACK):(\d+)", line)}
