@@ -38,7 +38,6 @@ is the same ratio over one band of lengths (`length_bands`, from each length's m
 
 from __future__ import annotations
 
-import gc
 import os
 import random
 import statistics
@@ -53,6 +52,7 @@ from benchmarks.registry import Context, Goal, register
 from tendril.graphs.callable import GraphedCallable, graphed
 from tendril.graphs.capture import GRAPH_SDPA_BACKENDS
 from tendril.graphs.options import GraphMemoryPolicy
+from tendril.utils.device_memory import device_memory_in_use
 
 MIB = 1 << 20
 VOCAB = 50257
@@ -165,16 +165,8 @@ def _wav2vec2(device: torch.device) -> torch.nn.Module:
     return Wav2Vec2Model(Wav2Vec2Config()).to(device=device, dtype=torch.float16).eval()
 
 
-def _device_used(device: torch.device) -> int:
-    torch.cuda.synchronize(device)
-    gc.collect()
-    torch.cuda.empty_cache()
-    free, total = torch.cuda.mem_get_info(device)
-    return total - free
-
-
 def _outside_pool(fast: GraphedCallable, device: torch.device, base: int) -> int:
-    return _device_used(device) - base - fast.stats.pool_bytes - fast.stats.placeholder_bytes
+    return device_memory_in_use(device) - base - fast.stats.pool_bytes - fast.stats.placeholder_bytes
 
 
 def _separate_pools(
@@ -226,7 +218,7 @@ def _tendril(
 ) -> tuple[GraphedCallable, int, int, float]:
     """(b) or (c): capture every length (largest first). Returns the callable, device bytes after all graphs,
     bytes outside pool and placeholders from after the first graph to after all, capture ms per graph."""
-    base = _device_used(device)
+    base = device_memory_in_use(device)
     memory = GraphMemoryPolicy(budget=budget, **(options or {}))  # type: ignore[arg-type]  # "64MiB" is parsed
     fast = graphed(model, max_graphs=len(examples), memory=memory)
     order = sorted(examples, reverse=True)
@@ -237,7 +229,7 @@ def _tendril(
     torch.cuda.synchronize(device)
     capture_ms = (time.perf_counter() - start) * 1e3 / len(order)
     after_all = _outside_pool(fast, device, base)
-    return fast, _device_used(device) - base, after_all - after_first, capture_ms
+    return fast, device_memory_in_use(device) - base, after_all - after_first, capture_ms
 
 
 def _call_ms(fn: Callable[..., Any], sequence: Sequence[torch.Tensor], device: torch.device) -> list[float]:
@@ -315,7 +307,7 @@ def _measure_model(
         executables = {"alive": cache.executables, "charged": cache.live_bytes, "per_node": per_node}
         stats_line = budgeted.stats.table().splitlines()[0]
         del budgeted, dedicated, got, expected, cache
-        _device_used(device)
+        device_memory_in_use(device)
         measured, a_capture_ms = _separate_pools(model, examples, device)
     a_bytes, extrapolated = extrapolate_linear(measured, lengths)
     if extrapolated:
@@ -414,7 +406,7 @@ def run(ctx: Context) -> None:
     options = _options()
     gpt2 = _measure_model(ctx, "GPT-2", model, ids, passes, budget, options)
     del model, ids
-    _device_used(device)
+    device_memory_in_use(device)
 
     seconds = spread(1 * SAMPLE_RATE, 16 * SAMPLE_RATE, 12 if ctx.quick else 64)
     encoder = _wav2vec2(device)

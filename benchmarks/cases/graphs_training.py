@@ -35,7 +35,6 @@ state tensor between 20 graphed and 20 eager AMP steps on the same padded batche
 
 from __future__ import annotations
 
-import gc
 import os
 import time
 from collections.abc import Callable
@@ -50,6 +49,7 @@ from benchmarks import hf_training_steps as hf
 from benchmarks.registry import Context, Goal, register
 from tendril.graphs.buckets import Buckets
 from tendril.graphs.capture import GRAPH_SDPA_BACKENDS
+from tendril.utils.device_memory import device_memory_in_use
 from tendril.utils.timing import Timing, summarize
 
 SAMPLE_RATE = 16_000
@@ -177,14 +177,6 @@ def kernel_ms(step: Callable[..., Any], data: list[tuple[torch.Tensor, ...]]) ->
     return busy_us / 1e3 / len(data)
 
 
-def _device_used(device: torch.device) -> int:
-    torch.cuda.synchronize(device)
-    gc.collect()
-    torch.cuda.empty_cache()
-    free, total = torch.cuda.mem_get_info(device)
-    return total - free
-
-
 def _fresh(setup: Setup, dropout: float, lr: float = 1e-5) -> tuple[Any, torch.optim.Optimizer, torch.amp.GradScaler]:
     torch.manual_seed(0)
     model = setup.make_model(dropout)
@@ -262,7 +254,7 @@ def _separate_pools_bytes(setup: Setup, device: torch.device) -> int:
         for batch in examples:  # warm every shape, make the optimizer state and gradients
             step(*batch)
     torch.cuda.current_stream(device).wait_stream(stream)
-    before = _device_used(device)
+    before = device_memory_in_use(device)
     graphs = []
     with sdpa_kernel(list(GRAPH_SDPA_BACKENDS)):
         for batch in examples:
@@ -270,9 +262,9 @@ def _separate_pools_bytes(setup: Setup, device: torch.device) -> int:
             with torch.cuda.graph(graph):
                 step(*batch)
             graphs.append(graph)
-    used = _device_used(device) - before
+    used = device_memory_in_use(device) - before
     del graphs, model, optimizer, scaler, step
-    _device_used(device)
+    device_memory_in_use(device)
     return used
 
 
@@ -283,15 +275,15 @@ def _tendril_pool_bytes(setup: Setup, device: torch.device) -> int:
     generator = torch.Generator().manual_seed(7)
     examples = [setup.batch(size, generator) for size in setup.lengths]
     plain(*examples[0])  # the optimizer state and gradients, as the separate pools' measurement has them
-    before = _device_used(device)
+    before = device_memory_in_use(device)
     step = tendril.graphed_step(plain, model=model, optimizer=optimizer, scaler=scaler, buckets=setup.buckets)
     for batch in examples:  # checked warm-up, capture, replay
         for _ in range(3):
             step(*batch)
-    used = _device_used(device) - before
+    used = device_memory_in_use(device) - before
     assert len(step.keys()) == len(examples), step.stats.table()
     del step, plain, model, optimizer, scaler
-    _device_used(device)
+    device_memory_in_use(device)
     return used
 
 
@@ -344,9 +336,9 @@ def _measure(ctx: Context, setup: Setup) -> dict[str, float]:
     del model, optimizer, scaler, eager_step
     fast, step = _tendril(ctx, setup, data, passes)
     del step
-    _device_used(ctx.device)
+    device_memory_in_use(ctx.device)
     compiled = _compiled(ctx, setup, data, passes)
-    _device_used(ctx.device)
+    device_memory_in_use(ctx.device)
     return {
         "over_kernel": ratio(fast.median_ms, kernels),
         "vs_eager": ratio(eager.median_ms, fast.median_ms),

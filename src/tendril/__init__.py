@@ -20,7 +20,7 @@ _LAZY: dict[str, str] = {
     "settings": "tendril.config",
     "graphed": "tendril.graphs.callable",
     "GraphedCallable": "tendril.graphs.callable",
-    "GraphFallbackWarning": "tendril.graphs.callable",
+    "GraphFallbackWarning": "tendril.graphs.admission",
     "GraphOptions": "tendril.graphs.options",
     "GraphMemoryPolicy": "tendril.graphs.options",
     "sequence_buckets": "tendril.graphs.buckets",

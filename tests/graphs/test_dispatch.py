@@ -9,9 +9,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tendril.config import Config
+from tendril.graphs.admission import GraphFallbackWarning
 from tendril.graphs.backend import CaptureFailed, NullBackend
 from tendril.graphs.buckets import sequence_buckets
-from tendril.graphs.callable import Call, GraphedCallable, GraphFallbackWarning, graphed
+from tendril.graphs.callable import Call, GraphedCallable, graphed
 from tendril.graphs.key import GraphKey
 from tendril.graphs.stats import Fallback
 

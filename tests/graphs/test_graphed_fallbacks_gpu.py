@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from tendril.config import Config
-from tendril.graphs.callable import GraphFallbackWarning
+from tendril.graphs.admission import GraphFallbackWarning
 from tendril.graphs.outputs import StaleOutputError
 from tendril.graphs.stats import Fallback
 from tests.graphs.gpu_models import fast

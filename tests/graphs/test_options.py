@@ -7,9 +7,10 @@ import torch
 import tendril
 import tendril.graphs
 from tendril.config import Config
+from tendril.graphs.admission import GraphFallbackWarning
 from tendril.graphs.backend import NullBackend
 from tendril.graphs.buckets import sequence_buckets
-from tendril.graphs.callable import GraphedCallable, GraphFallbackWarning, graphed
+from tendril.graphs.callable import GraphedCallable, graphed
 from tendril.graphs.options import GraphMemoryPolicy, GraphOptions, MemoryStrategy
 from tendril.graphs.stats import Fallback
 

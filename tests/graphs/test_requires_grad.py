@@ -9,8 +9,9 @@ import torch
 from torch import nn
 
 from tendril.config import Config
+from tendril.graphs.admission import GraphFallbackWarning
 from tendril.graphs.backend import NullBackend
-from tendril.graphs.callable import GraphFallbackWarning, graphed
+from tendril.graphs.callable import graphed
 from tendril.graphs.stats import Fallback
 from tendril.graphs.trainable import modules_of
 

@@ -7,7 +7,8 @@ from typing import Any
 
 import torch
 
-from tendril.graphs.callable import GraphFallbackWarning, graphed
+from tendril.graphs.admission import GraphFallbackWarning
+from tendril.graphs.callable import graphed
 
 
 def gpt2(device: torch.device) -> tuple[torch.nn.Module, int]:

@@ -10,7 +10,7 @@ from tendril._lazy import lazy_attributes
 _LAZY: dict[str, str] = {
     "graphed": "tendril.graphs.callable",
     "GraphedCallable": "tendril.graphs.callable",
-    "GraphFallbackWarning": "tendril.graphs.callable",
+    "GraphFallbackWarning": "tendril.graphs.admission",
     "Call": "tendril.graphs.examples",
     "Buckets": "tendril.graphs.buckets",
     "Pad": "tendril.graphs.buckets",

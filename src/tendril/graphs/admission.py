@@ -1,6 +1,9 @@
-"""Whether a graphed callable or graphed step may capture: the rules that do not depend on its history."""
+"""Whether a graphed callable or graphed step may capture: the rules that do not depend on its history, and the
+one warning per fallback reason that both give when a call runs eagerly."""
 
 from __future__ import annotations
+
+import warnings
 
 from tendril.config import Config
 from tendril.graphs.backend import Backend
@@ -27,3 +30,29 @@ def placement_refusal(key: GraphKey, backend: Backend, graphs: int, max_graphs: 
     if graphs >= max_graphs:
         return Fallback.LIMIT, f"{graphs} graphs captured, max_graphs={max_graphs}"
     return None
+
+
+class GraphFallbackWarning(UserWarning):
+    """A graphed callable or step ran a call eagerly; issued once per reason per callable."""
+
+
+class FallbackWarnings:
+    """Warns once per fallback reason for one graphed callable or step (`label`, e.g. "tendril.graphed(GPT2)");
+    later occurrences are only counted in its stats."""
+
+    def __init__(self, label: str) -> None:
+        self.label = label
+        self.warned: set[Fallback] = set()
+
+    def warn(self, reason: Fallback, detail: str) -> None:
+        """Warn about `reason` unless it was warned before; `stacklevel` points at the user's call (the callable's
+        `__call__` -> its fallback -> here)."""
+        if reason in self.warned:
+            return
+        self.warned.add(reason)
+        warnings.warn(
+            f"{self.label} runs eagerly: {reason.value} ({detail}). Later occurrences are counted in .stats.fallbacks "
+            "without warning.",
+            GraphFallbackWarning,
+            stacklevel=4,
+        )

@@ -19,7 +19,7 @@ Dispatch policy, in order (plain Python, tested without a GPU through `NullBacke
    (`MUTATES_INPUTS`), the key runs eagerly from then on.
 
 Every eager call is counted in `stats.fallbacks` with its reason, and each reason warns once per
-callable (`GraphFallbackWarning`). Eager fallbacks call the original function on the original
+callable (`admission.GraphFallbackWarning`). Eager fallbacks call the original function on the original
 (unpadded) arguments, so they return exactly what the function returns.
 
 Output lifetime (see `outputs`): returned tensors live in graph memory shared by all of the
@@ -36,7 +36,6 @@ callable that uses neither never creates it, and its calls check for it once.
 from __future__ import annotations
 
 import contextlib
-import warnings
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -44,7 +43,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from tendril.config import Config
-from tendril.graphs.admission import graphs_unavailable, placement_refusal
+from tendril.graphs.admission import FallbackWarnings, graphs_unavailable, placement_refusal
 from tendril.graphs.backend import Backend, Captured, CaptureFailed
 from tendril.graphs.buckets import Buckets, PaddedCall, cut_back, follow_length, parameter_positions, probe_length
 from tendril.graphs.examples import Call as Call
@@ -63,10 +62,6 @@ if TYPE_CHECKING:
 
 _KEY_CACHE_SIZE = 4096
 """Distinct call fingerprints remembered by `GraphedCallable._key` (cleared when full)."""
-
-
-class GraphFallbackWarning(UserWarning):
-    """A graphed callable ran a call eagerly; issued once per reason per callable."""
 
 
 @dataclass
@@ -129,7 +124,7 @@ class GraphedCallable:
         """The zero-copy plug-in, made by the first `zero_copy()` or `carry(...)` (`_plug_in`)."""
         self._generation = Generation()
         self._keys: dict[Any, tuple[GraphKey | Unkeyable, list[int]]] = {}
-        self._warned: set[Fallback] = set()
+        self._warnings = FallbackWarnings(f"tendril.graphed({self.name})")
         self._grad = GradPolicy(fn)
         self._positions = parameter_positions(fn) if options.buckets is not None else {}
         self._unavailable = graphs_unavailable(backend, config)
@@ -421,24 +416,14 @@ class GraphedCallable:
 
     def _eager(self, args: tuple[Any, ...], kwargs: dict[str, Any], reason: Fallback, detail: str) -> Any:
         self.stats.record_fallback(reason, detail)
-        self._warn_once(reason, detail)
+        self._warnings.warn(reason, detail)
         return self.fn(*args, **kwargs)
 
     def _note(self, reason: Fallback, detail: str) -> None:
         """Record a reason found while capturing ahead of time (no call ran eagerly)."""
         self.stats.fallback_details.setdefault(reason, detail)
-        self._warn_once(reason, detail)
+        self._warnings.warn(reason, detail)
 
-    def _warn_once(self, reason: Fallback, detail: str) -> None:
-        if reason in self._warned:
-            return
-        self._warned.add(reason)
-        warnings.warn(
-            f"tendril.graphed({self.name}) runs eagerly: {reason.value} ({detail}). Later occurrences are "
-            "counted in .stats.fallbacks without warning.",
-            GraphFallbackWarning,
-            stacklevel=4,
-        )
 
     def _sync_memory_stats(self) -> None:
         self.stats.pool_bytes = self._backend.pool_bytes()

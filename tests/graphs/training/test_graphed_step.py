@@ -10,8 +10,8 @@ import torch
 import tendril
 from benchmarks.hf_training_steps import wav2vec2_buckets
 from tendril.config import Config
+from tendril.graphs.admission import GraphFallbackWarning
 from tendril.graphs.backend import CaptureFailed, NullBackend
-from tendril.graphs.callable import GraphFallbackWarning
 from tendril.graphs.stats import Fallback
 from tests.graphs.training.loops import (
     SEQ_BUCKETS,

@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -48,10 +47,9 @@ from typing import Any
 import torch
 
 from tendril.config import Config
-from tendril.graphs.admission import graphs_unavailable, placement_refusal
+from tendril.graphs.admission import FallbackWarnings, graphs_unavailable, placement_refusal
 from tendril.graphs.backend import Backend, Captured, CaptureFailed
 from tendril.graphs.buckets import Buckets, parameter_positions
-from tendril.graphs.callable import GraphFallbackWarning
 from tendril.graphs.key import Flattened, GraphKey, Unkeyable, flatten_call, key_of
 from tendril.graphs.memory import PlaceholderArena
 from tendril.graphs.options import DEFAULT_MAX_GRAPHS, GraphMemoryPolicy
@@ -147,7 +145,7 @@ class GraphedStep:
         self._arena = PlaceholderArena()
         self._graphs: dict[GraphKey, _Graph] = {}
         self._warmed: set[GraphKey] = set()
-        self._warned: set[Fallback] = set()
+        self._warnings = FallbackWarnings(f"tendril.graphed_step({self.name})")
         self._pending = 0
         self._unavailable = graphs_unavailable(backend, config)
 
@@ -290,7 +288,7 @@ class GraphedStep:
         self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], reason: Fallback, detail: str
     ) -> Any:
         self.stats.record_fallback(reason, detail)
-        self._warn_once(reason, detail)
+        self._warnings.warn(reason, detail)
         result = fn(*args, **kwargs)
         self._after_eager()
         return result
@@ -324,16 +322,6 @@ class GraphedStep:
             yield
         current.wait_stream(stream)
 
-    def _warn_once(self, reason: Fallback, detail: str) -> None:
-        if reason in self._warned:
-            return
-        self._warned.add(reason)
-        warnings.warn(
-            f"tendril.graphed_step({self.name}) runs eagerly: {reason.value} ({detail}). Later occurrences are "
-            "counted in .stats.fallbacks without warning.",
-            GraphFallbackWarning,
-            stacklevel=4,
-        )
 
 
 def graphed_step(
