@@ -13,11 +13,11 @@ first CPU-kernel call, so the GPU backends never need it.
 Threading layer: unless `NUMBA_THREADING_LAYER` or `NUMBA_THREADING_LAYER_PRIORITY` says otherwise, numba takes
 OpenMP (`omp`) where it loads, else TBB, else its own `workqueue` pool (`threading_layer()` says which ran). A
 forward starts a parallel region per kernel, several per layer: OpenMP releases its waiting workers at a barrier,
-where `workqueue` wakes and waits for every worker twice through a condition variable, a cost per region that
-grows with the thread count and, over a deep network's many regions, outweighs the extra threads. Numba's OpenMP layer runs on the system's libgomp, which
-torch shares or bundles a copy of; either way the two do not contend, as torch stays on one thread during a
-forward (above), and starting the pool, which may set a shared runtime's count, leaves torch's as it was. GNU
-OpenMP is not fork-safe: a process forked after a CPU forward must not run CPU networks.
+where `workqueue` wakes and waits for every worker twice through a condition variable, a cost per region that grows
+with the thread count and, over a deep network's many regions, outweighs the extra threads. Numba's OpenMP layer
+runs on the system's libgomp, which torch shares or bundles a copy of; either way the two do not contend, as torch
+stays on one thread during a forward (above), and starting the pool, which may set a shared runtime's count, leaves
+torch's as it was. GNU OpenMP is not fork-safe: a process forked after a CPU forward must not run CPU networks.
 """
 
 from __future__ import annotations
