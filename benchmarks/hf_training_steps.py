@@ -4,9 +4,12 @@ tests of `tendril.graphed_step`): what a user writes so that no step synchronise
 - GPT-2 LM fine-tuning: right-padded `input_ids` with labels -100 on the padding and no attention mask (a causal
   model's real positions never attend to later, padded ones); HF's loss ignores the -100 labels on the device.
 - Wav2Vec2 CTC: the model is called without `labels` (its label check reads a value on the host and its loss packs
-  the targets with `masked_select`); the frame lengths come from the audio lengths on the device and the loss is
-  `tendril.graphs.training.ctc.ctc_loss`. SpecAugment (`mask_time_prob`) draws its masks with numpy on the host, and
-  layerdrop decides on the host which layers to skip, so both are 0 in graphed steps (a graph would freeze one draw).
+  the targets with `masked_select`) and without `attention_mask`, as HF's feature extractor for the base
+  (group-norm) models gives none: the audio is zero-padded. (With a mask, HF's encoder zeroes the padded frames by
+  boolean indexing and asks whether any position is masked, both on the host.) The frame lengths come from the
+  sample mask on the device and the loss is `tendril.graphs.training.ctc.ctc_loss`. SpecAugment (`mask_time_prob`)
+  draws its masks with numpy on the host, and layerdrop decides on the host which layers to skip, so both are 0 in
+  graphed steps (a graph would freeze one draw).
 """
 
 from __future__ import annotations
@@ -35,24 +38,28 @@ def wav2vec2_buckets(sizes: tuple[int, ...]) -> Buckets:
     return Buckets(sizes, (("audio", Pad(1, 0.0, rank=2)), ("mask", Pad(1, 0, rank=2))), cut_outputs=False)
 
 
-def gpt2_step(model: Any, optimizer: torch.optim.Optimizer, scaler: Any = None, amp: bool = False) -> Callable:
+def gpt2_step(
+    model: Any, optimizer: torch.optim.Optimizer, scaler: Any = None, amp: bool = False, keep_grads: bool = True
+) -> Callable:
     def step(input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         with torch.autocast("cuda", torch.float16, enabled=amp):
             loss = model(input_ids=input_ids, labels=labels).loss
-        backward_and_update(loss, optimizer, scaler)
+        backward_and_update(loss, optimizer, scaler, keep_grads)
         return loss.detach()
 
     return step
 
 
-def wav2vec2_step(model: Any, optimizer: torch.optim.Optimizer, scaler: Any = None, amp: bool = False) -> Callable:
+def wav2vec2_step(
+    model: Any, optimizer: torch.optim.Optimizer, scaler: Any = None, amp: bool = False, keep_grads: bool = True
+) -> Callable:
     def step(audio: torch.Tensor, mask: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         with torch.autocast("cuda", torch.float16, enabled=amp):
-            logits = model(audio, attention_mask=mask).logits
+            logits = model(audio).logits
         frames = model._get_feat_extract_output_lengths(mask.sum(-1))
         log_probs = logits.float().log_softmax(-1).transpose(0, 1)
         loss = ctc_loss(log_probs, labels, frames, (labels >= 0).sum(-1), zero_infinity=True)
-        backward_and_update(loss, optimizer, scaler)
+        backward_and_update(loss, optimizer, scaler, keep_grads)
         return loss.detach()
 
     return step
@@ -61,7 +68,8 @@ def wav2vec2_step(model: Any, optimizer: torch.optim.Optimizer, scaler: Any = No
 def wav2vec2_hf_loss_step(
     model: Any, optimizer: torch.optim.Optimizer, scaler: Any = None, amp: bool = False
 ) -> Callable:
-    """The eager step users write today: HF's loss from `labels` (torch's CTC; it syncs with the host)."""
+    """The eager step users write today: HF's loss from `labels` (torch's CTC; it syncs with the host), the sample
+    mask giving it the audio lengths."""
 
     def step(audio: torch.Tensor, mask: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         with torch.autocast("cuda", torch.float16, enabled=amp):
@@ -72,9 +80,13 @@ def wav2vec2_hf_loss_step(
     return step
 
 
-def backward_and_update(loss: torch.Tensor, optimizer: torch.optim.Optimizer, scaler: Any) -> None:
-    """Backward, optimizer step (through `scaler` when given) and `zero_grad(set_to_none=False)`: gradients stay
-    allocated, so a graphed step's replays find them where its capture wrote them."""
+def backward_and_update(
+    loss: torch.Tensor, optimizer: torch.optim.Optimizer, scaler: Any, keep_grads: bool = True
+) -> None:
+    """Backward, optimizer step (through `scaler` when given) and `zero_grad`. With `keep_grads` the gradients stay
+    allocated (`set_to_none=False`), so a graphed step's replays find them where its capture wrote them; without,
+    they are dropped, as torch.compile's CUDA-graph trees need: a first backward's gradient is that graph's output,
+    which its next replay overwrites."""
     if scaler is None:
         loss.backward()
         optimizer.step()
@@ -82,20 +94,23 @@ def backward_and_update(loss: torch.Tensor, optimizer: torch.optim.Optimizer, sc
         scaler.scale(loss).backward()
         scaler.step(optimizer)
         scaler.update()
-    optimizer.zero_grad(set_to_none=False)
+    optimizer.zero_grad(set_to_none=not keep_grads)
 
 
-def gpt2_model(layers: int = 2, width: int = 64, vocab: int = 1000, positions: int = 512, dropout: float = 0.0) -> Any:
+def gpt2_model(
+    layers: int = 2, width: int = 64, vocab: int = 1000, positions: int = 512, dropout: float = 0.0,
+    device: str = "cuda",
+) -> Any:  # fmt: skip
     from transformers import GPT2Config, GPT2LMHeadModel
 
     config = GPT2Config(
         n_layer=layers, n_embd=width, n_head=4, vocab_size=vocab, n_positions=positions, use_cache=False,
         resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout,
     )  # fmt: skip
-    return GPT2LMHeadModel(config).cuda().train()
+    return GPT2LMHeadModel(config).to(device).train()
 
 
-def wav2vec2_model(tiny: bool = True, vocab: int = 32, dropout: float = 0.0) -> Any:
+def wav2vec2_model(tiny: bool = True, vocab: int = 32, dropout: float = 0.0, device: str = "cuda") -> Any:
     from transformers import Wav2Vec2Config, Wav2Vec2ForCTC
 
     sizes: dict[str, Any] = {}
@@ -108,16 +123,18 @@ def wav2vec2_model(tiny: bool = True, vocab: int = 32, dropout: float = 0.0) -> 
         vocab_size=vocab, layerdrop=0.0, mask_time_prob=0.0, hidden_dropout=dropout, attention_dropout=dropout,
         activation_dropout=dropout, feat_proj_dropout=dropout, final_dropout=dropout, **sizes,
     )  # fmt: skip
-    return Wav2Vec2ForCTC(config).cuda().train()
+    return Wav2Vec2ForCTC(config).to(device).train()
 
 
-def gpt2_batch(length: int, batch: int, vocab: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+def gpt2_batch(
+    length: int, batch: int, vocab: int, generator: torch.Generator, device: str = "cuda"
+) -> tuple[torch.Tensor, torch.Tensor]:
     ids = torch.randint(0, vocab, (batch, length), generator=generator)
-    return ids.cuda(), ids.clone().cuda()
+    return ids.to(device), ids.to(device, copy=True)
 
 
 def wav2vec2_batch(
-    samples: int, batch: int, labels: int, vocab: int, generator: torch.Generator
+    samples: int, batch: int, labels: int, vocab: int, generator: torch.Generator, device: str = "cuda"
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Audio of `samples` (the longest of the batch; the others shorter, masked), labels padded with -100 to
     `labels` columns: at most one label per `SAMPLES_PER_LABEL` samples of the item's audio, so that an alignment
@@ -131,26 +148,38 @@ def wav2vec2_batch(
     label_lengths = torch.minimum(label_lengths, (lengths // SAMPLES_PER_LABEL).clamp(min=1))
     targets = torch.randint(1, vocab, (batch, labels), generator=generator)
     targets = torch.where(torch.arange(labels) < label_lengths.unsqueeze(1), targets, IGNORE)
-    return audio.cuda(), mask.cuda(), targets.cuda()
+    return audio.to(device), mask.to(device), targets.to(device)
+
+
+ZERO_GRADIENT = ("attention.k_proj.bias",)
+"""Parameters whose gradient is zero in exact arithmetic: a key projection's bias adds the same score to every key
+of a query, which softmax ignores. Adam scales the rounding noise of that gradient up to full-size updates, so two
+correct runs (eager twice, with atomics in the backward) disagree there by about the parameter's own size; the
+comparisons leave these parameters and their optimizer state out."""
 
 
 def state_of(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
-    """Parameters and optimizer state tensors by name."""
+    """Parameters and optimizer state tensors by name, less those named in `ZERO_GRADIENT`."""
     found = {f"param {name}": p.detach() for name, p in model.named_parameters()}
     names = {id(p): name for name, p in model.named_parameters()}
     for parameter, state in optimizer.state.items():
         for key, value in state.items():
             if isinstance(value, torch.Tensor):
                 found[f"state {names[id(parameter)]} {key}"] = value.detach()
-    return found
+    return {name: value for name, value in found.items() if not any(part in name for part in ZERO_GRADIENT)}
 
 
-def max_rel_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
-    """The largest |a - b| / max(|b|) over all named tensors (float64)."""
+def rel_diffs(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> dict[str, float]:
+    """|a - b| / max(|b|) per named tensor (float64), largest first."""
     assert a.keys() == b.keys(), (sorted(a), sorted(b))
-    worst = 0.0
+    diffs = {}
     for name in a:
         x, y = a[name].double(), b[name].double()
         scale = max(y.abs().max().item(), 1e-30)
-        worst = max(worst, (x - y).abs().max().item() / scale)
-    return worst
+        diffs[name] = (x - y).abs().max().item() / scale
+    return dict(sorted(diffs.items(), key=lambda item: item[1], reverse=True))
+
+
+def max_rel_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    """The largest of `rel_diffs`."""
+    return max(rel_diffs(a, b).values(), default=0.0)

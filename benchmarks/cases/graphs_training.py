@@ -16,9 +16,10 @@ inputs. Variants, one after the other in one process on the same batches:
   make cheap but eager execution does not;
 - `tendril`: `tendril.graphed_step(step, ..., buckets=...)` after a warm-up pass that captures every bucket
   (reported: `warmup_s`, graphs, pool);
-- `compile`: the forward pass and loss under `torch.compile(mode="reduce-overhead")` (CUDA graphs of forward and
-  backward per bucket shape; the optimizer step eager, fused), on the bucket-padded batches; its warm-up (compiling
-  every bucket) is reported as `warmup_s`.
+- `compile`: the model under `torch.compile(mode="reduce-overhead")` with its default shape handling (the first
+  shape compiled static, the next one dynamic for every later length; CUDA graphs of forward and backward recorded
+  per bucket shape; the CTC loss and the optimizer step eager, fused), on the bucket-padded batches; its warm-up
+  (compiling, then recording every bucket) is reported as `warmup_s`.
 
 Step time: wall time of a pass over the batches (no host synchronisation inside, one at its end) per step; the
 median over passes. Kernel time: the summed GPU time of all device operations the profiler records over the
@@ -30,7 +31,9 @@ Memory: `wav2vec2_memory_ratio_vs_separate_pools` is the device memory of every 
 of device memory in use, cudaMemGetInfo after emptying the allocator's cache).
 
 Correctness: `max_param_rel_diff_amp_20_steps` is the largest relative difference of any parameter or optimizer
-state tensor between 20 graphed and 20 eager AMP steps on the same padded batches, dropout 0, over the models run.
+state tensor between 20 graphed and 20 eager AMP steps on the same padded batches, dropout 0, over the models run
+(less the key-projection biases, `hf_training_steps.ZERO_GRADIENT`). Two eager runs are compared the same way
+(`eager twice`): the floor that their kernels' own run-to-run noise sets.
 """
 
 from __future__ import annotations
@@ -60,8 +63,9 @@ W2V_LABELS = 64
 GPT2_VOCAB = 50257
 MODELS = ("wav2vec2", "gpt2")
 CORRECTNESS_STEPS = 20
-CORRECTNESS_LR = 1e-3
-"""Large enough that 20 steps move every parameter well past rounding."""
+CORRECTNESS_LR = 1e-5
+"""A fine-tuning rate: 20 steps move every parameter well past fp32 rounding, while the run stays out of the chaotic
+regime of a large rate from random weights, where two eager runs already part by their backward's atomics."""
 
 
 @dataclass(frozen=True)
@@ -212,17 +216,17 @@ def _tendril(ctx: Context, setup: Setup, data: list, passes: int) -> tuple[Timin
     return timing, step
 
 
-def _compiled(ctx: Context, setup: Setup, data: list, passes: int) -> Timing:
+def _compiled(ctx: Context, setup: Setup, data: list, passes: int) -> Timing | None:
     """The same step function on `torch.compile(model, mode="reduce-overhead")`: compiled forward and backward,
     captured by torch's CUDA-graph trees per shape; the loss outside the model (the CTC loss) and the optimizer
-    step run eagerly."""
+    step run eagerly. None, with the error in the notes, where torch's step fails."""
     import torch._dynamo
 
     limit = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
     setattr(torch._dynamo.config, limit, max(getattr(torch._dynamo.config, limit), 4 * len(setup.lengths)))
     model, optimizer, scaler = _fresh(setup, 0.1)
-    compiled = torch.compile(model, mode="reduce-overhead", dynamic=False)
-    plain = setup.make_step(compiled, optimizer, scaler, amp=True)
+    compiled = torch.compile(model, mode="reduce-overhead")
+    plain = setup.make_step(compiled, optimizer, scaler, amp=True, keep_grads=False)
 
     def step(*batch: torch.Tensor) -> torch.Tensor:
         torch.compiler.cudagraph_mark_step_begin()
@@ -230,15 +234,25 @@ def _compiled(ctx: Context, setup: Setup, data: list, passes: int) -> Timing:
 
     generator = torch.Generator().manual_seed(7)
     start = time.perf_counter()
-    for size in setup.lengths:
-        for _ in range(3):
-            step(*_padded(setup, setup.batch(size, generator)))
-    torch.cuda.synchronize()
-    ctx.add_value(f"{setup.name} compile", "warmup_s", time.perf_counter() - start)
-    padded = [_padded(setup, batch) for batch in data]
-    timing = _time(step, padded, passes)
+    size = setup.lengths[0]
+    try:
+        for size in setup.lengths:
+            for _ in range(3):
+                step(*_padded(setup, setup.batch(size, generator)))
+        torch.cuda.synchronize()
+        ctx.add_value(f"{setup.name} compile", "warmup_s", time.perf_counter() - start)
+        padded = [_padded(setup, batch) for batch in data]
+        timing = _time(step, padded, passes)
+    except RuntimeError as error:
+        first_line = str(error).splitlines()[0]
+        ctx.note(
+            f"{setup.name}: torch.compile(mode='reduce-overhead') failed in its warm-up at size {size}: {first_line}"
+        )
+        ctx.extra[f"{setup.name}_compile_failure"] = str(error)
+        return None
+    finally:
+        torch._dynamo.reset()
     ctx.add_timing(f"{setup.name} compile reduce-overhead", timing, "ms_per_step")
-    torch._dynamo.reset()
     return timing
 
 
@@ -296,25 +310,44 @@ def correctness_lengths(sizes: tuple[int, ...], steps: int) -> list[int]:
 
 
 def max_param_rel_diff(ctx: Context, setup: Setup) -> float:
-    """Largest relative difference of parameters and optimizer state, 20 AMP steps graphed against eager."""
+    """Largest relative difference of parameters and optimizer state, 20 AMP steps graphed against eager. The
+    same between two eager runs is reported beside it (`eager twice`: the run-to-run noise of the step's own
+    kernels); the worst tensors of both, and every run's loss and loss scale per step, go into `extra`."""
     generator = torch.Generator().manual_seed(3)
     lengths = correctness_lengths(setup.lengths, CORRECTNESS_STEPS)
     batches = [_padded(setup, setup.batch(n, generator)) for n in lengths]
-    reference, reference_optimizer, reference_scaler = _fresh(setup, 0.0, CORRECTNESS_LR)
-    model, optimizer, scaler = _fresh(setup, 0.0, CORRECTNESS_LR)
-    eager = setup.make_step(reference, reference_optimizer, reference_scaler, amp=True)
-    with sdpa_kernel(list(GRAPH_SDPA_BACKENDS)):
+    states, traces = [], {}
+
+    def run(label: str, step: Callable[..., torch.Tensor], scaler: torch.amp.GradScaler) -> None:
+        losses, scales = [], []
         for batch in batches:
-            eager(*batch)
+            losses.append(step(*batch).float())
+            scales.append(scaler.get_scale())
+        traces[label] = {"loss": torch.stack(losses).tolist(), "scale": scales}
+
+    with sdpa_kernel(list(GRAPH_SDPA_BACKENDS)):
+        for label in ("eager", "eager twice"):
+            reference, reference_optimizer, reference_scaler = _fresh(setup, 0.0, CORRECTNESS_LR)
+            run(label, setup.make_step(reference, reference_optimizer, reference_scaler, amp=True), reference_scaler)
+            states.append(hf.state_of(reference, reference_optimizer))
+        model, optimizer, scaler = _fresh(setup, 0.0, CORRECTNESS_LR)
         step = tendril.graphed_step(
             setup.make_step(model, optimizer, scaler, amp=True), model=model, optimizer=optimizer, scaler=scaler,
             buckets=setup.buckets,
         )  # fmt: skip
-        for batch in batches:
-            step(*batch)
+        run("tendril", step, scaler)
     torch.cuda.synchronize()
     ctx.add_value(f"{setup.name} tendril", "replays_in_correctness_steps", step.stats.replays)
-    return hf.max_rel_diff(hf.state_of(model, optimizer), hf.state_of(reference, reference_optimizer))
+    graphed = hf.rel_diffs(hf.state_of(model, optimizer), states[0])
+    twice = hf.rel_diffs(states[1], states[0])
+    ctx.add_value(f"{setup.name} eager twice", "max_param_rel_diff_amp_20_steps", max(twice.values()))
+    ctx.add_value(f"{setup.name} tendril", "max_param_rel_diff_amp_20_steps", max(graphed.values()))
+    ctx.extra[f"{setup.name}_worst_rel_diffs"] = {
+        "tendril_vs_eager": dict(list(graphed.items())[:5]),
+        "eager_twice": dict(list(twice.items())[:5]),
+    }
+    ctx.extra[f"{setup.name}_correctness_steps"] = traces
+    return max(graphed.values())
 
 
 def _measure(ctx: Context, setup: Setup) -> dict[str, float]:
@@ -342,7 +375,7 @@ def _measure(ctx: Context, setup: Setup) -> dict[str, float]:
     return {
         "over_kernel": ratio(fast.median_ms, kernels),
         "vs_eager": ratio(eager.median_ms, fast.median_ms),
-        "vs_compile": ratio(compiled.median_ms, fast.median_ms),
+        **({"vs_compile": ratio(compiled.median_ms, fast.median_ms)} if compiled is not None else {}),
         "rel_diff": max_param_rel_diff(ctx, setup),
         **({"vs_eager_hf_loss": ratio(hf_loss.median_ms, fast.median_ms)} if hf_loss is not None else {}),
     }
@@ -359,7 +392,8 @@ def run(ctx: Context) -> None:
         diffs.append(measured["rel_diff"])
         ctx.target(f"{name}_step_over_kernel_time", measured["over_kernel"], Goal("<=", 1.15))
         ctx.target(f"{name}_speedup_vs_eager", measured["vs_eager"])
-        ctx.target(f"{name}_speedup_vs_compile", measured["vs_compile"])
+        if "vs_compile" in measured:
+            ctx.target(f"{name}_speedup_vs_compile", measured["vs_compile"])
         if "vs_eager_hf_loss" in measured:
             ctx.target(f"{name}_speedup_vs_eager_hf_loss", measured["vs_eager_hf_loss"])
         if name == "wav2vec2":

@@ -10,10 +10,18 @@ from typing import Any
 import torch
 from torch import nn
 
-from benchmarks.hf_training_steps import backward_and_update, max_rel_diff, state_of
+from benchmarks.hf_training_steps import backward_and_update, rel_diffs, state_of
 from tendril.graphs.buckets import Buckets, Pad
 
-__all__ = ["max_rel_diff", "state_of"]
+__all__ = ["state_of"]
+
+
+def assert_within(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], tolerance: float) -> None:
+    """Every named tensor of `a` within `tolerance` of `b`'s relative to its largest value; names the worst three."""
+    diffs = rel_diffs(a, b)
+    worst = dict(list(diffs.items())[:3])
+    assert max(diffs.values(), default=0.0) <= tolerance, worst
+
 
 SEQ_BUCKETS = Buckets((4, 8), (("x", Pad(dim=1, value=0.0)), ("y", Pad(dim=1, value=0.0))), cut_outputs=False)
 """Pads the sequence dimension of both the inputs and the targets (zeros: the loss below sums, so a padded position

@@ -237,9 +237,14 @@ class GraphedStep:
     def _capture_and_replay(
         self, fn: Callable[..., Any], flat: Flattened, key: GraphKey, call: tuple[tuple[Any, ...], dict[str, Any]]
     ) -> Any:
-        """Rule 2: capture (records, runs nothing), then replay once: the call's step."""
+        """Rule 2: capture (records, runs nothing), then replay once: the call's step. The placeholders hold the
+        call's tensors during the capture, so that a backend whose capture runs the function (`NullBackend`) reads
+        real values (indices in range) rather than uninitialised memory."""
         positions = flat.tensor_indices()
         placeholders = [self._arena.placeholder(i, spec) for i, spec in zip(positions, key.tensors, strict=True)]
+        if placeholders:
+            with torch.no_grad():
+                torch._foreach_copy_(placeholders, [flat.leaves[i] for i in positions])
         leaves = list(flat.leaves)
         for index, placeholder in zip(positions, placeholders, strict=True):
             leaves[index] = placeholder
