@@ -27,8 +27,9 @@ eager pass, per step. `*_step_over_kernel_time` is tendril's step time over that
 left (tendril runs padded batches, so a ratio under the padding's extra work is at the floor).
 
 Memory: `wav2vec2_memory_ratio_vs_separate_pools` is the device memory of every bucket's step captured with
-`torch.cuda.graph` into a pool of its own over tendril's (all buckets, one shared pool; both measured as the growth
-of device memory in use, cudaMemGetInfo after emptying the allocator's cache).
+`torch.cuda.graph` into a pool of its own over tendril's (all buckets in one shared pool, captured ahead of time,
+largest first, by `GraphedStep.capture`; both measured as the growth of device memory in use, cudaMemGetInfo after
+emptying the allocator's cache). The timed variant's `pool_mib` is the same pool captured in call order.
 
 Correctness: `max_param_rel_diff_amp_20_steps` is the largest relative difference of any parameter or optimizer
 state tensor between 20 graphed and 20 eager AMP steps on the same padded batches, dropout 0, over the models run
@@ -283,7 +284,8 @@ def _separate_pools_bytes(setup: Setup, device: torch.device) -> int:
 
 
 def _tendril_pool_bytes(setup: Setup, device: torch.device) -> int:
-    """Device memory of tendril's graphs of every bucket (one shared pool, placeholders, executables)."""
+    """Device memory of tendril's graphs of every bucket (one shared pool, placeholders, executables), captured
+    ahead of time, largest first (`GraphedStep.capture`)."""
     model, optimizer, scaler = _fresh(setup, 0.0)
     plain = setup.make_step(model, optimizer, scaler, amp=True)
     generator = torch.Generator().manual_seed(7)
@@ -291,11 +293,9 @@ def _tendril_pool_bytes(setup: Setup, device: torch.device) -> int:
     plain(*examples[0])  # the optimizer state and gradients, as the separate pools' measurement has them
     before = device_memory_in_use(device)
     step = tendril.graphed_step(plain, model=model, optimizer=optimizer, scaler=scaler, buckets=setup.buckets)
-    for batch in examples:  # checked warm-up, capture, replay
-        for _ in range(3):
-            step(*batch)
+    captured = step.capture(examples)
     used = device_memory_in_use(device) - before
-    assert len(step.keys()) == len(examples), step.stats.table()
+    assert captured == len(examples), step.stats.table()
     del step, plain, model, optimizer, scaler
     device_memory_in_use(device)
     return used

@@ -63,6 +63,33 @@ def test_twenty_steps_equal_the_eager_loop_exactly(buckets):
         assert stats.padded_calls > 0
 
 
+def test_capture_ahead_of_time_largest_first_takes_no_step_and_every_later_call_replays():
+    model, reference = twins(TokenMLP)
+    optimizer, reference_optimizer = adamw(model), adamw(reference)
+    data = batches(LENGTHS)
+    expected_losses = eager_loop(reference, reference_optimizer, padded(data, SEQ_BUCKETS))
+    step = graphed(full_step(model, optimizer), model, optimizer, buckets=SEQ_BUCKETS)
+    losses = [step(*data[0])]
+    before = {name: tensor.clone() for name, tensor in state_of(model, optimizer).items()}
+    assert step.capture(batches([2, 8, 3])) == 2
+    assert_identical(state_of(model, optimizer), before)
+    captured = step.keys()
+    assert [key.tensors[0].shape[1] for key in captured] == [8, 4]
+    losses += [step(*batch) for batch in data[1:]]
+    assert step.stats.replays == len(data) - 1 and step.stats.eager_calls == 0
+    assert_identical(state_of(model, optimizer), state_of(reference, reference_optimizer))
+    assert torch.equal(torch.stack(losses), torch.stack(expected_losses))
+    assert step.capture(batches([1, 5])) == 0
+
+
+def test_capture_ahead_of_time_needs_the_optimizer_state():
+    model, _ = twins(TokenMLP)
+    optimizer = adamw(model)
+    step = graphed(full_step(model, optimizer), model, optimizer, buckets=SEQ_BUCKETS)
+    with pytest.raises(RuntimeError, match="call the graphed step once first"):
+        step.capture(batches([4]))
+
+
 def test_the_eager_reference_pads_the_arguments_the_buckets_name():
     buckets = wav2vec2_buckets((8, 16))
     audio, mask, labels = torch.randn(2, 5), torch.ones(2, 5, dtype=torch.long), torch.tensor([[3, -100], [4, 5]])

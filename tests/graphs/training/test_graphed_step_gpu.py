@@ -123,6 +123,32 @@ def test_tiny_wav2vec2_ctc_step_matches_eager():
     assert_within(graphed_state, eager_state, 1e-5)
 
 
+def test_wav2vec2_captured_ahead_largest_first_matches_eager_and_reuses_the_largest_graphs_memory():
+    generator = torch.Generator().manual_seed(0)
+    data = [wav2vec2_batch(n, 2, 8, 32, generator) for n in [4000, 8000, 6000, 8000, 3000] * 4]
+    buckets = wav2vec2_buckets((4000, 6000, 8000))
+    model, reference = _twins(wav2vec2_model)
+    make_optimizer = lambda m: torch.optim.AdamW(m.parameters(), lr=1e-4, fused=True, capturable=True)  # noqa: E731
+    optimizer, reference_optimizer = make_optimizer(model), make_optimizer(reference)
+    eager = wav2vec2_step(reference, reference_optimizer)
+    with sdpa_kernel(list(GRAPH_SDPA_BACKENDS)):
+        for batch in padded(data, buckets, ("audio", "mask", "labels")):
+            eager(*batch)
+        step = tendril.graphed_step(
+            wav2vec2_step(model, optimizer), model=model, optimizer=optimizer, buckets=buckets, config=Config()
+        )
+        step(*data[0])
+        examples = [wav2vec2_batch(n, 2, 8, 32, generator) for n in (3000, 5000, 8000)]
+        assert step.capture(examples) == 3
+        for batch in data[1:]:
+            step(*batch)
+    torch.cuda.synchronize()
+    assert step.stats.replays == len(data) - 1 and step.stats.eager_calls == 0, step.stats.table()
+    assert_within(state_of(model, optimizer), state_of(reference, reference_optimizer), 1e-5)
+    largest, *smaller = step.stats.graphs.values()
+    assert sum(r.pool_growth_bytes for r in smaller) <= 0.25 * largest.pool_growth_bytes, step.stats.table()
+
+
 def test_dropout_draws_new_masks_at_every_replay():
     torch.manual_seed(0)
     model = TokenMLP(dropout=0.5).cuda()

@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,6 +50,7 @@ from tendril.config import Config
 from tendril.graphs.admission import FallbackWarnings, graphs_unavailable, placement_refusal
 from tendril.graphs.backend import Backend, Captured, CaptureFailed
 from tendril.graphs.buckets import Buckets, parameter_positions
+from tendril.graphs.examples import as_call
 from tendril.graphs.key import Flattened, GraphKey, Unkeyable, flatten_call, key_of
 from tendril.graphs.memory import PlaceholderArena
 from tendril.graphs.options import DEFAULT_MAX_GRAPHS, GraphMemoryPolicy
@@ -156,6 +157,62 @@ class GraphedStep:
         """Keys with a captured graph, in capture order."""
         return list(self._graphs)
 
+    def capture(self, examples: Iterable[Any]) -> int:
+        """Capture graphs ahead of time for `examples`, largest first, without training on them; return how many
+        new graphs there are.
+
+        Each example is a batch as the step takes it (a tuple of positional arguments, a dict of keyword
+        arguments, a `Call` or a single tensor), padded to its bucket as a call is. A key's warm-up step (rule 1)
+        runs on the example and is then undone: parameters, gradients, optimizer and scaler state are put back
+        (random generators stay advanced). Largest first lets every smaller graph reuse the largest one's memory
+        in the shared pool, which captures in call order, growing, cannot. The optimizer needs its state (take one
+        step first): a first step's state has nothing to be put back to. Examples that cannot be graphed are
+        recorded in `stats`."""
+        if self.optimizer is not None and not invariants.optimizer_ready(self.optimizer):
+            raise RuntimeError("capture() needs the optimizer's state: call the graphed step once first")
+        pending: dict[GraphKey, Flattened] = {}
+        for example in examples:
+            args, kwargs = as_call(example)
+            padded = self.buckets.pad(args, kwargs, self._positions) if self.buckets else None
+            flat = flatten_call(*((padded.args, padded.kwargs) if padded is not None else (args, kwargs)))
+            key = key_of(flat)
+            if isinstance(key, Unkeyable):
+                self._note(Fallback.UNKEYABLE, key.reason)
+                continue
+            key = dataclasses.replace(key, structure=(STEP, self.model.training, key.structure))
+            if key not in self._graphs:
+                pending.setdefault(key, flat)
+        if self._unavailable is not None:
+            if pending:
+                self._note(*self._unavailable)
+            return 0
+        order = sorted(pending.items(), key=lambda item: item[0].nbytes, reverse=True)
+        for key, flat in order:
+            for index, spec in zip(flat.tensor_indices(), key.tensors, strict=True):
+                self._arena.reserve(index, spec)
+        before = len(self._graphs)
+        for key, flat in order:
+            refusal = self._refusal(key)
+            if refusal is not None:
+                self._note(*refusal)
+                continue
+            if key not in self._warmed:
+                saved = [tensor.clone() for tensor in self._training_state()]
+                self._warm(self.fn, *flat.unflatten(list(flat.leaves)), key)
+                with torch.no_grad():
+                    torch._foreach_copy_(self._training_state(), saved)
+                del saved
+            if key in self._warmed:
+                failed = self._capture(self.fn, flat, key)
+                if isinstance(failed, CaptureFailed):
+                    self._note(failed.reason, failed.detail)
+        return len(self._graphs) - before
+
+    def _note(self, reason: Fallback, detail: str) -> None:
+        """Record a reason found while capturing ahead of time (no call ran eagerly)."""
+        self.stats.fallback_details.setdefault(reason, detail)
+        self._warnings.warn(reason, detail)
+
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         self.stats.calls += 1
         loss = self._run(STEP, self.fn, args, kwargs)
@@ -237,9 +294,18 @@ class GraphedStep:
     def _capture_and_replay(
         self, fn: Callable[..., Any], flat: Flattened, key: GraphKey, call: tuple[tuple[Any, ...], dict[str, Any]]
     ) -> Any:
-        """Rule 2: capture (records, runs nothing), then replay once: the call's step. The placeholders hold the
-        call's tensors during the capture, so that a backend whose capture runs the function (`NullBackend`) reads
-        real values (indices in range) rather than uninitialised memory."""
+        """Rule 2: capture (records, runs nothing), then replay once: the call's step. A failed capture runs the
+        call's step eagerly, with the reason."""
+        graph = self._capture(fn, flat, key)
+        if isinstance(graph, CaptureFailed):
+            found = self.stats.host_syncs.get(key)
+            detail = graph.detail if found is None else f"{graph.detail}; its eager step found {found}"
+            return self._eager(fn, *call, graph.reason, detail)
+        return self._replay(graph, flat)
+
+    def _capture(self, fn: Callable[..., Any], flat: Flattened, key: GraphKey) -> _Graph | CaptureFailed:
+        """Capture `key`'s graph on placeholders holding the call's tensors (so that a backend whose capture runs
+        the function, `NullBackend`, reads real values, indices in range, rather than uninitialised memory)."""
         positions = flat.tensor_indices()
         placeholders = [self._arena.placeholder(i, spec) for i, spec in zip(positions, key.tensors, strict=True)]
         if placeholders:
@@ -255,9 +321,7 @@ class GraphedStep:
             reset_after_failed_capture(self.scaler)
             self.stats.failed_keys[key] = failure.reason
             self.stats.pool_bytes = self._backend.pool_bytes()
-            found = self.stats.host_syncs.get(key)
-            detail = failure.detail if found is None else f"{failure.detail}; its eager step found {found}"
-            return self._eager(fn, *call, failure.reason, detail)
+            return failure
         self._addresses.verify(self.optimizer, self.scaler)
         record = GraphRecord(key, captured.capture_ms, captured.pool_growth_bytes, captured.driver_bytes)
         record.phases_ms = captured.phases_ms
@@ -270,7 +334,7 @@ class GraphedStep:
         self.stats.placeholder_bytes = self._arena.nbytes
         if self._hyperparameters is None:
             self._hyperparameters = invariants.hyperparameters(self.optimizer)
-        return self._replay(graph, flat)
+        return graph
 
     def _replay(self, graph: _Graph, flat: Flattened) -> Any:
         """Rule 3: copy the call's tensors into the placeholders, replay."""
