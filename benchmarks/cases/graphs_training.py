@@ -49,6 +49,7 @@ import torch
 from torch.nn.attention import sdpa_kernel
 
 import tendril
+from benchmarks import cudagraph_skips
 from benchmarks import hf_training_steps as hf
 from benchmarks.registry import Context, Goal, register
 from tendril.graphs.buckets import Buckets
@@ -236,23 +237,23 @@ def _compiled(ctx: Context, setup: Setup, data: list, passes: int) -> Timing | N
     generator = torch.Generator().manual_seed(7)
     start = time.perf_counter()
     size = setup.lengths[0]
-    try:
-        for size in setup.lengths:
-            for _ in range(3):
-                step(*_padded(setup, setup.batch(size, generator)))
-        torch.cuda.synchronize()
-        ctx.add_value(f"{setup.name} compile", "warmup_s", time.perf_counter() - start)
-        padded = [_padded(setup, batch) for batch in data]
-        timing = _time(step, padded, passes)
-    except RuntimeError as error:
-        first_line = str(error).splitlines()[0]
-        ctx.note(
-            f"{setup.name}: torch.compile(mode='reduce-overhead') failed in its warm-up at size {size}: {first_line}"
-        )
-        ctx.extra[f"{setup.name}_compile_failure"] = str(error)
-        return None
-    finally:
-        torch._dynamo.reset()
+    with cudagraph_skips.watch() as skips:
+        ctx.extra[f"{setup.name}_compile_cudagraph_skips"] = skips  # filled in when the block ends
+        try:
+            for size in setup.lengths:
+                for _ in range(3):
+                    step(*_padded(setup, setup.batch(size, generator)))
+            torch.cuda.synchronize()
+            ctx.add_value(f"{setup.name} compile", "warmup_s", time.perf_counter() - start)
+            padded = [_padded(setup, batch) for batch in data]
+            timing = _time(step, padded, passes)
+        except RuntimeError as error:
+            first_line = str(error).splitlines()[0]
+            ctx.note(f"{setup.name}: torch.compile(mode='reduce-overhead') failed warming up size {size}: {first_line}")
+            ctx.extra[f"{setup.name}_compile_failure"] = str(error)
+            return None
+        finally:
+            torch._dynamo.reset()
     ctx.add_timing(f"{setup.name} compile reduce-overhead", timing, "ms_per_step")
     return timing
 

@@ -14,7 +14,8 @@ trees to record and replay each length; tendril captures at the first). Per call
 144-call random order after warm-up. Memory: device memory in use after warm-up, over what was in use before the
 variant was made. Warm start: a second process (`python -m benchmarks.cases.graphs_vs_compile warm-start ...`) given
 the first process's tendril cache dir times `tendril.graphed(model, compile=True)` from its creation until all 46
-lengths are ready (called once, graphs captured).
+lengths are ready (called once, graphs captured). Whether torch.compile recorded CUDA graphs at all is kept in
+`extra.torch_compile_cudagraph_skips` (Inductor skips them for some graphs and then runs its kernels unrecorded).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from typing import Any
 
 import torch
 
+from benchmarks import cudagraph_skips
 from benchmarks.registry import Context, Goal, register
 from tendril.config import Config
 from tendril.graphs.callable import graphed
@@ -112,6 +114,16 @@ def _measure(
     return {"variant": variant, "median_ms": timing.median_ms, "warmup_s": warmup_s, "memory": memory}
 
 
+def capture_phases_ms(stats: Any) -> dict[str, float]:
+    """Host milliseconds of each capture phase (warm-up run, record, instantiate), summed over a callable's graphs:
+    where its warm-up went."""
+    totals: dict[str, float] = {}
+    for record in stats.graphs.values():
+        for phase, ms in record.phases_ms.items():
+            totals[phase] = totals.get(phase, 0.0) + ms
+    return totals
+
+
 def _release(measured: dict[str, Any]) -> None:
     measured.pop("variant")
     torch._dynamo.reset()
@@ -134,6 +146,7 @@ def run(ctx: Context) -> None:
         inputs = {n: torch.randint(0, vocab, (1, n), device=device) for n in lengths}
         model(inputs[lengths[-1]])
         plain = _measure(ctx, "tendril.graphed", lambda: graphed(model, max_graphs=count), model, inputs, order)
+        ctx.extra["tendril_capture_phases_ms"] = capture_phases_ms(plain["variant"].stats)
         _release(plain)
         both = _measure(
             ctx,
@@ -148,7 +161,7 @@ def run(ctx: Context) -> None:
         ctx.add_value("tendril.graphed compile=True", "recompiles_after_first_call", compile_stats.recompiles)
         ctx.extra["first_process_cache_files"] = sum(path.is_file() for path in cache_dir.rglob("*"))
         _release(both)
-        with fresh_inductor_cache():
+        with fresh_inductor_cache(), cudagraph_skips.watch() as skips:
             compiled = _measure(
                 ctx,
                 "torch.compile reduce-overhead dynamic=True",
@@ -158,6 +171,9 @@ def run(ctx: Context) -> None:
                 order,
             )
             _release(compiled)
+        ctx.extra["torch_compile_cudagraph_skips"] = skips
+        if skips["skips"]:
+            ctx.note(f"torch.compile skipped CUDA graphs {skips['skips']} time(s): {'; '.join(skips['reasons'])}")
     warm_start = _warm_start(cache_dir, ctx.quick)
     warm_start_s = warm_start["ready_s"]
     ctx.add_value("tendril.graphed compile=True", "second_process_ready_s", warm_start_s)

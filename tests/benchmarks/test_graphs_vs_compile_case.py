@@ -34,3 +34,13 @@ def test_quick_is_small_and_bad_sizes_are_refused():
     with pytest.raises(ValueError, match="cannot draw"):
         case.draw_lengths(10, 5, 20)
     assert case.ratio(1.0, 2.0) == 0.5 and case.ratio(1.0, 0.0) == float("inf")
+
+
+def test_capture_phases_are_summed_over_the_graphs():
+    from types import SimpleNamespace
+
+    from benchmarks.cases.graphs_vs_compile import capture_phases_ms
+
+    records = [SimpleNamespace(phases_ms={"warmup": 1.0, "record": 2.0}), SimpleNamespace(phases_ms={"warmup": 3.0})]
+    stats = SimpleNamespace(graphs={index: record for index, record in enumerate(records)})
+    assert capture_phases_ms(stats) == {"warmup": 4.0, "record": 2.0}
