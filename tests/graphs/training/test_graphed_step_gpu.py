@@ -110,6 +110,22 @@ def test_tiny_gpt2_lm_fine_tune_matches_eager():
     assert_within(graphed_state, eager_state, 1e-5)
 
 
+def test_tiny_gpt2_amp_with_overflowing_steps_skipped_inside_replays_matches_eager():
+    """A loss scale of 2**30 overflows fp16 gradients for about twenty steps: most of the steps GradScaler skips
+    (on the device, in the fused optimizer) and the scale halvings are replays, then real updates follow."""
+    generator = torch.Generator().manual_seed(0)
+    data = [gpt2_batch(n, 2, 1000, generator) for n in [20, 33, 64, 50, 17, 40, 64, 30, 9, 60] * 3]
+    graphed_state, eager_state = run_both(
+        lambda: _twins(gpt2_model),
+        lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3, fused=True, capturable=True),
+        lambda model, optimizer, scaler: gpt2_step(model, optimizer, scaler, amp=True),
+        data,
+        gpt2_buckets((32, 64)),
+        lambda: torch.amp.GradScaler("cuda", init_scale=2.0**30),
+    )
+    assert_within(graphed_state, eager_state, 1e-3)
+
+
 def test_tiny_wav2vec2_ctc_step_matches_eager():
     generator = torch.Generator().manual_seed(0)
     data = [wav2vec2_batch(n, 2, 8, 32, generator) for n in [4000, 8000, 6000, 8000, 3000] * 4]
