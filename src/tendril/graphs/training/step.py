@@ -22,6 +22,9 @@ Exactly one step per call. At a key without a graph:
    reason's detail;
 3. later calls copy their tensors into the key's placeholders and replay.
 
+`capture(examples)` takes keys through rules 1 and 2 ahead of time, largest first so that smaller graphs reuse the
+largest one's memory, and undoes rule 1's step: no training happens there.
+
 The invariants the graphs rely on (fixed gradient and state addresses, capturable optimizers and scalers, settings
 baked into the graphs) are checked by `invariants` and `scaler`; random numbers (dropout) draw fresh values at every
 replay, see `tendril.graphs.training`.
@@ -164,10 +167,10 @@ class GraphedStep:
         Each example is a batch as the step takes it (a tuple of positional arguments, a dict of keyword
         arguments, a `Call` or a single tensor), padded to its bucket as a call is. A key's warm-up step (rule 1)
         runs on the example and is then undone: parameters, gradients, optimizer and scaler state are put back
-        (random generators stay advanced). Largest first lets every smaller graph reuse the largest one's memory
-        in the shared pool, which captures in call order, growing, cannot. The optimizer needs its state (take one
-        step first): a first step's state has nothing to be put back to. Examples that cannot be graphed are
-        recorded in `stats`."""
+        from a copy held meanwhile (random generators stay advanced). Largest first lets every smaller graph
+        reuse the largest one's memory in the shared pool, which captures in call order, growing, cannot. The
+        optimizer needs its state (take one step first): a first step's state has nothing to be put back to.
+        Examples that cannot be graphed are recorded in `stats`."""
         if self.optimizer is not None and not invariants.optimizer_ready(self.optimizer):
             raise RuntimeError("capture() needs the optimizer's state: call the graphed step once first")
         pending: dict[GraphKey, Flattened] = {}
@@ -203,9 +206,9 @@ class GraphedStep:
                     torch._foreach_copy_(self._training_state(), saved)
                 del saved
             if key in self._warmed:
-                failed = self._capture(self.fn, flat, key)
-                if isinstance(failed, CaptureFailed):
-                    self._note(failed.reason, failed.detail)
+                captured = self._capture(self.fn, flat, key)
+                if isinstance(captured, CaptureFailed):
+                    self._note(captured.reason, captured.detail)
         return len(self._graphs) - before
 
     def _note(self, reason: Fallback, detail: str) -> None:
