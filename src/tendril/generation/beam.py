@@ -21,21 +21,27 @@ places; through a row table, the slot such a step rewrote in every row points at
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 
 from tendril.generation.noise import gumbel
-from tendril.generation.state import Decoder
+from tendril.generation.state import Decoder, is_eos
 
 Carried = tuple[torch.Tensor, ...]
 _NEG = -1.0e9
 
 
 def _gather_beams(tensor: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
-    """tensor [B, K, ...] -> [B, K', ...] picking beams `indices` [B, K'] per batch item."""
-    while indices.dim() < tensor.dim():
-        indices = indices.unsqueeze(-1)
-    return torch.take_along_dim(tensor, indices, dim=1)
+    """tensor [B, K, ...] -> [B, K', ...] picking beams `indices` [B, K'] per batch item (a `gather` on indices
+    expanded over the trailing dims: `take_along_dim` would fix those sizes in a compiled graph)."""
+    trailing = tensor.shape[2:]
+    index = indices.reshape(*indices.shape, *([1] * len(trailing))).expand(*indices.shape, *trailing)
+    return tensor.gather(1, index)
 
 
 def _write_column(tensor: torch.Tensor, column: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
@@ -44,8 +50,97 @@ def _write_column(tensor: torch.Tensor, column: torch.Tensor, values: torch.Tens
     return tensor.scatter(2, index, values[..., None].to(tensor.dtype))
 
 
+@dataclass(frozen=True)
+class BeamRules:
+    """What beam bookkeeping needs besides tensors: constants of a model and a generation config (the lengths
+    come from the tensors' sizes, so that one compiled `bookkeep` serves every prompt length)."""
+
+    vocab: int
+    length_penalty: float
+    early_stopping: bool | str
+
+
+def bookkeep(
+    rules: BeamRules,
+    top_log_probs: torch.Tensor,
+    top_indices: torch.Tensor,
+    eos: torch.Tensor,
+    top_beam_mask: torch.Tensor,
+    batch_offset: torch.Tensor,
+    same_rows: torch.Tensor,
+    lengths: torch.Tensor,
+    cur_len: torch.Tensor,
+    running_sequences: torch.Tensor,
+    running_scores: torch.Tensor,
+    sequences: torch.Tensor,
+    scores: torch.Tensor,
+    finished: torch.Tensor,
+    improvable: torch.Tensor,
+    running_beam_indices: torch.Tensor,
+    beam_indices: torch.Tensor,
+    done: torch.Tensor,
+) -> tuple[Carried, torch.Tensor]:
+    """Steps b-f of a beam step after the top-k: the next carried state, and the rows the cache takes (row `i`
+    becomes old row `rows[i]`). A pure function of tensors and `rules`, so `torch.compile` can fuse its many small
+    operations into a few kernels (`BeamSearch(compile_bookkeeping=True)`). `lengths` is [prompt length, max new
+    tokens] (long): lengths as tensors, not sizes, keep one compile for every prompt length (a size used as a
+    number would be specialised on)."""
+    b, k = running_scores.shape
+    vocab, prompt_len, max_new_tokens = rules.vocab, lengths[0], lengths[1]
+    max_len = prompt_len + max_new_tokens
+    column = torch.minimum(cur_len, max_len - 1)
+    generated = torch.minimum(cur_len - prompt_len, max_new_tokens - 1)
+    source_beams = top_indices // vocab
+    top_tokens = top_indices % vocab
+    top_sequences = _write_column(_gather_beams(running_sequences, source_beams), column, top_tokens)
+    top_beam_indices = _write_column(
+        _gather_beams(running_beam_indices, source_beams), generated, source_beams + batch_offset
+    )
+
+    # c. which continuations hit a stopping criterion (eos, or the length limit)
+    hits = is_eos(top_tokens, eos) | (cur_len + 1 >= max_len)
+
+    # d. the best `num_beams` unfinished continuations keep running
+    top_running = top_log_probs + hits.to(torch.float32) * _NEG
+    keep = torch.topk(top_running, k)[1]
+    running_sequences = _gather_beams(top_sequences, keep)
+    running_scores = _gather_beams(top_running, keep)
+    running_beam_indices = _gather_beams(top_beam_indices, keep)
+
+    # e. merge newly finished hypotheses into the fixed-size scoreboard
+    just_finished = hits & top_beam_mask[None, :]
+    candidate = top_log_probs / _penalty(generated + 1, rules.length_penalty)
+    if rules.early_stopping is True:
+        candidate = candidate + finished.all(-1, keepdim=True).to(torch.float32) * _NEG
+    candidate = candidate + (~improvable).to(torch.float32) * _NEG
+    candidate = candidate + (~just_finished).to(torch.float32) * _NEG
+    merged = torch.topk(torch.cat((scores, candidate), dim=1), k)[1]
+    sequences = _gather_beams(torch.cat((sequences, top_sequences), dim=1), merged)
+    scores = _gather_beams(torch.cat((scores, candidate), dim=1), merged)
+    beam_indices = _gather_beams(torch.cat((beam_indices, top_beam_indices), dim=1), merged)
+    finished = _gather_beams(torch.cat((finished, just_finished), dim=1), merged)
+
+    # f. the cache's rows for the surviving beams, then whether to go on
+    source_rows = running_beam_indices.view(b * k, -1).gather(1, generated.expand(b * k, 1)).squeeze(1)
+    rows = torch.where(done, same_rows, source_rows.long())
+    cur_len = cur_len + 1
+    generated_now = cur_len - prompt_len
+    improvable = _still_improvable(rules, improvable, running_scores, scores, finished, generated_now, max_new_tokens)
+    go_on = improvable.any() & ~hits.all()
+    if rules.early_stopping is True:
+        go_on = go_on & ~finished.all()
+    carried = (cur_len, running_sequences, running_scores, sequences, scores, finished, improvable,
+               running_beam_indices, beam_indices, ~go_on)  # fmt: skip
+    return carried, rows
+
+
 class BeamSearch:
-    """cond/body/start of beam search (or beam sampling) over one `Decoder`; rows are batch-major, K per item."""
+    """cond/body/start of beam search (or beam sampling) over one `Decoder`; rows are batch-major, K per item.
+
+    `compile_bookkeeping`: run `bookkeep` through `torch.compile` (Inductor), which fuses its several dozen small
+    operations, each a kernel launch of its own otherwise, into a few; for the steps whose forward takes a few
+    kernels per layer, where those launches would be much of a step. Its first call compiles, so it must not meet a
+    capture first (the decode loop's eager warm-up call makes it)."""
 
     def __init__(
         self,
@@ -55,6 +150,7 @@ class BeamSearch:
         length_penalty: float,
         early_stopping: bool | str,
         fill_token_id: int,
+        compile_bookkeeping: bool = False,
     ) -> None:
         if early_stopping not in (True, False, "never"):
             raise ValueError(f"early_stopping must be True, False or 'never', got {early_stopping!r}")
@@ -69,6 +165,8 @@ class BeamSearch:
         self.top_beam_mask = torch.arange(self.beams_to_keep, device=device) < num_beams
         self.batch_offset = torch.arange(batch_size, device=device)[:, None] * num_beams
         self.same_rows = torch.arange(batch_size * num_beams, device=device)
+        self.lengths = torch.tensor([decoder.prompt_len, decoder.max_new_tokens], device=device)
+        self._bookkeep = compiled_bookkeep() if compile_bookkeeping else bookkeep
 
     def start(self, prefill_logits: torch.Tensor) -> Carried:
         """The state after the first beam step on the prompt's logits (the prompt is [B*K, P])."""
@@ -103,24 +201,10 @@ class BeamSearch:
         last = flat.gather(1, slot.expand(flat.shape[0], 1)).squeeze(1)
         return self.choose(self.decoder.step(last, slot), *carried)
 
-    def choose(
-        self,
-        logits: torch.Tensor,
-        cur_len: torch.Tensor,
-        running_sequences: torch.Tensor,
-        running_scores: torch.Tensor,
-        sequences: torch.Tensor,
-        scores: torch.Tensor,
-        finished: torch.Tensor,
-        improvable: torch.Tensor,
-        running_beam_indices: torch.Tensor,
-        beam_indices: torch.Tensor,
-        done: torch.Tensor,
-    ) -> Carried:
+    def choose(self, logits: torch.Tensor, *carried: torch.Tensor) -> Carried:
         d, b, k = self.decoder, self.batch_size, self.num_beams
+        cur_len, running_sequences, running_scores = carried[0], carried[1], carried[2]
         vocab = logits.shape[-1]
-        column = cur_len.clamp(max=d.max_len - 1)
-        generated = (cur_len - d.prompt_len).clamp(max=d.max_new_tokens - 1)
 
         # a. log-probabilities, processed, accumulated over each beam
         log_probs = F.log_softmax(logits, dim=-1)
@@ -134,69 +218,58 @@ class BeamSearch:
             top_indices = picked.gather(1, order)
         else:
             top_log_probs, top_indices = torch.topk(log_probs, self.beams_to_keep)
-        source_beams = top_indices // vocab
-        top_tokens = top_indices % vocab
-        top_sequences = _write_column(_gather_beams(running_sequences, source_beams), column, top_tokens)
-        top_beam_indices = _write_column(
-            _gather_beams(running_beam_indices, source_beams), generated, source_beams + self.batch_offset
-        )
 
-        # c. which continuations hit a stopping criterion (eos, or the length limit)
-        hits = d.is_eos(top_tokens) | (cur_len + 1 >= d.max_len)
+        rules = BeamRules(vocab, self.length_penalty, self.early_stopping)
+        state, rows = self._bookkeep(
+            rules, top_log_probs, top_indices, d.eos, self.top_beam_mask, self.batch_offset, self.same_rows,
+            self.lengths, *carried,
+        )  # fmt: skip
+        d.cache.reorder(rows, cur_len - 1)
+        return state
 
-        # d. the best `num_beams` unfinished continuations keep running
-        top_running = top_log_probs + hits.to(torch.float32) * _NEG
-        keep = torch.topk(top_running, k)[1]
-        running_sequences = _gather_beams(top_sequences, keep)
-        running_scores = _gather_beams(top_running, keep)
-        running_beam_indices = _gather_beams(top_beam_indices, keep)
 
-        # e. merge newly finished hypotheses into the fixed-size scoreboard
-        just_finished = hits & self.top_beam_mask[None, :]
-        candidate = top_log_probs / self._penalty(generated + 1)
-        if self.early_stopping is True:
-            candidate = candidate + finished.all(-1, keepdim=True).to(torch.float32) * _NEG
-        candidate = candidate + (~improvable).to(torch.float32) * _NEG
-        candidate = candidate + (~just_finished).to(torch.float32) * _NEG
-        merged = torch.topk(torch.cat((scores, candidate), dim=1), k)[1]
-        sequences = _gather_beams(torch.cat((sequences, top_sequences), dim=1), merged)
-        scores = _gather_beams(torch.cat((scores, candidate), dim=1), merged)
-        beam_indices = _gather_beams(torch.cat((beam_indices, top_beam_indices), dim=1), merged)
-        finished = _gather_beams(torch.cat((finished, just_finished), dim=1), merged)
+@functools.cache
+def compiled_bookkeep() -> Callable[..., tuple[Carried, torch.Tensor]]:
+    """`bookkeep` through Inductor, made once per process: one compile serves every search of a model and config
+    (sizes dynamic; the rules are constants, a new set of them compiles again). Its float32 divisions round as
+    eager's do (Triton's `/` is approximate unless Inductor is told otherwise), so the scores, and the hypotheses
+    chosen by comparing them, are eager's bit for bit."""
+    return torch.compile(bookkeep, fullgraph=True, dynamic=True, options=_eager_numerics())
 
-        # f. reorder the cache to the surviving beams, then decide whether to go on
-        source_rows = running_beam_indices.view(b * k, -1).gather(1, generated.expand(b * k, 1)).squeeze(1)
-        d.cache.reorder(torch.where(done, self.same_rows, source_rows.long()), cur_len - 1)
-        cur_len = cur_len + 1
-        improvable = self._still_improvable(improvable, running_scores, scores, finished, cur_len)
-        go_on = improvable.any() & ~hits.all()
-        if self.early_stopping is True:
-            go_on = go_on & ~finished.all()
-        return (cur_len, running_sequences, running_scores, sequences, scores, finished, improvable,
-                running_beam_indices, beam_indices, ~go_on)
 
-    def _penalty(self, length: torch.Tensor) -> torch.Tensor:
-        """length ** length_penalty, computed in float64 as HF does in Python, then used in float32."""
-        return (length.to(torch.float64) ** self.length_penalty).to(torch.float32)
+def _eager_numerics() -> dict[str, str | int | bool | Callable[..., Any]]:
+    """Inductor's options for eager's rounding where this torch has them (their names moved between releases)."""
+    from torch._inductor import config
 
-    def _still_improvable(
-        self,
-        improvable: torch.Tensor,
-        running_scores: torch.Tensor,
-        scores: torch.Tensor,
-        finished: torch.Tensor,
-        cur_len: torch.Tensor,
-    ) -> torch.Tensor:
-        """HF's early-stop heuristic: can the best running beam still beat the worst finished one?"""
-        d = self.decoder
-        if self.early_stopping == "never" and self.length_penalty > 0.0:
-            best_length = torch.full_like(cur_len, d.max_len - d.prompt_len)
-        else:
-            best_length = cur_len - d.prompt_len
-        best_running = running_scores[:, :1] / self._penalty(best_length)
-        worst_finished = torch.where(finished, scores.min(dim=1, keepdim=True)[0], _NEG)
-        return improvable & (best_running > worst_finished).any(dim=-1, keepdim=True)
+    options: dict[str, str | int | bool | Callable[..., Any]] = {}
+    numerics = getattr(config, "eager_numerics", None)
+    if hasattr(numerics, "division_rounding"):
+        options["eager_numerics.division_rounding"] = True
+    elif hasattr(config, "emulate_divison_rounding"):
+        options["emulate_divison_rounding"] = True
+    return options
 
+
+def _penalty(length: torch.Tensor, length_penalty: float) -> torch.Tensor:
+    """length ** length_penalty, computed in float64 as HF does in Python, then used in float32."""
+    return (length.to(torch.float64) ** length_penalty).to(torch.float32)
+
+
+def _still_improvable(
+    rules: BeamRules,
+    improvable: torch.Tensor,
+    running_scores: torch.Tensor,
+    scores: torch.Tensor,
+    finished: torch.Tensor,
+    generated: torch.Tensor,
+    max_new_tokens: torch.Tensor,
+) -> torch.Tensor:
+    """HF's early-stop heuristic: can the best running beam still beat the worst finished one? (`generated`: the
+    tokens generated so far, 0-d.)"""
+    best_length = max_new_tokens if rules.early_stopping == "never" and rules.length_penalty > 0.0 else generated
+    best_running = running_scores[:, :1] / _penalty(best_length, rules.length_penalty)
+    worst_finished = torch.where(finished, scores.min(dim=1, keepdim=True)[0], _NEG)
+    return improvable & (best_running > worst_finished).any(dim=-1, keepdim=True)
 
 
 def beam_result(carried: Carried, batch_size: int, prompt_len: int, num_return_sequences: int) -> torch.Tensor:

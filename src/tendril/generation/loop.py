@@ -7,7 +7,11 @@ plan's `step`, one of `STEPS`:
 - "eager": the architecture's own forward, captured as is (PyTorch's kernels);
 - "compiled": that forward through `torch.compile` (Inductor), one graph with no breaks; the first call per
   shape pays the compilation;
-- "fused": tendril's Triton decode kernels (`tendril.generation.kernels`), no compilation step.
+- "fused": tendril's Triton decode kernels (`tendril.generation.kernels`), no compilation of the forward.
+
+With "compiled" or "fused" on CUDA, beam search also runs its per-step bookkeeping through Inductor
+(`BeamSearch(compile_bookkeeping=True)`): there the forward is a few kernels per layer and the bookkeeping's several
+dozen small operations would otherwise be as many launches again. One compile per process serves every search.
 """
 
 from __future__ import annotations
@@ -117,7 +121,8 @@ class DecodeLoop:
         if plan.num_beams == 1:
             return TokenSearch(decoder, plan.pad_token_id, self.ring)
         return BeamSearch(decoder, prompt.shape[0] // plan.num_beams, plan.num_beams, plan.length_penalty,
-                          plan.early_stopping, plan.beam_fill_token_id)
+                          plan.early_stopping, plan.beam_fill_token_id,
+                          compile_bookkeeping=plan.step != "eager" and prompt.is_cuda)
 
 
 def _capturing() -> bool:

@@ -99,4 +99,9 @@ class Decoder:
 
     def is_eos(self, tokens: torch.Tensor) -> torch.Tensor:
         """Elementwise: is the token one of the eos ids (all False when there are none)."""
-        return (tokens[..., None] == self.eos).any(-1)
+        return is_eos(tokens, self.eos)
+
+
+def is_eos(tokens: torch.Tensor, eos: torch.Tensor) -> torch.Tensor:
+    """Elementwise: is the token one of the `eos` ids ([E] long; all False when E is 0)."""
+    return (tokens[..., None] == eos).any(-1)
