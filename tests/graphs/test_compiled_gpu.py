@@ -43,13 +43,13 @@ def test_gpt2_fp32_matches_eager_and_compiles_once_for_all_lengths(tmp_path):
     model = gpt2()
     fast = compiled(model, tmp_path)
     with torch.inference_mode():
-        ids = torch.randint(0, 1000, (1, 17), device="cuda")
-        torch.testing.assert_close(fast(ids).logits, model(ids).logits, rtol=1e-4, atol=1e-4)
-    first = fast.stats.compile.compiles
+        for length in (17, 1):  # a general length, then the one dynamo specialises (its frames may compile anew)
+            ids = torch.randint(0, 1000, (1, length), device="cuda")
+            torch.testing.assert_close(fast(ids).logits, model(ids).logits, rtol=1e-4, atol=1e-4)
+    settled = fast.stats.compile.compiles
     run_sequence(fast, model, token_call(64, 1000), tight, calls=40, seed=11)
-    assert fast.stats.compile.compiles <= first + 1, f"a length other than 1 recompiled: {recompile_reasons()}"
-    assert fast.stats.compile.recompiles <= fast.stats.compile.compiles - fast.stats.compile.compiled_by_first_call
-    check_all_compiled(fast, 41)
+    assert fast.stats.compile.compiles == settled, f"a length other than 1 recompiled: {recompile_reasons()}"
+    check_all_compiled(fast, 42)
 
 
 def test_gpt2_fp16_close_logits(tmp_path):
