@@ -69,6 +69,21 @@ def test_reorder_moves_rows_in_place():
     assert cache.keys[0].data_ptr() == address
 
 
+def test_reorder_gathers_layers_in_groups_and_moves_every_layer(monkeypatch):
+    from tendril.generation import cache as cache_module
+
+    cache = StaticKVCache(3, 3, 2, 5, 4, torch.float32, torch.device("cpu"), torch.ones(3, 5, dtype=torch.bool))
+    monkeypatch.setattr(cache_module, "REORDER_GROUP_BYTES", 2 * cache.storage[0].numel() * 4)  # 2 layers, then 1
+    for layer in range(3):
+        for row in range(3):
+            cache.keys[layer][row] = 100 * layer + row
+            cache.values[layer][row] = 100 * layer + 10 + row
+    cache.reorder(torch.tensor([1, 0, 1]))
+    for layer in range(3):
+        assert cache.keys[layer][:, 0, 0, 0].tolist() == [100 * layer + r for r in (1, 0, 1)]
+        assert cache.values[layer][:, 1, 4, 3].tolist() == [100 * layer + 10 + r for r in (1, 0, 1)]
+
+
 def test_reorder_through_the_row_table_reads_what_the_copying_reorder_holds():
     """Beam steps (write each row's token at the slot, attend, reorder by random sources) give the same
     attention with the cache copied and with only its row table gathered; the table cache's storage keeps

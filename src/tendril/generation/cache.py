@@ -10,7 +10,8 @@ Writes use `index_copy_` with slot indices held in device tensors. Beam search r
 ways, both keeping the cache's storage (and a graph's placeholders) fixed:
 
 - physically (the default): every layer's keys and values are gathered by source row and copied back in
-  place, which `attend` (the eager and compiled steps, PyTorch's SDPA over whole rows) needs;
+  place, several layers per kernel (`REORDER_GROUP_BYTES`), which `attend` (the eager and compiled steps,
+  PyTorch's SDPA over whole rows) needs;
 - through a row table (`row_table=True`, FasterTransformer's indirection): `source_rows[r, s]` names the
   physical row holding slot `s` of the sequence now in row `r`. A reorder gathers that small int32 table
   instead of the cache, each row writes its new token's key and value in its own row, and attention reads
@@ -24,6 +25,10 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+REORDER_GROUP_BYTES = 64 << 20
+"""A physical reorder gathers as many layers at once as fit in this many bytes: two kernels per group instead of
+two per layer's keys and values, for a temporary copy of at most one group."""
 
 
 class StaticKVCache:
@@ -44,9 +49,10 @@ class StaticKVCache:
         if key_valid.shape != (rows, max_len) or key_valid.dtype != torch.bool:
             raise ValueError(f"key_valid must be a bool tensor of shape ({rows}, {max_len}), got {key_valid.dtype} "
                              f"{tuple(key_valid.shape)}")
-        shape = (rows, kv_heads, max_len, head_dim)
-        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.storage = torch.zeros((num_layers, 2, rows, kv_heads, max_len, head_dim), dtype=dtype, device=device)
+        """Every layer's keys and values in one tensor, so that a physical reorder gathers many layers at once."""
+        self.keys = [self.storage[layer, 0] for layer in range(num_layers)]
+        self.values = [self.storage[layer, 1] for layer in range(num_layers)]
         self.key_valid = key_valid
         """[rows, max_len] bool: slots that hold real tokens (False for left padding)."""
         self.slots = torch.arange(max_len, device=device)
@@ -110,8 +116,11 @@ class StaticKVCache:
         sources' sources, slot `written` comes from row `rows[i]`, and later slots point at row `i` again
         (so stale entries of an earlier, longer run never leak into this one)."""
         if self.source_rows is None:
-            for tensor in (*self.keys, *self.values):
-                tensor.copy_(tensor.index_select(0, rows))
+            per_layer = self.storage[0].numel() * self.storage.element_size()
+            group = max(1, REORDER_GROUP_BYTES // per_layer)
+            for first in range(0, self.storage.shape[0], group):
+                layers = self.storage[first : first + group]
+                layers.copy_(layers.index_select(2, rows))
         else:
             if written is None:
                 raise ValueError("written (the last slot the rows wrote) is required to reorder through a row table")
