@@ -165,7 +165,9 @@ class BeamSearch:
         self.top_beam_mask = torch.arange(self.beams_to_keep, device=device) < num_beams
         self.batch_offset = torch.arange(batch_size, device=device)[:, None] * num_beams
         self.same_rows = torch.arange(batch_size * num_beams, device=device)
-        self.lengths = torch.tensor([decoder.prompt_len, decoder.max_new_tokens], device=device)
+        # [prompt length, max new tokens], made by kernels (a search is built inside a capture: no host copy)
+        prompt_len, new_tokens = decoder.prompt_len, decoder.max_new_tokens
+        self.lengths = torch.arange(2, device=device) * (new_tokens - prompt_len) + prompt_len
         self._bookkeep = compiled_bookkeep() if compile_bookkeeping else bookkeep
 
     def start(self, prefill_logits: torch.Tensor) -> Carried:
