@@ -20,7 +20,7 @@ import torch
 
 from tendril.generation import kernels
 from tendril.generation.noise import gumbel
-from tendril.generation.state import Decoder
+from tendril.generation.state import Decoder, not_eos
 from tendril.generation.streaming import TokenRing
 
 Carried = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
@@ -48,7 +48,7 @@ class TokenSearch:
         return (step < self.decoder.max_new_tokens) & unfinished.any()
 
     def body(self, step: torch.Tensor, sequences: torch.Tensor, unfinished: torch.Tensor) -> Carried:
-        slot = self.decoder.prompt_len + step - 1
+        slot = step + (self.decoder.prompt_len - 1)
         last = sequences.gather(1, slot.expand(sequences.shape[0], 1)).squeeze(1)
         return self.choose(self.decoder.step(last, slot), step, sequences, unfinished)
 
@@ -64,7 +64,7 @@ class TokenSearch:
         still_unfinished = unfinished
         if decoder.has_eos:
             tokens = torch.where(unfinished, tokens, self.pad_token_id)
-            still_unfinished = unfinished & ~decoder.is_eos(tokens)
+            still_unfinished = unfinished & not_eos(tokens, decoder.eos)
         if self.ring is not None:  # publish only while the loop runs (a predicated body also runs after it stops)
             self.ring.publish(self.cond(step, sequences, unfinished), step + 1, tokens[:1])
         sequences = sequences.scatter(1, length.expand(sequences.shape[0], 1), tokens[:, None])

@@ -59,8 +59,9 @@ class Decoder:
         return cls(arch, cache, prompt, mask, max_new_tokens, processing, eos, noise_key, step_forward)
 
     def __post_init__(self) -> None:
-        self.real_lengths = self.mask.sum(-1)
-        """[rows] long: prompt tokens that are not padding (positions of generated tokens start there)."""
+        self.position_base = self.mask.sum(-1) - self.prompt_len
+        """[rows] long: the real (non-padding) prompt tokens less the prompt length, so that the token at cache slot
+        `s` has position `position_base + s` (one kernel per step)."""
         self.pad_lengths = (self.mask != 0).int().argmax(dim=1)
         """[rows]: left-padding tokens per row (ignored by the repetition penalty, as in HF)."""
 
@@ -84,7 +85,7 @@ class Decoder:
 
     def step(self, last_tokens: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
         """Forward one token per row ([rows] long) stored at cache `slot` (0-d long); logits [rows, vocab]."""
-        positions = self.real_lengths + (slot - self.prompt_len)
+        positions = self.position_base + slot
         forward = self.step_forward or self.arch.forward
         return forward(last_tokens[:, None], positions[:, None], slot.view(1), self.cache)
 
@@ -105,3 +106,8 @@ class Decoder:
 def is_eos(tokens: torch.Tensor, eos: torch.Tensor) -> torch.Tensor:
     """Elementwise: is the token one of the `eos` ids ([E] long; all False when E is 0)."""
     return (tokens[..., None] == eos).any(-1)
+
+
+def not_eos(tokens: torch.Tensor, eos: torch.Tensor) -> torch.Tensor:
+    """`~is_eos(tokens, eos)` in two kernels rather than three."""
+    return (tokens[..., None] != eos).all(-1)
