@@ -25,7 +25,7 @@ from triton.compiler import ASTSource
 
 HOPPER = GPUTarget("cuda", 90, 32)
 _DTYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.int64: "i64",
-           torch.int32: "i32", torch.uint8: "u8", torch.bool: "i1"}
+           torch.int32: "i32", torch.int8: "i8", torch.uint8: "u8", torch.bool: "i1"}
 _OPTIONS = ("num_warps", "num_stages", "launch_pdl", "enable_fp_fusion")
 
 

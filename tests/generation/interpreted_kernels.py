@@ -7,7 +7,13 @@ import torch
 
 from tendril.config import settings
 from tendril.generation.kernels import attention
-from tests.generation.kernel_cases import check_argmax, check_attention, check_attention_through_rows, check_linear
+from tests.generation.kernel_cases import (
+    check_argmax,
+    check_attention,
+    check_attention_through_rows,
+    check_greedy_choice,
+    check_linear,
+)
 
 
 def main() -> None:
@@ -24,6 +30,7 @@ def main() -> None:
     assert check_attention(torch.bfloat16, "cpu", slots=(20,), exact_cache=False) > 0  # see check_attention
     assert check_attention_through_rows(torch.float32, "cpu", slots=(5, 20)) > 0  # beam search's row table
     assert check_argmax("cpu") > 0
+    assert check_greedy_choice("cpu") > 0
     print("interpreted checks passed")
 
 

@@ -103,6 +103,35 @@ def check_argmax(device: str) -> int:
     return checked
 
 
+def check_greedy_choice(device: str) -> int:
+    """`argmax_kernel.greedy_choice` equals `reference.greedy_choice` exactly (new step, sequences, unfinished,
+    tokens), without eos ids and with two, on rows that finish, rows already finished, a row whose first largest
+    score is tied, and a step whose column clamps to the last; its inputs stay as they were."""
+    torch.manual_seed(3)
+    checked = 0
+    vocab, width, prompt_len = 37, 12, 5
+    for rows in (1, 3):
+        for eos_ids in ((), (4, 9)):
+            for step_value in (0, 3, width):  # the last clamps to column width - 1
+                scores = torch.randn(rows, vocab, device=device)
+                scores[0, 4] = scores[0].max() + 1  # row 0 chooses eos id 4
+                if rows > 1:
+                    scores[1] = scores[1].round()  # ties: the first index wins
+                sequences = torch.randint(0, vocab, (rows, width), device=device)
+                unfinished = torch.tensor([True, False, True][:rows], device=device)
+                eos = torch.tensor(eos_ids, dtype=torch.long, device=device)
+                step = torch.tensor(step_value, device=device)
+                inputs = [t.clone() for t in (scores, step, sequences, unfinished)]
+                got = argmax_kernel.greedy_choice(scores, step, sequences, unfinished, eos, 2, prompt_len)
+                want = reference.greedy_choice(scores, step, sequences, unfinished, eos, 2, prompt_len)
+                for have, expected in zip(got, want, strict=True):
+                    assert have.dtype == expected.dtype and torch.equal(have, expected), (rows, eos_ids, step_value)
+                for before, now in zip(inputs, (scores, step, sequences, unfinished), strict=True):
+                    assert torch.equal(before, now)
+                checked += 1
+    return checked
+
+
 SLOTS = (0, 5, 20)
 """Query slots of the attention checks: the first, inside the first block of 8, the last (past two blocks)."""
 

@@ -13,7 +13,13 @@ from tendril.generation.api import graphed_runners, release_graphs
 from tendril.generation.kernels import linear, reference
 from tendril.generation.kernels.layers import Norm, Projection
 from tendril.generation.noise import draw_key
-from tests.generation.kernel_cases import check_argmax, check_attention, check_attention_through_rows, check_linear
+from tests.generation.kernel_cases import (
+    check_argmax,
+    check_attention,
+    check_attention_through_rows,
+    check_greedy_choice,
+    check_linear,
+)
 from tests.generation.models import hf_generate, left_padded, tiny_model
 
 pytestmark = pytest.mark.gpu
@@ -30,6 +36,10 @@ def test_linear_kernel_matches_reference(dtype, pdl):
 
 def test_argmax_kernel_matches_torch():
     assert check_argmax("cuda") > 0
+
+
+def test_greedy_choice_kernel_matches_its_reference():
+    assert check_greedy_choice("cuda") > 0
 
 
 

@@ -20,7 +20,7 @@ import torch
 
 from tendril.generation import kernels
 from tendril.generation.noise import gumbel
-from tendril.generation.state import Decoder, not_eos
+from tendril.generation.state import Decoder
 from tendril.generation.streaming import TokenRing
 
 Carried = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
@@ -56,19 +56,18 @@ class TokenSearch:
         self, logits: torch.Tensor, step: torch.Tensor, sequences: torch.Tensor, unfinished: torch.Tensor
     ) -> Carried:
         decoder = self.decoder
-        length = (decoder.prompt_len + step).clamp(max=decoder.max_len - 1)
-        scores = decoder.process(logits, sequences, length)
+        scores = logits
+        if decoder.processing.uses_seen_tokens or decoder.processing.do_sample:
+            length = (decoder.prompt_len + step).clamp(max=decoder.max_len - 1)
+            scores = decoder.process(scores, sequences, length)
         if decoder.processing.do_sample:
             scores = scores + gumbel(decoder.noise_key, step, *scores.shape)
-        tokens = kernels.argmax(scores)
-        still_unfinished = unfinished
-        if decoder.has_eos:
-            tokens = torch.where(unfinished, tokens, self.pad_token_id)
-            still_unfinished = unfinished & not_eos(tokens, decoder.eos)
+        next_step, written, still_unfinished, tokens = kernels.greedy_choice(
+            scores, step, sequences, unfinished, decoder.eos, self.pad_token_id, decoder.prompt_len
+        )
         if self.ring is not None:  # publish only while the loop runs (a predicated body also runs after it stops)
-            self.ring.publish(self.cond(step, sequences, unfinished), step + 1, tokens[:1])
-        sequences = sequences.scatter(1, length.expand(sequences.shape[0], 1), tokens[:, None])
-        return step + 1, sequences, still_unfinished
+            self.ring.publish(self.cond(step, sequences, unfinished), next_step, tokens[:1])
+        return next_step, written, still_unfinished
 
 
 def greedy_result(carried: tuple[torch.Tensor, ...], prompt_len: int) -> torch.Tensor:

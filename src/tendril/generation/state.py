@@ -106,8 +106,3 @@ class Decoder:
 def is_eos(tokens: torch.Tensor, eos: torch.Tensor) -> torch.Tensor:
     """Elementwise: is the token one of the `eos` ids ([E] long; all False when E is 0)."""
     return (tokens[..., None] == eos).any(-1)
-
-
-def not_eos(tokens: torch.Tensor, eos: torch.Tensor) -> torch.Tensor:
-    """`~is_eos(tokens, eos)` in two kernels rather than three."""
-    return (tokens[..., None] != eos).all(-1)

@@ -1,7 +1,8 @@
 """Fused kernels of one-token decode steps (`generate(step="fused")`).
 
 `linear.py` (norm + projection + activation + residual adds), `attention.py` (cache write + rotary +
-attention of one query over the static cache), `argmax_kernel.py` (the token choice), `reference.py` (plain
+attention of one query over the static cache), `argmax_kernel.py` (the token choice, alone or with the rest of a
+greedy step's bookkeeping), `reference.py` (plain
 PyTorch with the same numerics), `layers.py` (norms and projections read from HF modules), `pdl.py`
 (how consecutive kernels overlap). The functions here run the Triton kernels on
 CUDA tensors and the references elsewhere (the CPU), so a fused decode path runs, slowly, without a GPU;
@@ -19,7 +20,7 @@ import torch
 from tendril.generation.kernels import reference
 from tendril.generation.kernels.layers import Norm, Projection, activation_for
 
-__all__ = ["Norm", "Projection", "activation_for", "argmax", "decode_attention", "fused_linear"]
+__all__ = ["Norm", "Projection", "activation_for", "argmax", "decode_attention", "fused_linear", "greedy_choice"]
 
 
 def _use_triton(x: torch.Tensor) -> bool:
@@ -61,6 +62,25 @@ def argmax(scores: torch.Tensor) -> torch.Tensor:
 
         return argmax_kernel.argmax(scores)
     return scores.argmax(-1)
+
+
+def greedy_choice(
+    scores: torch.Tensor,
+    step: torch.Tensor,
+    sequences: torch.Tensor,
+    unfinished: torch.Tensor,
+    eos: torch.Tensor,
+    pad: int,
+    prompt_len: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A greedy (or Gumbel-max sampling) step's choice from its final scores: `(step + 1, sequences with the
+    tokens written, unfinished after the eos test, tokens)`; one Triton kernel on CUDA (`argmax_kernel.py`),
+    `reference.greedy_choice` elsewhere."""
+    if _use_triton(scores) and scores.dim() == 2 and scores.stride(1) == 1 and sequences.is_contiguous():
+        from tendril.generation.kernels import argmax_kernel
+
+        return argmax_kernel.greedy_choice(scores, step, sequences, unfinished, eos, pad, prompt_len)
+    return reference.greedy_choice(scores, step, sequences, unfinished, eos, pad, prompt_len)
 
 
 def decode_attention(

@@ -1,4 +1,5 @@
-"""Index of the largest score per row, as `torch.argmax(scores, -1)`: one program per row, one kernel.
+"""Index of the largest score per row, as `torch.argmax(scores, -1)`: one program per row, one kernel; and the
+whole greedy choice of a decode step around it (`greedy_choice`).
 
 Greedy decoding and Gumbel-max sampling end every step with an argmax over the vocabulary (50k-150k
 scores a row). PyTorch's reduction of one such row is slower than any projection of the step but the LM
@@ -9,6 +10,11 @@ the lanes: the largest score, and the smallest index holding it. So ties go to t
 PyTorch's. NaN counts as larger than every number, also as in PyTorch; a row with several NaNs (or a NaN
 and +inf) may name a different one of them. Under programmatic dependent launch (`pdl.py`) it starts
 during the LM head and waits for it first.
+
+`greedy_choice` is the argmax plus what greedy decoding does with it (`greedy.TokenSearch.choose` without
+processors or sampling), in the same kernel: finished rows take the pad token, the eos test updates the rows
+still running, the token is written at its column of a new copy of the sequences, and the step count goes up by
+one. Those would otherwise be about eight PyTorch kernels, each a launch boundary of its own in the decode loop.
 """
 
 from __future__ import annotations
@@ -26,6 +32,12 @@ def _argmax_kernel(scores_ptr, stride_row, columns, out_ptr, BLOCK: tl.constexpr
         tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
     row = tl.program_id(0)
+    tl.store(out_ptr + row, _row_argmax(scores_ptr, stride_row, columns, row, BLOCK).to(tl.int64))
+
+
+@triton.jit
+def _row_argmax(scores_ptr, stride_row, columns, row, BLOCK: tl.constexpr):
+    """int32 index of the first largest score of `row` (see the module docstring)."""
     lanes = tl.arange(0, BLOCK)
     best = tl.full([BLOCK], float("-inf"), dtype=tl.float32)
     best_index = tl.full([BLOCK], 2147483647, dtype=tl.int32)
@@ -38,8 +50,34 @@ def _argmax_kernel(scores_ptr, stride_row, columns, out_ptr, BLOCK: tl.constexpr
         best = tl.where(better, value, best)
         best_index = tl.where(better, index, best_index)
     top = tl.max(best, axis=0)
-    first = tl.min(tl.where(best == top, best_index, 2147483647), axis=0)
-    tl.store(out_ptr + row, first.to(tl.int64))
+    return tl.min(tl.where(best == top, best_index, 2147483647), axis=0)
+
+
+@triton.jit
+def _greedy_kernel(scores_ptr, stride_row, columns, step_ptr, sequences_ptr, width, unfinished_ptr, eos_ptr,
+                   eos_count, pad, prompt_len, tokens_ptr, new_sequences_ptr, new_unfinished_ptr, new_step_ptr,
+                   BLOCK: tl.constexpr, COPY: tl.constexpr, HAS_EOS: tl.constexpr, PDL: tl.constexpr):
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
+    row = tl.program_id(0)
+    token = _row_argmax(scores_ptr, stride_row, columns, row, BLOCK).to(tl.int64)
+    step = tl.load(step_ptr)
+    if HAS_EOS:
+        running = tl.load(unfinished_ptr + row) != 0
+        token = tl.where(running, token, pad)
+        for e in range(eos_count):
+            running = running & (token != tl.load(eos_ptr + e))
+        tl.store(new_unfinished_ptr + row, running.to(tl.int8))
+    tl.store(tokens_ptr + row, token)
+    column = tl.minimum(prompt_len + step, width - 1)
+    lanes = tl.arange(0, COPY)
+    for start in range(0, width, COPY):
+        index = start + lanes
+        value = tl.load(sequences_ptr + row * width + index, mask=index < width)
+        tl.store(new_sequences_ptr + row * width + index, tl.where(index == column, token, value), mask=index < width)
+    if row == 0:
+        tl.store(new_step_ptr, step + 1)
 
 
 MAX_BLOCK = 8192
@@ -60,3 +98,46 @@ def argmax(scores: torch.Tensor, *, pdl: bool | None = None) -> torch.Tensor:
     _argmax_kernel[(rows,)](scores, scores.stride(0), columns, out, BLOCK=block, PDL=pdl,
                             num_warps=32 if block == MAX_BLOCK else 4, launch_pdl=pdl)
     return out
+
+
+COPY_BLOCK = 256
+"""Columns of the sequences copied per pass."""
+
+
+def greedy_choice(
+    scores: torch.Tensor,
+    step: torch.Tensor,
+    sequences: torch.Tensor,
+    unfinished: torch.Tensor,
+    eos: torch.Tensor,
+    pad: int,
+    prompt_len: int,
+    *,
+    pdl: bool | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One kernel for a greedy step's choice: `(step + 1, sequences with the tokens written at column
+    min(prompt_len + step, width - 1), unfinished after the eos test, tokens)`, new tensors (the inputs are left
+    as they are). With eos ids, finished rows take `pad` and rows that choose an eos id stop; without, `unfinished`
+    is returned as it is. `scores` [rows, vocab] float with contiguous rows; `sequences` [rows, width] long,
+    contiguous; `unfinished` [rows] bool; `eos` [E] long; `step` 0-d long."""
+    if scores.dim() != 2 or scores.stride(1) != 1 or not scores.is_floating_point():
+        raise ValueError(f"scores must be a 2-D float tensor with contiguous rows, got {scores.dtype} "
+                         f"{tuple(scores.shape)} strides {scores.stride()}")
+    rows, columns = scores.shape
+    if sequences.shape[0] != rows or not sequences.is_contiguous() or sequences.dtype != torch.long:
+        raise ValueError(f"sequences must be a contiguous long tensor of {rows} rows, got {sequences.dtype} "
+                         f"{tuple(sequences.shape)}")
+    tokens = torch.empty(rows, dtype=torch.long, device=scores.device)
+    new_sequences = torch.empty_like(sequences)
+    has_eos = eos.numel() > 0
+    new_unfinished = torch.empty_like(unfinished) if has_eos else unfinished
+    new_step = torch.empty_like(step)
+    pdl = programmatic.resolve(pdl, scores.device, _greedy_kernel)
+    block = min(triton.next_power_of_2(columns), MAX_BLOCK)
+    _greedy_kernel[(rows,)](
+        scores, scores.stride(0), columns, step, sequences, sequences.shape[1], unfinished.view(torch.int8), eos,
+        eos.numel(), pad, prompt_len, tokens, new_sequences, new_unfinished.view(torch.int8), new_step,
+        BLOCK=block, COPY=COPY_BLOCK, HAS_EOS=has_eos, PDL=pdl, num_warps=32 if block == MAX_BLOCK else 4,
+        launch_pdl=pdl,
+    )  # fmt: skip
+    return new_step, new_sequences, new_unfinished, tokens

@@ -148,3 +148,24 @@ def _read_rows(cache: torch.Tensor, source_rows: torch.Tensor, slot: torch.Tenso
     own = torch.arange(rows, device=cache.device)[:, None]
     table = torch.where(slots < slot, source_rows.long(), own)  # [rows, max_len]
     return cache[table, :, slots[None, :].expand(rows, max_len)].permute(0, 2, 1, 3)
+
+
+def greedy_choice(
+    scores: torch.Tensor,
+    step: torch.Tensor,
+    sequences: torch.Tensor,
+    unfinished: torch.Tensor,
+    eos: torch.Tensor,
+    pad: int,
+    prompt_len: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A greedy step's choice in PyTorch ops (`argmax_kernel.greedy_choice` documents the contract): the first
+    largest score per row; with eos ids, finished rows take `pad` and rows choosing an eos id stop."""
+    tokens = scores.argmax(-1)
+    column = (prompt_len + step).clamp(max=sequences.shape[1] - 1)
+    still_unfinished = unfinished
+    if eos.numel() > 0:
+        tokens = torch.where(unfinished, tokens, pad)
+        still_unfinished = unfinished & (tokens[:, None] != eos).all(-1)
+    written = sequences.scatter(1, column.expand(sequences.shape[0], 1), tokens[:, None])
+    return step + 1, written, still_unfinished, tokens
