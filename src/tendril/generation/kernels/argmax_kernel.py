@@ -129,14 +129,16 @@ def greedy_choice(
                          f"{tuple(sequences.shape)}")
     tokens = torch.empty(rows, dtype=torch.long, device=scores.device)
     new_sequences = torch.empty_like(sequences)
-    has_eos = eos.numel() > 0
+    has_eos = eos.numel() > 0  # without eos ids the kernel reads none; an empty tensor has no address to pass, so
+    # `step` (of the same dtype) stands in for them
     new_unfinished = torch.empty_like(unfinished) if has_eos else unfinished
     new_step = torch.empty_like(step)
     pdl = programmatic.resolve(pdl, scores.device, _greedy_kernel)
     block = min(triton.next_power_of_2(columns), MAX_BLOCK)
     _greedy_kernel[(rows,)](
-        scores, scores.stride(0), columns, step, sequences, sequences.shape[1], unfinished.view(torch.int8), eos,
-        eos.numel(), pad, prompt_len, tokens, new_sequences, new_unfinished.view(torch.int8), new_step,
+        scores, scores.stride(0), columns, step, sequences, sequences.shape[1], unfinished.view(torch.int8),
+        eos if has_eos else step, eos.numel(), pad, prompt_len, tokens, new_sequences, new_unfinished.view(torch.int8),
+        new_step,
         BLOCK=block, COPY=COPY_BLOCK, HAS_EOS=has_eos, PDL=pdl, num_warps=32 if block == MAX_BLOCK else 4,
         launch_pdl=pdl,
     )  # fmt: skip
