@@ -73,10 +73,6 @@ class Decoder:
     def max_len(self) -> int:
         return self.prompt_len + self.max_new_tokens
 
-    @property
-    def has_eos(self) -> bool:
-        return self.eos.numel() > 0
-
     def prefill(self) -> torch.Tensor:
         """Run the prompt through the model, filling cache slots 0..P-1; logits of the last position."""
         self.cache.reset_order()
@@ -97,10 +93,6 @@ class Decoder:
             counted = (slots >= self.pad_lengths[:, None]) & (slots < length)
             seen = seen_tokens(tokens, counted, scores.shape[-1])
         return self.processing(scores, seen)
-
-    def is_eos(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Elementwise: is the token one of the eos ids (all False when there are none)."""
-        return is_eos(tokens, self.eos)
 
 
 def is_eos(tokens: torch.Tensor, eos: torch.Tensor) -> torch.Tensor:

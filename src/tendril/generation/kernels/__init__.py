@@ -20,7 +20,7 @@ import torch
 from tendril.generation.kernels import reference
 from tendril.generation.kernels.layers import Norm, Projection, activation_for
 
-__all__ = ["Norm", "Projection", "activation_for", "argmax", "decode_attention", "fused_linear", "greedy_choice"]
+__all__ = ["Norm", "Projection", "activation_for", "decode_attention", "fused_linear", "greedy_choice"]
 
 
 def _use_triton(x: torch.Tensor) -> bool:
@@ -53,15 +53,6 @@ def fused_linear(
                                    out_dtype=out_dtype)
     result = reference.fused_linear(x, projection, norm=norm, activation=activation, gated=gated, addends=addends)
     return result if out_dtype is None else result.to(out_dtype)
-
-
-def argmax(scores: torch.Tensor) -> torch.Tensor:
-    """`scores.argmax(-1)` of [rows, columns] scores: one Triton kernel on CUDA (see `argmax_kernel.py`)."""
-    if _use_triton(scores) and scores.dim() == 2 and scores.stride(1) == 1:
-        from tendril.generation.kernels import argmax_kernel
-
-        return argmax_kernel.argmax(scores)
-    return scores.argmax(-1)
 
 
 def greedy_choice(

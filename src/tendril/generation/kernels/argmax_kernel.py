@@ -1,5 +1,5 @@
-"""Index of the largest score per row, as `torch.argmax(scores, -1)`: one program per row, one kernel; and the
-whole greedy choice of a decode step around it (`greedy_choice`).
+"""The token choice of a greedy (or Gumbel-max sampling) decode step in one kernel, one program per row: the index
+of the largest score, as `torch.argmax(scores, -1)`, and what greedy decoding does with it (`greedy_choice`).
 
 Greedy decoding and Gumbel-max sampling end every step with an argmax over the vocabulary (50k-150k
 scores a row). PyTorch's reduction of one such row is slower than any projection of the step but the LM
@@ -11,10 +11,10 @@ PyTorch's. NaN counts as larger than every number, also as in PyTorch; a row wit
 and +inf) may name a different one of them. Under programmatic dependent launch (`pdl.py`) it starts
 during the LM head and waits for it first.
 
-`greedy_choice` is the argmax plus what greedy decoding does with it (`greedy.TokenSearch.choose` without
-processors or sampling), in the same kernel: finished rows take the pad token, the eos test updates the rows
-still running, the token is written at its column of a new copy of the sequences, and the step count goes up by
-one. Those would otherwise be about eight PyTorch kernels, each a launch boundary of its own in the decode loop.
+Around the argmax, in the same kernel, is what `greedy.TokenSearch.choose` does with the token: finished rows
+take the pad token, the eos test updates the rows still running, the token is written at its column of a new copy
+of the sequences, and the step count goes up by one. Those would otherwise be about eight PyTorch kernels, each a
+launch boundary of its own in the decode loop.
 """
 
 from __future__ import annotations
@@ -24,15 +24,6 @@ import triton
 import triton.language as tl
 
 from tendril.generation.kernels import pdl as programmatic
-
-
-@triton.jit
-def _argmax_kernel(scores_ptr, stride_row, columns, out_ptr, BLOCK: tl.constexpr, PDL: tl.constexpr):
-    if PDL:
-        tl.extra.cuda.gdc_launch_dependents()
-        tl.extra.cuda.gdc_wait()
-    row = tl.program_id(0)
-    tl.store(out_ptr + row, _row_argmax(scores_ptr, stride_row, columns, row, BLOCK).to(tl.int64))
 
 
 @triton.jit
@@ -82,24 +73,6 @@ def _greedy_kernel(scores_ptr, stride_row, columns, step_ptr, sequences_ptr, wid
 
 MAX_BLOCK = 8192
 """Widest chunk, streamed by 32 warps (a chunk as wide as a whole vocabulary row is much slower)."""
-
-
-def argmax(scores: torch.Tensor, *, pdl: bool | None = None) -> torch.Tensor:
-    """int64 [rows]: `scores.argmax(-1)` of a 2-D float tensor with contiguous rows."""
-    if scores.dim() != 2 or scores.stride(1) != 1 or not scores.is_floating_point():
-        raise ValueError(f"scores must be a 2-D float tensor with contiguous rows, got {scores.dtype} "
-                         f"{tuple(scores.shape)} strides {scores.stride()}")
-    rows, columns = scores.shape
-    if columns == 0:
-        raise ValueError("argmax of an empty row")
-    out = torch.empty(rows, dtype=torch.long, device=scores.device)
-    pdl = programmatic.resolve(pdl, scores.device, _argmax_kernel)
-    block = min(triton.next_power_of_2(columns), MAX_BLOCK)
-    _argmax_kernel[(rows,)](scores, scores.stride(0), columns, out, BLOCK=block, PDL=pdl,
-                            num_warps=32 if block == MAX_BLOCK else 4, launch_pdl=pdl)
-    return out
-
-
 COPY_BLOCK = 256
 """Columns of the sequences copied per pass."""
 
@@ -124,6 +97,8 @@ def greedy_choice(
         raise ValueError(f"scores must be a 2-D float tensor with contiguous rows, got {scores.dtype} "
                          f"{tuple(scores.shape)} strides {scores.stride()}")
     rows, columns = scores.shape
+    if columns == 0:
+        raise ValueError("argmax of an empty row")
     if sequences.shape[0] != rows or not sequences.is_contiguous() or sequences.dtype != torch.long:
         raise ValueError(f"sequences must be a contiguous long tensor of {rows} rows, got {sequences.dtype} "
                          f"{tuple(sequences.shape)}")
