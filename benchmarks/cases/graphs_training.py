@@ -8,7 +8,8 @@ are in `benchmarks.hf_training_steps`, written without host syncs):
 - `gpt2`: HF `GPT2LMHeadModel` 124M, a language-model fine-tuning step on 32-512 tokens, bucketed by 32.
 
 `GRAPHS_TRAINING_MODELS` picks the models (comma-separated, default both); `--quick` runs tiny configs on shorter
-inputs. Variants, one after the other in one process on the same batches:
+inputs. The allocator's settings (`PYTORCH_CUDA_ALLOC_CONF`, e.g. `expandable_segments:True`, which changes how
+pools fragment) are recorded with the results. Variants, one after the other in one process on the same batches:
 
 - `eager`: the step function on each batch as it comes (padded only to the batch's own longest item); for Wav2Vec2
   also HF's own step (`labels=`, torch's CTC loss, host syncs included: what users run today), reported as
@@ -409,3 +410,7 @@ def run(ctx: Context) -> None:
     ctx.note(f"models: {', '.join(names)}; batch {BATCH}; AMP fp16, GradScaler, fused AdamW; dropout 0.1 for timing")
     ctx.note("eager runs each batch as it comes; tendril and compile run it padded to its bucket")
     ctx.extra["bucket_sizes"] = {name: list(setups[name](ctx.quick).lengths) for name in names}
+    allocator = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
+    ctx.extra["PYTORCH_CUDA_ALLOC_CONF"] = allocator
+    if allocator:
+        ctx.note(f"allocator settings: PYTORCH_CUDA_ALLOC_CONF={allocator}")
