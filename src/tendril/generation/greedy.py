@@ -57,7 +57,7 @@ class TokenSearch:
     ) -> Carried:
         decoder = self.decoder
         scores = logits
-        if decoder.processing.uses_seen_tokens or decoder.processing.do_sample:
+        if decoder.processing.changes_scores:
             length = (decoder.prompt_len + step).clamp(max=decoder.max_len - 1)
             scores = decoder.process(scores, sequences, length)
         if decoder.processing.do_sample:

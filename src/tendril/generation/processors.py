@@ -40,6 +40,11 @@ class LogitsProcessing:
     def uses_seen_tokens(self) -> bool:
         return self.repetition_penalty != 1.0
 
+    @property
+    def changes_scores(self) -> bool:
+        """Whether `__call__` does anything (else the scores pass through, and callers may skip it)."""
+        return self.uses_seen_tokens or self.do_sample
+
     def __call__(self, scores: torch.Tensor, seen: torch.Tensor | None = None) -> torch.Tensor:
         """Processed scores [rows, vocab]; `seen` is required when the repetition penalty is on."""
         if self.uses_seen_tokens:

@@ -4,6 +4,7 @@ step; fp32 within 1e-5 relative after 20 steps, AMP within 1e-3, dropout drawing
 from __future__ import annotations
 
 import inspect
+from typing import Any, NamedTuple
 
 import pytest
 import torch
@@ -45,8 +46,15 @@ def no_tf32_convolutions(monkeypatch):
 LENGTHS = [3, 8, 4, 7, 2, 5, 8, 1, 6, 4] * 2
 
 
-def run_both(make_model, make_optimizer, make_step, data, buckets, scaler=None):
-    """20 steps eagerly (on the padded batches, attention kernels as graphs use) and graphed; the two states."""
+class Both(NamedTuple):
+    graphed: dict[str, torch.Tensor]
+    eager: dict[str, torch.Tensor]
+    step: Any
+
+
+def run_both(make_model, make_optimizer, make_step, data, buckets, scaler=None, ahead=None) -> Both:
+    """The steps eagerly (on the padded batches, attention kernels as graphs use) and graphed; the two states and
+    the graphed step. `ahead`: batches the graphed step captures ahead of time (`capture`) after its first call."""
     model, reference = make_model()
     optimizer, reference_optimizer = make_optimizer(model), make_optimizer(reference)
     reference_scaler = None if scaler is None else scaler()
@@ -60,20 +68,22 @@ def run_both(make_model, make_optimizer, make_step, data, buckets, scaler=None):
             make_step(model, optimizer, step_scaler), model=model, optimizer=optimizer, scaler=step_scaler,
             buckets=buckets, config=Config(),
         )  # fmt: skip
-        for batch in data:
+        for index, batch in enumerate(data):
             step(*batch)
+            if index == 0 and ahead is not None:
+                assert step.capture(ahead) == len(ahead), step.stats.table()
     torch.cuda.synchronize()
     assert step.stats.replays >= 10 and step.stats.eager_calls == 0, step.stats.table()
-    return state_of(model, optimizer), state_of(reference, reference_optimizer)
+    return Both(state_of(model, optimizer), state_of(reference, reference_optimizer), step)
 
 
 @pytest.mark.parametrize("fused", [True, False], ids=["fused", "foreach"])
 def test_mlp_fp32_matches_eager_after_20_steps(fused):
     make_optimizer = lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2, capturable=True, fused=fused)  # noqa: E731
-    graphed_state, eager_state = run_both(
+    both = run_both(
         lambda: twins(TokenMLP, "cuda"), make_optimizer, full_step, batches(LENGTHS, "cuda"), SEQ_BUCKETS
     )
-    assert_within(graphed_state, eager_state, 1e-5)
+    assert_within(both.graphed, both.eager, 1e-5)
 
 
 @pytest.mark.parametrize("scaler", ["grad-scaler-fused", "device-grad-scaler-capturable"])
@@ -91,23 +101,23 @@ def test_mlp_amp_matches_eager_after_20_steps(scaler):
 
         return step
 
-    graphed_state, eager_state = run_both(
+    both = run_both(
         lambda: twins(TokenMLP, "cuda"), make_optimizer, amp_step, batches(LENGTHS, "cuda"), SEQ_BUCKETS, make_scaler
     )
-    assert_within(graphed_state, eager_state, 1e-3)
+    assert_within(both.graphed, both.eager, 1e-3)
 
 
 def test_tiny_gpt2_lm_fine_tune_matches_eager():
     generator = torch.Generator().manual_seed(0)
     data = [gpt2_batch(n, 2, 1000, generator) for n in [20, 33, 64, 50, 17, 40, 64, 30, 9, 60] * 2]
-    graphed_state, eager_state = run_both(
+    both = run_both(
         lambda: _twins(gpt2_model),
         lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3, fused=True, capturable=True),
         gpt2_step,
         data,
         gpt2_buckets((32, 64)),
     )
-    assert_within(graphed_state, eager_state, 1e-5)
+    assert_within(both.graphed, both.eager, 1e-5)
 
 
 def test_tiny_gpt2_amp_with_overflowing_steps_skipped_inside_replays_matches_eager():
@@ -115,7 +125,7 @@ def test_tiny_gpt2_amp_with_overflowing_steps_skipped_inside_replays_matches_eag
     (on the device, in the fused optimizer) and the scale halvings are replays, then real updates follow."""
     generator = torch.Generator().manual_seed(0)
     data = [gpt2_batch(n, 2, 1000, generator) for n in [20, 33, 64, 50, 17, 40, 64, 30, 9, 60] * 3]
-    graphed_state, eager_state = run_both(
+    both = run_both(
         lambda: _twins(gpt2_model),
         lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3, fused=True, capturable=True),
         lambda model, optimizer, scaler: gpt2_step(model, optimizer, scaler, amp=True),
@@ -123,46 +133,37 @@ def test_tiny_gpt2_amp_with_overflowing_steps_skipped_inside_replays_matches_eag
         gpt2_buckets((32, 64)),
         lambda: torch.amp.GradScaler("cuda", init_scale=2.0**30),
     )
-    assert_within(graphed_state, eager_state, 1e-3)
+    assert_within(both.graphed, both.eager, 1e-3)
 
 
 def test_tiny_wav2vec2_ctc_step_matches_eager():
     generator = torch.Generator().manual_seed(0)
     data = [wav2vec2_batch(n, 2, 8, 32, generator) for n in [4000, 8000, 6000, 8000, 3000] * 4]
-    graphed_state, eager_state = run_both(
+    both = run_both(
         lambda: _twins(wav2vec2_model),
         lambda m: torch.optim.AdamW(m.parameters(), lr=1e-4, fused=True, capturable=True),
         wav2vec2_step,
         data,
         wav2vec2_buckets((4000, 8000)),
     )
-    assert_within(graphed_state, eager_state, 1e-5)
+    assert_within(both.graphed, both.eager, 1e-5)
 
 
 def test_wav2vec2_captured_ahead_largest_first_matches_eager_and_reuses_the_largest_graphs_memory():
     generator = torch.Generator().manual_seed(0)
     data = [wav2vec2_batch(n, 2, 8, 32, generator) for n in [4000, 8000, 6000, 8000, 3000] * 4]
-    buckets = wav2vec2_buckets((4000, 6000, 8000))
-    model, reference = _twins(wav2vec2_model)
-    make_optimizer = lambda m: torch.optim.AdamW(m.parameters(), lr=1e-4, fused=True, capturable=True)  # noqa: E731
-    optimizer, reference_optimizer = make_optimizer(model), make_optimizer(reference)
-    eager = wav2vec2_step(reference, reference_optimizer)
-    with sdpa_kernel(list(GRAPH_SDPA_BACKENDS)):
-        for batch in padded(data, buckets, ("audio", "mask", "labels")):
-            eager(*batch)
-        step = tendril.graphed_step(
-            wav2vec2_step(model, optimizer), model=model, optimizer=optimizer, buckets=buckets, config=Config()
-        )
-        step(*data[0])
-        examples = [wav2vec2_batch(n, 2, 8, 32, generator) for n in (3000, 5000, 8000)]
-        assert step.capture(examples) == 3
-        for batch in data[1:]:
-            step(*batch)
-    torch.cuda.synchronize()
-    assert step.stats.replays == len(data) - 1 and step.stats.eager_calls == 0, step.stats.table()
-    assert_within(state_of(model, optimizer), state_of(reference, reference_optimizer), 1e-5)
-    largest, *smaller = step.stats.graphs.values()
-    assert sum(r.pool_growth_bytes for r in smaller) <= 0.25 * largest.pool_growth_bytes, step.stats.table()
+    both = run_both(
+        lambda: _twins(wav2vec2_model),
+        lambda m: torch.optim.AdamW(m.parameters(), lr=1e-4, fused=True, capturable=True),
+        wav2vec2_step,
+        data,
+        wav2vec2_buckets((4000, 6000, 8000)),
+        ahead=[wav2vec2_batch(n, 2, 8, 32, generator) for n in (3000, 5000, 8000)],
+    )
+    assert both.step.stats.replays == len(data) - 1, both.step.stats.table()
+    assert_within(both.graphed, both.eager, 1e-5)
+    largest, *smaller = both.step.stats.graphs.values()
+    assert sum(r.pool_growth_bytes for r in smaller) <= 0.25 * largest.pool_growth_bytes, both.step.stats.table()
 
 
 def test_dropout_draws_new_masks_at_every_replay():

@@ -310,10 +310,9 @@ class GraphedStep:
         """Capture `key`'s graph on placeholders holding the call's tensors (so that a backend whose capture runs
         the function, `NullBackend`, reads real values, indices in range, rather than uninitialised memory)."""
         positions = flat.tensor_indices()
-        placeholders = [self._arena.placeholder(i, spec) for i, spec in zip(positions, key.tensors, strict=True)]
-        if placeholders:
-            with torch.no_grad():
-                torch._foreach_copy_(placeholders, [flat.leaves[i] for i in positions])
+        placeholders = [
+            self._arena.placeholder(i, spec, flat.leaves[i]) for i, spec in zip(positions, key.tensors, strict=True)
+        ]
         leaves = list(flat.leaves)
         for index, placeholder in zip(positions, placeholders, strict=True):
             leaves[index] = placeholder
