@@ -151,22 +151,38 @@ def wav2vec2_batch(
     return audio.to(device), mask.to(device), targets.to(device)
 
 
-ZERO_GRADIENT = ("attention.k_proj.bias",)
-"""Parameters whose gradient is zero in exact arithmetic: a key projection's bias adds the same score to every key
-of a query, which softmax ignores. Adam scales the rounding noise of that gradient up to full-size updates, so two
-correct runs (eager twice, with atomics in the backward) disagree there by about the parameter's own size; the
-comparisons leave these parameters and their optimizer state out."""
+ZERO_GRADIENT = {"attention.k_proj.bias": (0, 1), "attn.c_attn.bias": (1, 3)}
+"""Parameters whose gradient is zero in exact arithmetic, by name part: the share `(index, parts)` of the tensor
+that is a key projection's bias (Wav2Vec2's whole `k_proj.bias`; the middle third of GPT-2's fused q/k/v
+`c_attn.bias`). A key bias adds the same score to every key of a query, which softmax ignores. Adam scales the
+rounding noise of that gradient up to full-size updates, so two correct runs (eager twice, with atomics in the
+backward) disagree there by about the parameter's own size; the comparisons leave these shares and their
+optimizer state out."""
+
+
+def _without_zero_gradient(name: str, value: torch.Tensor) -> torch.Tensor | None:
+    """`value` less its `ZERO_GRADIENT` share (None when that is all of it)."""
+    for part, (index, parts) in ZERO_GRADIENT.items():
+        if part in name:
+            if parts == 1:
+                return None
+            if value.dim() == 0:  # the optimizer's step count
+                return value
+            size = value.shape[0] // parts
+            return torch.cat([value[: index * size], value[(index + 1) * size :]])
+    return value
 
 
 def state_of(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
-    """Parameters and optimizer state tensors by name, less those named in `ZERO_GRADIENT`."""
+    """Parameters and optimizer state tensors by name, less their `ZERO_GRADIENT` shares."""
     found = {f"param {name}": p.detach() for name, p in model.named_parameters()}
     names = {id(p): name for name, p in model.named_parameters()}
     for parameter, state in optimizer.state.items():
         for key, value in state.items():
             if isinstance(value, torch.Tensor):
                 found[f"state {names[id(parameter)]} {key}"] = value.detach()
-    return {name: value for name, value in found.items() if not any(part in name for part in ZERO_GRADIENT)}
+    kept = {name: _without_zero_gradient(name, value) for name, value in found.items()}
+    return {name: value for name, value in kept.items() if value is not None}
 
 
 def rel_diffs(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> dict[str, float]:

@@ -20,7 +20,10 @@ pools fragment) are recorded with the results. Variants, one after the other in 
 - `compile`: the model under `torch.compile(mode="reduce-overhead")` with its default shape handling (the first
   shape compiled static, the next one dynamic for every later length; CUDA graphs of forward and backward recorded
   per bucket shape; the CTC loss and the optimizer step eager, fused), on the bucket-padded batches; its warm-up
-  (compiling, then recording every bucket) is reported as `warmup_s`.
+  (compiling, then recording every bucket) is reported as `warmup_s`;
+- `tendril+compile`: tendril's graphs of the step on `torch.compile(model)` (Inductor's kernels without its CUDA
+  graphs), reported as `*_tendril_compile_speedup_vs_compile`: Inductor's fusion shortens the kernels, which a
+  graph of eager kernels cannot.
 
 Step time: wall time of a pass over the batches (no host synchronisation inside, one at its end) per step; the
 median over passes. Kernel time: the summed GPU time of all device operations the profiler records over the
@@ -203,20 +206,58 @@ def _tendril(ctx: Context, setup: Setup, data: list, passes: int) -> tuple[Timin
         setup.make_step(model, optimizer, scaler, amp=True), model=model, optimizer=optimizer, scaler=scaler,
         buckets=setup.buckets,
     )  # fmt: skip
+    timing = _warm_and_time(ctx, f"{setup.name} tendril", setup, step, data, passes)
+    return timing, step
+
+
+def _tendril_compiled(ctx: Context, setup: Setup, data: list, passes: int) -> Timing | None:
+    """tendril's graphs of the step on `torch.compile(model)` (Inductor's fused kernels, no CUDA graphs of its
+    own; default shape handling): one launch per step as `tendril`, with the kernels `compile` runs. Host syncs are
+    not checked on a warm-up step (the check's dispatch mode would recompile the model), so a sync shows as a failed
+    capture in the stats. None, with the error in the notes, where it fails."""
+    import torch._dynamo
+
+    _raise_recompile_limit(setup)
+    model, optimizer, scaler = _fresh(setup, 0.1)
+    step = tendril.graphed_step(
+        setup.make_step(torch.compile(model), optimizer, scaler, amp=True), model=model, optimizer=optimizer,
+        scaler=scaler, buckets=setup.buckets, check_syncs=False,
+    )  # fmt: skip
+    try:
+        return _warm_and_time(ctx, f"{setup.name} tendril+compile", setup, step, data, passes)
+    except RuntimeError as error:
+        ctx.note(f"{setup.name}: tendril on torch.compile(model) failed: {str(error).splitlines()[0]}")
+        ctx.extra[f"{setup.name}_tendril_compile_failure"] = str(error)
+        return None
+    finally:
+        torch._dynamo.reset()
+
+
+def _warm_and_time(ctx: Context, label: str, setup: Setup, step: Any, data: list, passes: int) -> Timing:
+    """Every bucket's warm-up, checked warm-up and capture, then the timed passes; warm-up, graphs and pool
+    reported under `label`."""
     generator = torch.Generator().manual_seed(7)
     start = time.perf_counter()
-    for size in setup.lengths:  # every bucket: warm-up, checked warm-up, capture
+    for size in setup.lengths:
         for _ in range(3):
             step(*setup.batch(size, generator))
     torch.cuda.synchronize()
-    ctx.add_value(f"{setup.name} tendril", "warmup_s", time.perf_counter() - start)
+    ctx.add_value(label, "warmup_s", time.perf_counter() - start)
     timing = _time(step, data, passes)
-    ctx.add_timing(f"{setup.name} tendril", timing, "ms_per_step")
-    ctx.add_value(f"{setup.name} tendril", "graphs", len(step.keys()))
-    ctx.add_value(f"{setup.name} tendril", "pool_mib", step.stats.pool_bytes / 2**20)
+    ctx.add_timing(label, timing, "ms_per_step")
+    ctx.add_value(label, "graphs", len(step.keys()))
+    ctx.add_value(label, "pool_mib", step.stats.pool_bytes / 2**20)
     if step.stats.eager_calls:
-        ctx.note(f"{setup.name}: tendril ran {step.stats.eager_calls} steps eagerly:\n{step.stats.table()}")
-    return timing, step
+        ctx.note(f"{label} ran {step.stats.eager_calls} steps eagerly:\n{step.stats.table()}")
+    return timing
+
+
+def _raise_recompile_limit(setup: Setup) -> None:
+    """Room for a compile per bucket shape (dynamo's default limit would fall back to eager past it)."""
+    import torch._dynamo
+
+    limit = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
+    setattr(torch._dynamo.config, limit, max(getattr(torch._dynamo.config, limit), 4 * len(setup.lengths)))
 
 
 def _compiled(ctx: Context, setup: Setup, data: list, passes: int) -> Timing | None:
@@ -225,8 +266,7 @@ def _compiled(ctx: Context, setup: Setup, data: list, passes: int) -> Timing | N
     step run eagerly. None, with the error in the notes, where torch's step fails."""
     import torch._dynamo
 
-    limit = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
-    setattr(torch._dynamo.config, limit, max(getattr(torch._dynamo.config, limit), 4 * len(setup.lengths)))
+    _raise_recompile_limit(setup)
     model, optimizer, scaler = _fresh(setup, 0.1)
     compiled = torch.compile(model, mode="reduce-overhead")
     plain = setup.make_step(compiled, optimizer, scaler, amp=True, keep_grads=False)
@@ -376,10 +416,14 @@ def _measure(ctx: Context, setup: Setup) -> dict[str, float]:
     device_memory_in_use(ctx.device)
     compiled = _compiled(ctx, setup, data, passes)
     device_memory_in_use(ctx.device)
+    fused = _tendril_compiled(ctx, setup, data, passes)
+    device_memory_in_use(ctx.device)
     return {
         "over_kernel": ratio(fast.median_ms, kernels),
         "vs_eager": ratio(eager.median_ms, fast.median_ms),
         **({"vs_compile": ratio(compiled.median_ms, fast.median_ms)} if compiled is not None else {}),
+        **({"compiled_vs_compile": ratio(compiled.median_ms, fused.median_ms)}
+           if compiled is not None and fused is not None else {}),
         "rel_diff": max_param_rel_diff(ctx, setup),
         **({"vs_eager_hf_loss": ratio(hf_loss.median_ms, fast.median_ms)} if hf_loss is not None else {}),
     }
@@ -398,6 +442,8 @@ def run(ctx: Context) -> None:
         ctx.target(f"{name}_speedup_vs_eager", measured["vs_eager"])
         if "vs_compile" in measured:
             ctx.target(f"{name}_speedup_vs_compile", measured["vs_compile"])
+        if "compiled_vs_compile" in measured:
+            ctx.target(f"{name}_tendril_compile_speedup_vs_compile", measured["compiled_vs_compile"])
         if "vs_eager_hf_loss" in measured:
             ctx.target(f"{name}_speedup_vs_eager_hf_loss", measured["vs_eager_hf_loss"])
         if name == "wav2vec2":
@@ -408,7 +454,7 @@ def run(ctx: Context) -> None:
             ctx.target("wav2vec2_memory_ratio_vs_separate_pools", ratio(separate, shared), Goal(">=", 5))
     ctx.target("max_param_rel_diff_amp_20_steps", max(diffs), Goal("<=", 1e-3))
     ctx.note(f"models: {', '.join(names)}; batch {BATCH}; AMP fp16, GradScaler, fused AdamW; dropout 0.1 for timing")
-    ctx.note("eager runs each batch as it comes; tendril and compile run it padded to its bucket")
+    ctx.note("eager runs each batch as it comes; tendril, tendril+compile and compile run it padded to its bucket")
     ctx.extra["bucket_sizes"] = {name: list(setups[name](ctx.quick).lengths) for name in names}
     allocator = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
     ctx.extra["PYTORCH_CUDA_ALLOC_CONF"] = allocator

@@ -16,6 +16,7 @@ from benchmarks.hf_training_steps import (
     gpt2_buckets,
     gpt2_model,
     gpt2_step,
+    max_rel_diff,
     wav2vec2_batch,
     wav2vec2_buckets,
     wav2vec2_model,
@@ -50,20 +51,31 @@ class Both(NamedTuple):
     graphed: dict[str, torch.Tensor]
     eager: dict[str, torch.Tensor]
     step: Any
+    eager_again: dict[str, torch.Tensor] | None = None
 
 
-def run_both(make_model, make_optimizer, make_step, data, buckets, scaler=None, ahead=None) -> Both:
-    """The steps eagerly (on the padded batches, attention kernels as graphs use) and graphed; the two states and
-    the graphed step. `ahead`: batches the graphed step captures ahead of time (`capture`) after its first call."""
-    model, reference = make_model()
-    optimizer, reference_optimizer = make_optimizer(model), make_optimizer(reference)
-    reference_scaler = None if scaler is None else scaler()
-    step_scaler = None if scaler is None else scaler()
-    eager = make_step(reference, reference_optimizer, reference_scaler)
-    names = tuple(inspect.signature(eager).parameters)
+def _eager_state(model, make_optimizer, make_step, data, buckets, scaler) -> dict[str, torch.Tensor]:
+    """The steps eagerly on the padded batches, with the attention kernels graphs use; the final state."""
+    optimizer = make_optimizer(model)
+    eager = make_step(model, optimizer, None if scaler is None else scaler())
     with sdpa_kernel(list(GRAPH_SDPA_BACKENDS)):
-        for batch in padded(data, buckets, names):
+        for batch in padded(data, buckets, tuple(inspect.signature(eager).parameters)):
             eager(*batch)
+    return state_of(model, optimizer)
+
+
+def run_both(make_model, make_optimizer, make_step, data, buckets, scaler=None, ahead=None, eager_twice=False) -> Both:
+    """The steps eagerly and graphed; the two states and the graphed step. `ahead`: batches the graphed step
+    captures ahead of time (`capture`) after its first call. `eager_twice`: a second eager run from the same
+    weights (`eager_again`), the floor that the kernels' run-to-run noise sets."""
+    model, reference = make_model()
+    eager = _eager_state(reference, make_optimizer, make_step, data, buckets, scaler)
+    eager_again = None
+    if eager_twice:
+        eager_again = _eager_state(make_model()[1], make_optimizer, make_step, data, buckets, scaler)
+    optimizer = make_optimizer(model)
+    step_scaler = None if scaler is None else scaler()
+    with sdpa_kernel(list(GRAPH_SDPA_BACKENDS)):
         step = tendril.graphed_step(
             make_step(model, optimizer, step_scaler), model=model, optimizer=optimizer, scaler=step_scaler,
             buckets=buckets, config=Config(),
@@ -74,7 +86,7 @@ def run_both(make_model, make_optimizer, make_step, data, buckets, scaler=None, 
                 assert step.capture(ahead) == len(ahead), step.stats.table()
     torch.cuda.synchronize()
     assert step.stats.replays >= 10 and step.stats.eager_calls == 0, step.stats.table()
-    return Both(state_of(model, optimizer), state_of(reference, reference_optimizer), step)
+    return Both(state_of(model, optimizer), eager, step, eager_again)
 
 
 @pytest.mark.parametrize("fused", [True, False], ids=["fused", "foreach"])
@@ -122,7 +134,9 @@ def test_tiny_gpt2_lm_fine_tune_matches_eager():
 
 def test_tiny_gpt2_amp_with_overflowing_steps_skipped_inside_replays_matches_eager():
     """A loss scale of 2**30 overflows fp16 gradients for about twenty steps: most of the steps GradScaler skips
-    (on the device, in the fused optimizer) and the scale halvings are replays, then real updates follow."""
+    (on the device, in the fused optimizer) and the scale halvings are replays, then real updates follow. At this
+    learning rate, from random weights, two eager runs already part (the attention backward's atomics, scaled up by
+    Adam): the graphed run must stay within twice that, or 1e-3."""
     generator = torch.Generator().manual_seed(0)
     data = [gpt2_batch(n, 2, 1000, generator) for n in [20, 33, 64, 50, 17, 40, 64, 30, 9, 60] * 3]
     both = run_both(
@@ -132,8 +146,9 @@ def test_tiny_gpt2_amp_with_overflowing_steps_skipped_inside_replays_matches_eag
         data,
         gpt2_buckets((32, 64)),
         lambda: torch.amp.GradScaler("cuda", init_scale=2.0**30),
+        eager_twice=True,
     )
-    assert_within(both.graphed, both.eager, 1e-3)
+    assert_within(both.graphed, both.eager, max(1e-3, 2 * max_rel_diff(both.eager_again, both.eager)))
 
 
 def test_tiny_wav2vec2_ctc_step_matches_eager():

@@ -75,3 +75,27 @@ def test_the_graphed_wav2vec2_ctc_step_equals_the_eager_one_through_the_null_bac
         step(*batch)
     assert step.stats.replays >= 10 and step.stats.eager_calls == 0, step.stats.table()
     assert_identical(state_of(model, optimizer), state_of(reference, reference_optimizer))
+
+
+def test_the_comparisons_leave_out_exactly_the_key_biases_and_their_optimizer_state():
+    model = hf.gpt2_model(device="cpu")
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.zeros(1, 4, dtype=torch.long), labels=torch.zeros(1, 4, dtype=torch.long)).loss.backward()
+    optimizer.step()
+    bias = model.transformer.h[0].attn.c_attn.bias
+    width = bias.numel() // 3
+    compared = state_of(model, optimizer)
+    for name in ("param transformer.h.0.attn.c_attn.bias", "state transformer.h.0.attn.c_attn.bias exp_avg_sq"):
+        assert compared[name].numel() == 2 * width
+    with torch.no_grad():
+        bias[width : 2 * width] += 1.0  # the key third: left out
+    assert_identical(state_of(model, optimizer), compared)
+    with torch.no_grad():
+        bias[2 * width] += 1.0  # the value third: compared
+    assert not torch.equal(state_of(model, optimizer)["param transformer.h.0.attn.c_attn.bias"],
+                           compared["param transformer.h.0.attn.c_attn.bias"])
+    assert state_of(model, optimizer)["state transformer.h.0.attn.c_attn.bias step"].dim() == 0
+
+    wav2vec2 = hf.wav2vec2_model(tiny=True, device="cpu")
+    names = state_of(wav2vec2, torch.optim.AdamW(wav2vec2.parameters()))
+    assert not any("k_proj.bias" in name for name in names) and any("q_proj.bias" in name for name in names)
