@@ -124,6 +124,16 @@ def capture_phases_ms(stats: Any) -> dict[str, float]:
     return totals
 
 
+def memory_mib(stats: Any) -> dict[str, float]:
+    """Where a tendril variant's device memory went, in MiB: its graphs' shared pool, the placeholders its
+    inputs are copied into, and the driver's memory for the instantiated graphs."""
+    return {
+        "pool": stats.pool_bytes / MIB,
+        "placeholders": stats.placeholder_bytes / MIB,
+        "driver": stats.driver_bytes / MIB,
+    }
+
+
 def _release(measured: dict[str, Any]) -> None:
     measured.pop("variant")
     torch._dynamo.reset()
@@ -147,6 +157,7 @@ def run(ctx: Context) -> None:
         model(inputs[lengths[-1]])
         plain = _measure(ctx, "tendril.graphed", lambda: graphed(model, max_graphs=count), model, inputs, order)
         ctx.extra["tendril_capture_phases_ms"] = capture_phases_ms(plain["variant"].stats)
+        ctx.extra["tendril_memory_mib"] = memory_mib(plain["variant"].stats)
         _release(plain)
         both = _measure(
             ctx,
@@ -158,6 +169,7 @@ def run(ctx: Context) -> None:
         )
         compile_stats = both["variant"].stats.compile
         ctx.extra["compile_stats"] = repr(compile_stats)
+        ctx.extra["tendril_compile_memory_mib"] = memory_mib(both["variant"].stats)
         ctx.add_value("tendril.graphed compile=True", "recompiles_after_first_call", compile_stats.recompiles)
         ctx.extra["first_process_cache_files"] = sum(path.is_file() for path in cache_dir.rglob("*"))
         _release(both)

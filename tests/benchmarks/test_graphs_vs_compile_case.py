@@ -44,3 +44,11 @@ def test_capture_phases_are_summed_over_the_graphs():
     records = [SimpleNamespace(phases_ms={"warmup": 1.0, "record": 2.0}), SimpleNamespace(phases_ms={"warmup": 3.0})]
     stats = SimpleNamespace(graphs={index: record for index, record in enumerate(records)})
     assert capture_phases_ms(stats) == {"warmup": 4.0, "record": 2.0}
+
+
+def test_memory_is_split_into_pool_placeholders_and_driver():
+    from tendril.graphs.stats import GraphStats
+
+    stats = GraphStats()
+    stats.pool_bytes, stats.placeholder_bytes = 3 * 2**20, 2**19
+    assert case.memory_mib(stats) == {"pool": 3.0, "placeholders": 0.5, "driver": 0.0}
