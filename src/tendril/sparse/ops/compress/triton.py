@@ -1,15 +1,21 @@
-"""Activation compression on the GPU in two passes over segments of each phase plane.
+"""Activation compression on the GPU: one kernel when each phase plane fits one segment, two otherwise.
 
 A plane can hold 50,000 positions and a layer only a few channels, so one program per channel
 would leave most of the GPU idle. Each virtual channel's plane is cut into segments of `SEGMENT`
-positions; pass 1 counts the nonzeros of every (channel, segment), a cumulative sum (torch, on the
-device) turns the counts into each segment's first slot, and pass 2 walks its segment in blocks,
+positions and each (channel, segment) gets a program. The compress pass walks its segment in blocks,
 reading the dense input through the padding and stride-phase indexing (nothing is materialised),
 numbers the nonzeros with `tl.cumsum` on top of the segment's first slot, stores them in order and,
-where a plane row starts, stores that row's pointer. Channels over capacity store only what fits;
-their true counts are kept and the overflow flag is raised. No host sync: the launch shapes depend
-only on the layout, so compression runs inside a CUDA graph. The values keep the activation's dtype (fp32, fp16
-or bf16: the network's), so a half network compresses half values.
+where a plane row starts, stores that row's pointer. When a plane fits one segment, that first slot
+is 0 and the walk itself finds the channel's count: compression is a single launch. Otherwise a count
+pass first stores every segment's nonzero count, and each compress program sums the counts of its
+channel's earlier segments for its first slot (and all of them for the channel's count).
+
+A small layer's compression costs little more than its launches, so no other kernel runs: the program of a
+channel's first segment stores its count, the final row pointer (the count) and, if the count exceeds
+the capacity, sets the overflow flag to 1 (never lowering it: the flag accumulates over a network's
+layers). Channels over capacity store only what fits and keep their true count. No host sync: the
+launch shapes depend only on the layout, so compression runs inside a CUDA graph. The values keep the
+activation's dtype (fp32, fp16 or bf16: the network's), so a half network compresses half values.
 """
 
 from __future__ import annotations
@@ -61,10 +67,12 @@ def _count_kernel(
 @triton.jit
 def _compress_kernel(
     x_ptr,
-    segment_starts_ptr,
+    segment_counts_ptr,
     values_ptr,
     positions_ptr,
     row_ptr_ptr,
+    counts_ptr,
+    overflow_ptr,
     height,
     width,
     plane_h,
@@ -78,11 +86,19 @@ def _compress_kernel(
     PAD_W: tl.constexpr,
     SEGMENT: tl.constexpr,
     BLOCK: tl.constexpr,
+    PADDED_SEGMENTS: tl.constexpr,
 ):
+    """`PADDED_SEGMENTS` is `n_segments` rounded up to a power of two; at 1 `segment_counts_ptr` is not read."""
     v = tl.program_id(0)
     segment = tl.program_id(1)
     out_base = v * capacity
-    total = tl.load(segment_starts_ptr + v * n_segments + segment)
+    if PADDED_SEGMENTS > 1:  # the count pass ran: this segment's slots follow the earlier segments'
+        others = tl.arange(0, PADDED_SEGMENTS)
+        counts = tl.load(segment_counts_ptr + v * n_segments + others, mask=others < n_segments, other=0)
+        total = tl.sum(tl.where(others < segment, counts, 0), axis=0)
+        channel_count = tl.sum(counts, axis=0)
+    else:
+        total = tl.full([], 0, tl.int32)
     for start in range(segment * SEGMENT, segment * SEGMENT + SEGMENT, BLOCK):
         flat = start + tl.arange(0, BLOCK)  # [BLOCK] plane positions
         x = _plane_values(x_ptr, flat, v, height, width, plane_w, plane_size, STRIDE_H, STRIDE_W, PAD_H, PAD_W)
@@ -94,13 +110,20 @@ def _compress_kernel(
         tl.store(values_ptr + out_base + slot, x, mask=keep)
         tl.store(positions_ptr + out_base + slot, flat, mask=keep)
         total += tl.sum(nonzero.to(tl.int32), axis=0)
+    if PADDED_SEGMENTS == 1:
+        channel_count = total
+    first = segment == 0
+    tl.store(counts_ptr + v, channel_count, mask=first)
+    tl.store(row_ptr_ptr + v * (plane_h + 1) + plane_h, channel_count, mask=first)
+    tl.store(overflow_ptr, 1, mask=first & (channel_count > capacity))
 
 
 def compress(
     x: torch.Tensor, layout: ActivationLayout, overflow: torch.Tensor, *, block: int = 1024, segment_blocks: int = 4
 ) -> CompressedActivations:
     """Compress dense `[C, H, W]` `x` (fp32, fp16 or bf16; the values keep its dtype) for a consumer with `layout`;
-    `overflow` is an int32 flag."""
+    `overflow` is an int32 flag, set to 1 if a channel exceeds the capacity. A segment is `segment_blocks` blocks
+    of `block` positions (both capped by the plane's size)."""
     h, w = layout.in_hw
     if x.dtype not in VALUE_DTYPES or tuple(x.shape) != (layout.channels, h, w):
         raise ValueError(
@@ -124,23 +147,24 @@ def compress(
         "SEGMENT": segment,
         "BLOCK": block,
     }
-    segment_counts = torch.empty(layout.virtual_channels, n_segments, dtype=torch.int32, device=x.device)
-    _count_kernel[grid](x, segment_counts, *geometry, **meta)
-    torch.sum(segment_counts, dim=1, dtype=torch.int32, out=out.counts)
-    segment_starts = torch.cumsum(segment_counts, dim=1, dtype=torch.int32) - segment_counts
+    segment_counts = out.counts  # a placeholder the single-segment kernel never reads
+    if n_segments > 1:
+        segment_counts = torch.empty(layout.virtual_channels, n_segments, dtype=torch.int32, device=x.device)
+        _count_kernel[grid](x, segment_counts, *geometry, **meta)
     _compress_kernel[grid](
         x,
-        segment_starts,
+        segment_counts,
         out.values,
         out.positions,
         out.row_ptr,
+        out.counts,
+        overflow,
         h,
         w,
         layout.plane_hw[0],
         *geometry[2:],
         layout.capacity,
+        PADDED_SEGMENTS=triton.next_power_of_2(n_segments),
         **meta,
     )
-    out.row_ptr[:, layout.plane_hw[0]] = out.counts
-    torch.maximum(overflow, (out.counts > layout.capacity).any().to(torch.int32), out=overflow)
     return out
