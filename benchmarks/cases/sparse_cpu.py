@@ -18,7 +18,8 @@ same pruned weights with BatchNorm folded into the convolutions (`torch.fx`'s `f
 
 Targets: `{net}_d{density}_cpu_speedup_vs_dense_1thread` and `_allthreads` (dense time / tendril time)
 and `{net}_d{density}_cpu_thread_scaling` (tendril's 1-thread time / all-thread time), with the goals
-in `TARGETS` (the thread-scaling goal is meant for a 16-core host).
+in `TARGETS` (the thread-scaling goal is meant for a 16-core host). Beside it, `{net}_d{density}_dense_thread_scaling`
+is dense oneDNN's own, and `extra.host_cpus` the host's logical CPUs and physical cores.
 
 Splitting (each part a separate `run`, so that a part fits one time-limited call; unset = all):
 `SPARSE_CPU_MODELS` (e.g. `resnet50,vgg16`), `SPARSE_CPU_DENSITIES` (e.g. `0.1`) and `SPARSE_CPU_THREADS`
@@ -44,6 +45,7 @@ import statistics
 import time
 import warnings
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -277,6 +279,7 @@ def _bench(ctx: Context, name: str, density: float) -> None:
         values[f"{tag}_cpu_speedup_vs_dense_allthreads"] = totals[all_threads][1] / totals[all_threads][0]
         if 1 in totals:
             values[f"{tag}_cpu_thread_scaling"] = totals[1][0] / totals[all_threads][0]
+            values[f"{tag}_dense_thread_scaling"] = totals[1][1] / totals[all_threads][1]
     for key, value in values.items():
         ctx.target(key, value, TARGETS.get(key))
     ctx.extra[tag] = {"threads": thread_counts, "layers": [{"layer": k, **v} for k, v in per_layer.items()]}
@@ -323,6 +326,24 @@ def _mkl_product(step: SparseConvStep, x: torch.Tensor) -> Callable[[], torch.Te
     return lambda: torch.addmm(bias, csr, F.unfold(x[None], g.kernel, padding=g.padding, stride=g.stride)[0])
 
 
+def host_cpus(cpuinfo: str | None = None) -> dict[str, Any]:
+    """The host's logical CPUs, physical cores (distinct package and core ids in /proc/cpuinfo; None where it
+    does not say) and CPU model: what bounds thread scaling (hyperthreads share a core's FMA units)."""
+    if cpuinfo is None:
+        path = Path("/proc/cpuinfo")
+        cpuinfo = path.read_text() if path.exists() else ""
+    cores, models, package = set(), set(), ""
+    for line in cpuinfo.splitlines():
+        key, _, value = (part.strip() for part in line.partition(":"))
+        if key == "physical id":
+            package = value
+        elif key == "core id":
+            cores.add((package, value))
+        elif key == "model name":
+            models.add(value)
+    return {"logical": os.cpu_count(), "physical_cores": len(cores) or None, "model": ", ".join(sorted(models))}
+
+
 @register(
     "sparse-cpu", "tendril's CPU sparse CNN engine vs dense PyTorch CPU: AlexNet, VGG-16, ResNet-50", needs_gpu=False
 )
@@ -349,3 +370,5 @@ def run(ctx: Context) -> None:
         "during its forwards."
     )
     ctx.extra["numba_threading_layer"] = cpu_threads.threading_layer()
+    ctx.extra["host_cpus"] = host_cpus()
+    ctx.note(f"host: {ctx.extra['host_cpus']}; `*_dense_thread_scaling` is oneDNN's own, for reference")
