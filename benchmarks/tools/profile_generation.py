@@ -9,7 +9,8 @@ For each step variant (`generate`'s `step`, the compiled one optionally with Ind
   (CUDA activity; kernels of a graph are traced one by one) the kernels per step grouped by name, with count,
   mean and total microseconds, busy time (sum of kernel durations) and the idle gaps between kernels (launch latency);
 - the whole loop graph under the profiler: GPU operations per call, to see what the loop adds to the step.
-`--sweep` also times the fused linear kernel over launch configurations (block sizes, split-K, warps; see
+`--sweep` also times the fused linear kernel over launch configurations (block sizes, split-K, warps, and with
+`--beams` > 1 its tensor-core and CUDA-core paths; see
 `sweep_configs`) for the model's five projection shapes (`SWEEP_SHAPES`) at `--beams` rows against cuBLAS (each
 in a CUDA graph of repeated launches, weights rotated through more memory than L2 holds), about two minutes.
 
@@ -227,28 +228,33 @@ SWEEP_SIZE = 16
 """Launches timed per shape by `--sweep` besides the default (a Triton compilation each: about 2 minutes in all)."""
 
 
-def sweep_configs(out_f: int, in_f: int, k_contiguous: bool, rows: int = 1) -> list[tuple[int, int, int, int]]:
-    """(BLOCK_N, BLOCK_K, SPLIT_K, num_warps) tried by `--sweep` for one shape and row count, the default first, then
+def sweep_configs(out_f: int, in_f: int, k_contiguous: bool, rows: int = 1) -> list[tuple[int, int, int, int, bool]]:
+    """(BLOCK_N, BLOCK_K, SPLIT_K, num_warps, dot) tried by `--sweep` for one shape and row count, the default first,
+    for several rows the other path's default (CUDA cores or tensor cores, `linear.launch_config`) second, then
     `SWEEP_SIZE` others drawn (with a fixed seed) from the plausible ones: tiles of 2-16K elements, at least 64
-    programs, at most 4 tiles a program, K split into whole non-empty shares."""
+    programs, at most 4 tiles a program, K split into whole non-empty shares, on either path for several rows."""
     import random
 
     from tendril.generation.kernels import linear
 
-    d = linear.launch_config(out_f, in_f, rows, k_contiguous=k_contiguous,
-                             sm_count=torch.cuda.get_device_properties(0).multi_processor_count)
-    default = (d.block_n, d.block_k, d.split_k, d.num_warps)
+    sm_count = torch.cuda.get_device_properties(0).multi_processor_count
+    defaults = [linear.launch_config(out_f, in_f, rows, k_contiguous=k_contiguous, sm_count=sm_count)]
+    if rows > 1:
+        defaults.append(linear.launch_config(out_f, in_f, rows, k_contiguous=k_contiguous, sm_count=sm_count,
+                                             dot=not defaults[0].dot))
+    chosen = [(d.block_n, d.block_k, d.split_k, d.num_warps, d.dot) for d in defaults]
     pool = []
-    for block_n, block_k, split_k, warps in itertools.product((8, 16, 32, 64, 256), (64, 128, 256, 512),
-                                                             (1, 2, 3, 4, 6, 12), (4, 8)):
+    for block_n, block_k, split_k, warps, dot in itertools.product((8, 16, 32, 64, 256), (64, 128, 256, 512),
+                                                                  (1, 2, 3, 4, 6, 12), (4, 8), (False, True)):
         k_tiles = -(-in_f // block_k)
         programs = -(-out_f // block_n) * split_k
         if (2048 <= block_n * block_k <= 16384 and programs >= 64 and split_k <= k_tiles
                 and -(-k_tiles // split_k) <= 4 and k_tiles % split_k == 0
-                and (split_k == 1 or -(-out_f // block_n) <= 1024)):
-            pool.append((block_n, block_k, split_k, warps))
+                and (split_k == 1 or -(-out_f // block_n) <= 1024)
+                and (not dot or (rows > 1 and block_n >= linear.DOT_MIN))):
+            pool.append((block_n, block_k, split_k, warps, dot))
     random.Random(0).shuffle(pool)
-    return [default, *[c for c in pool if c != default][:SWEEP_SIZE]]
+    return [*chosen, *[c for c in pool if c not in chosen][:SWEEP_SIZE]]
 
 
 def _sweep_shape(label: str, out_f: int, in_f: int, layout: str, norm_kind: str | None, activation: str,
@@ -276,13 +282,15 @@ def _sweep_shape(label: str, out_f: int, in_f: int, layout: str, norm_kind: str 
 
     expected = linear.fused_linear(x, projections[0], norm=norm, activation=activation, addends=addends)
     entry: dict[str, Any] = {"shape": label, "rows": rows, "cublas_us": _graph_time_us(cublas, copies), "configs": []}
-    for index, (block_n, block_k, split_k, warps) in enumerate(sweep_configs(out_f, in_f, layout == "linear", rows)):
-        def fused(i: int, bn: int = block_n, bk: int = block_k, sk: int = split_k, nw: int = warps) -> torch.Tensor:
+    configs = sweep_configs(out_f, in_f, layout == "linear", rows)
+    for index, (block_n, block_k, split_k, warps, dot) in enumerate(configs):
+        def fused(i: int, bn: int = block_n, bk: int = block_k, sk: int = split_k, nw: int = warps,
+                  dt: bool = dot) -> torch.Tensor:
             return linear.fused_linear(x, projections[i], norm=norm, activation=activation, addends=addends,
-                                       out=out, block_n=bn, block_k=bk, split_k=sk, num_warps=nw)
+                                       out=out, block_n=bn, block_k=bk, split_k=sk, num_warps=nw, dot=dt)
 
         config: dict[str, Any] = {"block_n": block_n, "block_k": block_k, "split_k": split_k, "warps": warps,
-                                  "default": index == 0}
+                                  "dot": dot, "default": index == 0, "other_path_default": rows > 1 and index == 1}
         try:
             config["us"] = _graph_time_us(fused, copies)
             fused(0)
@@ -301,7 +309,10 @@ def sweep_linear(model: str = "gpt2", rows: int = 1) -> list[dict[str, Any]]:
     for shape in SWEEP_SHAPES[model]:
         entry = _sweep_shape(*shape, rows=rows, dtype=dtype)
         results.append(entry)
-        print(f"sweep {entry['shape']}: cublas {entry['cublas_us']:.2f} us, best {entry['best']}", flush=True)
+        defaults = {("dot" if c["dot"] else "fma"): c.get("us") for c in entry["configs"]
+                    if c["default"] or c["other_path_default"]}
+        print(f"sweep {entry['shape']}: cublas {entry['cublas_us']:.2f} us, defaults {defaults}, best {entry['best']}",
+              flush=True)
     return results
 
 
@@ -344,7 +355,7 @@ def markdown(report: dict[str, Any]) -> str:
             shape = e["shape"] if e.get("rows", 1) == 1 else f"{e['shape']} ({e['rows']} rows)"
             lines.append(f"| {shape} | {e['cublas_us']:.2f} | {default:.2f} | {best_us:.2f} | "
                          f"n={best.get('block_n')} k={best.get('block_k')} split={best.get('split_k')} "
-                         f"warps={best.get('warps')} |")
+                         f"warps={best.get('warps')}{' dot' if best.get('dot') else ''} |")
     return "\n".join(lines) + "\n"
 
 

@@ -4,6 +4,8 @@ with TRITON_INTERPRET=1 (the variable must be set before the kernels are defined
 from __future__ import annotations
 
 import torch
+import triton.language as tl
+from triton.runtime import interpreter
 
 from tendril.config import settings
 from tendril.generation.kernels import attention
@@ -16,6 +18,19 @@ from tests.generation.kernel_cases import (
 )
 
 
+def _bfloat16_dot_in_float32() -> None:
+    """Triton's interpreter stores bfloat16 as uint16 and its `tl.dot` multiplies those bit patterns
+    (triton-lang/triton#11584, unsupported upstream): widen bfloat16 operands to float32 first, as exact as the
+    GPU's bf16 x bf16 -> float32 products. Other operands pass through unchanged."""
+    create_dot = interpreter.InterpreterBuilder.create_dot
+
+    def widened_dot(self, a, b, *rest):
+        a, b = (self.cast_impl(t, tl.float32) if t.dtype.scalar == tl.bfloat16 else t for t in (a, b))
+        return create_dot(self, a, b, *rest)
+
+    interpreter.InterpreterBuilder.create_dot = widened_dot
+
+
 def main() -> None:
     assert settings.triton_interpret and attention.INTERPRETED, "run with TRITON_INTERPRET=1"
     # the interpreter takes ~0.1 s a launch: a lean set here, the full one on the GPU (test_kernels_gpu.py);
@@ -25,6 +40,13 @@ def main() -> None:
     assert check_linear(torch.float16, "cpu", rows=1, launches=((None, None, None),)) > 0
     # bf16: Llama's projections (RMSNorm + gated SiLU; RMSNorm + three; with a residual)
     assert check_linear(torch.bfloat16, "cpu", rows=1, launches=((None, None, None),), picked=(3, 4, 6)) > 0
+    # several half rows: the tensor-core path by default (split K at these sizes), every case, into float32 too;
+    # 17 rows: two row blocks of 16, the second of one row
+    assert check_linear(torch.float16, "cpu", rows=3, launches=((None, None, None),)) > 0
+    assert check_linear(torch.float16, "cpu", rows=17, launches=((None, None, None), (32, 64, 1, True)),
+                        picked=(0, 3)) > 0
+    _bfloat16_dot_in_float32()
+    assert check_linear(torch.bfloat16, "cpu", rows=2, launches=((None, None, None),), picked=(3, 4, 6)) > 0
     for dtype in (torch.float32, torch.float16):
         assert check_attention(dtype, "cpu") > 0  # the GPU test's cases, cache writes compared exactly
     assert check_attention(torch.bfloat16, "cpu", slots=(20,), exact_cache=False) > 0  # see check_attention

@@ -46,8 +46,9 @@ def linear_cases(dtype: torch.dtype, device: str) -> list[dict]:
     ]
 
 
-LAUNCHES = ((None, None, None), (16, 16, 1), (32, 64, 1), (16, 16, 3), (8, 32, 2))
-"""(BLOCK_N, BLOCK_K, SPLIT_K) of the linear kernel checked (None: its default, which splits K at these sizes)."""
+LAUNCHES = ((None, None, None), (16, 16, 1), (32, 64, 1), (16, 16, 3), (8, 32, 2, False))
+"""(BLOCK_N, BLOCK_K, SPLIT_K[, dot]) of the linear kernel checked (None: its default, which splits K at these
+sizes; for several fp16/bf16 rows the tensor-core path, except where dot is False)."""
 
 
 def check_linear(dtype: torch.dtype, device: str, rows: int = 3, launches=LAUNCHES, pdl: bool | None = None,
@@ -64,11 +65,11 @@ def check_linear(dtype: torch.dtype, device: str, rows: int = 3, launches=LAUNCH
         options = dict(norm=case.get("norm"), activation=case.get("activation", "none"),
                        gated=case.get("gated", False), addends=addends)
         expected = reference.fused_linear(x, projection, **options)
-        for block_n, block_k, split_k in launches:
+        for block_n, block_k, split_k, *path in launches:
             for _ in range(1 if split_k == 1 else 2):  # a split launch leaves its counters at zero for the next
                 out = torch.full((rows, out_f), float("nan"), device=device, dtype=dtype)
                 got = linear.fused_linear(x, projection, out=out, block_n=block_n, block_k=block_k, split_k=split_k,
-                                          pdl=pdl, **options)
+                                          dot=path[0] if path else None, pdl=pdl, **options)
                 assert got.data_ptr() == out.data_ptr() and not got.isnan().any()
                 torch.testing.assert_close(got, expected, **_tolerance(dtype))
                 assert not projection.split_k_counters.any()

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from benchmarks.cases.decode_models import TIE_ULPS, tie_gap_ulps
+from benchmarks.tools.profile_generation import SWEEP_SHAPES
 from tendril.generation import generate
 from tendril.generation.api import graphed_runners, release_graphs
 from tendril.generation.kernels import linear, reference
@@ -67,6 +68,41 @@ def test_linear_kernel_at_gpt2_sizes(out_f, in_f, conv1d):
     expected = reference.fused_linear(x, projection, norm=norm)
     assert not got.isnan().any()
     torch.testing.assert_close(got, expected, rtol=4e-3, atol=4e-3)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("label, out_f, in_f, layout, norm_kind, activation, residual",
+                         SWEEP_SHAPES["gpt2"], ids=[shape[0] for shape in SWEEP_SHAPES["gpt2"]])
+def test_linear_tensor_core_and_cuda_core_paths_at_gpt2_sizes(label, out_f, in_f, layout, norm_kind, activation,
+                                                                residual, dtype):
+    """A 4-beam step's projections: the tensor-core path (the default at 4 rows) and the CUDA-core path each
+    match the reference, so each other up to the order of their float32 sums."""
+    torch.manual_seed(0)
+    rows = 4
+    w = (torch.randn(out_f, in_f, device="cuda") * 0.02).to(dtype)
+    if layout == "conv1d":
+        w = w.t().contiguous().t()
+    bias = (torch.randn(out_f, device="cuda") * 0.02).to(dtype) if layout == "conv1d" else None
+    projection = Projection((w,), (bias,))
+    norm = None if norm_kind is None else Norm(
+        norm_kind, (torch.rand(in_f, device="cuda") + 0.5).to(dtype),
+        torch.randn(in_f, device="cuda").to(dtype) if norm_kind == "layer" else None, 1e-5)
+    x = torch.randn(rows, in_f, device="cuda").to(dtype)
+    options = dict(norm=norm, activation=activation,
+                   addends=(torch.randn(rows, out_f, device="cuda").to(dtype),) if residual else ())
+    expected = reference.fused_linear(x, projection, **options)
+    assert linear.launch_config(out_f, in_f, rows, k_contiguous=layout == "linear").dot
+    tolerance = dict(rtol=4e-3, atol=4e-3) if dtype == torch.float16 else dict(rtol=3e-2, atol=3e-2)
+    results = []
+    for dot in (None, True, False):
+        for _ in range(2):  # a split launch leaves its counters at zero for the next
+            out = torch.full((rows, out_f), float("nan"), device="cuda", dtype=dtype)
+            got = linear.fused_linear(x, projection, out=out, dot=dot, **options)
+            assert not got.isnan().any() and not projection.split_k_counters.any()
+            torch.testing.assert_close(got, expected, **tolerance)
+        results.append(got)
+    assert torch.equal(results[0], results[1])  # the default is the tensor-core path
+    torch.testing.assert_close(results[1], results[2], **tolerance)
 
 
 @pytest.mark.parametrize("family", ["gpt2", "gptj", "llama", "mistral", "qwen2"])

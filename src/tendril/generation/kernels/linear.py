@@ -5,7 +5,7 @@ cuBLAS runs each as its own kernel, with the norm before it and the bias, activa
 after it as more kernels. Here one kernel does all of it.
 
 Work split. A program owns `BLOCK_N` output columns of `BLOCK_M` rows (all rows of a decode step up to
-4, so the weights are read once for them) and a `1/SPLIT_K` share of the input features, streamed in
+16, so the weights are read once for them) and a `1/SPLIT_K` share of the input features, streamed in
 `[BLOCK_K, BLOCK_N]` weight tiles, two in flight. With `SPLIT_K > 1` each program stores its float32
 partial sums, then counts its arrival on its block's counter (an acq_rel atomic, after a CTA barrier);
 the last program of the block to arrive reads the `SPLIT_K` partials back in a fixed order (so results
@@ -13,17 +13,25 @@ do not depend on arrival order) and runs the epilogue, then resets the counter t
 launch. No second kernel, no memset per launch: the counters belong to the `Projection`
 (`layers.SPLIT_K_LOCKS` of them). `launch_config` chooses the split (see there).
 
+Two paths for the products (`DOT`, chosen by `launch_config`). One row (greedy decoding) is a
+matrix-vector product: the CUDA-core path multiplies each input tile by its weight tile as a broadcast
+product summed over K, for up to 4 rows. Several rows of fp16/bf16 (beam search) take the tensor-core
+path: the rows padded to a 16-row block (the padding masked: never loaded, never stored) and `tl.dot`
+accumulating in float32 (an MMA instruction takes 16 rows at once); the weight tiles keep their one-row size.
+
 Memory round trips. A batch-1 projection is a few microseconds, and most of it is waiting for memory, so
 the kernel orders its loads to overlap. Under programmatic dependent launch (`pdl.py`) the first two
 weight tiles and the bias load before the program waits for the previous kernel; after the wait it loads
 the addends (residuals) and the input row for the norm's statistics together, in one load when the row
-fits `STATS_BLOCK`, and the input tiles of its loop then come from cache.
+fits `STATS_BLOCK` (over the rows there are, `STATS_M`, not the padded block), and the input tiles of its loop
+then come from cache.
 
 Numerics. Accumulation is float32; bias, activation and addends are applied before the one store.
 Rounding to the input's dtype happens where HF's eager forward rounds (see `reference.py`), so fp16
 results track HF's closely, but the summation order differs from cuBLAS's: in fp16 the outputs are not
 bit-identical to HF's. A float32 `out` receives the rounded result widened (the LM head's logits, as
-HF's `.float()`).
+HF's `.float()`). Both paths multiply DTYPE values (the normed input is rounded to DTYPE first, as HF's
+norm output is) into float32 exactly; they differ only in the order of the float32 sums.
 
 A projection may have up to three weight matrices whose outputs are concatenated (Llama's q, k and v):
 the programs are split between them by their column blocks. `GATED` computes two matrices per program
@@ -86,6 +94,8 @@ def _fused_linear_kernel(
     BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr,
     SPLIT_K_POW2: tl.constexpr,
+    DOT: tl.constexpr,
+    STATS_M: tl.constexpr,
     STATS_BLOCK: tl.constexpr,
     STATS_ONE_LOAD: tl.constexpr,
     PDL: tl.constexpr,
@@ -149,33 +159,41 @@ def _fused_linear_kernel(
     if ADDENDS >= 2:
         add1 = tl.load(add1_ptr + rows[:, None] * stride_a1m + cols[None, :], mask=out_mask, other=0.0)
 
-    # the norm's statistics per row, two-pass as PyTorch's (one load of each row when it fits STATS_BLOCK)
-    mean = tl.zeros([BLOCK_M], dtype=tl.float32)
-    rstd = tl.full([BLOCK_M], 1.0, dtype=tl.float32)
+    # the norm's statistics per row, two-pass as PyTorch's (one load of each row when it fits STATS_BLOCK), over
+    # the block's first STATS_M rows: all the rows there are (a tensor-core row block is mostly padding)
+    stats_rows = row_group * BLOCK_M + tl.arange(0, STATS_M)
+    stats_m_mask = stats_rows < M
+    x_stats_ptr = x_ptr + stats_rows[:, None] * stride_xm  # [STATS_M, 1]
+    mean = tl.zeros([STATS_M], dtype=tl.float32)
+    rstd = tl.full([STATS_M], 1.0, dtype=tl.float32)
     if NORM != 0 and STATS_ONE_LOAD:
         offs_s = tl.arange(0, STATS_BLOCK)
-        stats_mask = m_mask[:, None] & (offs_s < K)[None, :]
-        x_row = tl.load(x_rows_ptr + offs_s[None, :], mask=stats_mask, other=0.0).to(tl.float32)
+        stats_mask = stats_m_mask[:, None] & (offs_s < K)[None, :]
+        x_row = tl.load(x_stats_ptr + offs_s[None, :], mask=stats_mask, other=0.0).to(tl.float32)
         if NORM == 1:
             mean = tl.sum(x_row, axis=1) / K
         centered = tl.where(stats_mask, x_row - mean[:, None], 0.0)
         rstd = 1.0 / tl.sqrt(tl.sum(centered * centered, axis=1) / K + eps)
     elif NORM != 0:
-        total = tl.zeros([BLOCK_M, STATS_BLOCK], dtype=tl.float32)
+        total = tl.zeros([STATS_M, STATS_BLOCK], dtype=tl.float32)
         if NORM == 1:
             for k0 in range(0, K, STATS_BLOCK):
                 offs_s = k0 + tl.arange(0, STATS_BLOCK)
-                stats_mask = m_mask[:, None] & (offs_s < K)[None, :]
-                total += tl.load(x_rows_ptr + offs_s[None, :], mask=stats_mask, other=0.0).to(tl.float32)
+                stats_mask = stats_m_mask[:, None] & (offs_s < K)[None, :]
+                total += tl.load(x_stats_ptr + offs_s[None, :], mask=stats_mask, other=0.0).to(tl.float32)
             mean = tl.sum(total, axis=1) / K
-            total = tl.zeros([BLOCK_M, STATS_BLOCK], dtype=tl.float32)
+            total = tl.zeros([STATS_M, STATS_BLOCK], dtype=tl.float32)
         for k0 in range(0, K, STATS_BLOCK):
             offs_s = k0 + tl.arange(0, STATS_BLOCK)
-            stats_mask = m_mask[:, None] & (offs_s < K)[None, :]
-            x_row = tl.load(x_rows_ptr + offs_s[None, :], mask=stats_mask, other=0.0).to(tl.float32)
+            stats_mask = stats_m_mask[:, None] & (offs_s < K)[None, :]
+            x_row = tl.load(x_stats_ptr + offs_s[None, :], mask=stats_mask, other=0.0).to(tl.float32)
             centered = tl.where(stats_mask, x_row - mean[:, None], 0.0)
             total += centered * centered
         rstd = 1.0 / tl.sqrt(tl.sum(total, axis=1) / K + eps)
+    if NORM != 0 and STATS_M != BLOCK_M:  # widened to the row block, zero past STATS_M (rows past M)
+        same_row = tl.arange(0, BLOCK_M)[:, None] == tl.arange(0, STATS_M)[None, :]
+        mean = tl.sum(tl.where(same_row, mean[None, :], 0.0), axis=1)
+        rstd = tl.sum(tl.where(same_row, rstd[None, :], 0.0), axis=1)
 
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -183,20 +201,26 @@ def _fused_linear_kernel(
         offs_k = k0 + tl.arange(0, BLOCK_K)  # [BLOCK_K]
         k_mask = offs_k < k_end
         x_mask = m_mask[:, None] & k_mask[None, :]
-        x = tl.load(x_rows_ptr + offs_k[None, :], mask=x_mask, other=0.0).to(tl.float32)  # [BLOCK_M, BLOCK_K]
+        x = tl.load(x_rows_ptr + offs_k[None, :], mask=x_mask, other=0.0)  # [BLOCK_M, BLOCK_K], DTYPE
         if NORM == 1:  # LayerNorm, output rounded to DTYPE
             gain = tl.load(norm_w_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)
-            x = (x - mean[:, None]) * rstd[:, None] * gain[None, :]
+            x = (x.to(tl.float32) - mean[:, None]) * rstd[:, None] * gain[None, :]
             if HAS_NORM_BIAS:
                 x += tl.load(norm_b_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)[None, :]
-            x = x.to(DTYPE).to(tl.float32)
+            x = x.to(DTYPE)
         elif NORM == 2:  # RMSNorm: weight * (x * rstd).to(DTYPE), rounded
             gain = tl.load(norm_w_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)
-            x = (x * rstd[:, None]).to(DTYPE).to(tl.float32)
-            x = (x * gain[None, :]).to(DTYPE).to(tl.float32)
-        acc += tl.sum(x[:, :, None] * w.to(tl.float32)[None, :, :], axis=1)
-        if GATED:
-            acc_up += tl.sum(x[:, :, None] * w_up.to(tl.float32)[None, :, :], axis=1)
+            x = (x.to(tl.float32) * rstd[:, None]).to(DTYPE).to(tl.float32)
+            x = (x * gain[None, :]).to(DTYPE)
+        if DOT:  # DTYPE products, exact in the float32 accumulator: only the summation order differs
+            acc = tl.dot(x, w.to(DTYPE), acc)
+            if GATED:
+                acc_up = tl.dot(x, w_up.to(DTYPE), acc_up)
+        else:
+            x = x.to(tl.float32)
+            acc += tl.sum(x[:, :, None] * w.to(tl.float32)[None, :, :], axis=1)
+            if GATED:
+                acc_up += tl.sum(x[:, :, None] * w_up.to(tl.float32)[None, :, :], axis=1)
         ahead = offs_k + 2 * BLOCK_K  # the tile after the next one
         w_offsets = offs_n[None, :] * stride_wn + ahead[:, None] * stride_wk
         tile_mask = (ahead < k_end)[:, None] & n_mask[None, :]
@@ -254,7 +278,13 @@ def _fused_linear_kernel(
 TILE_BYTES = 16384
 """Weight bytes a program reads per tile by default (8192 fp16 elements), shared by its rows."""
 MAX_ROWS_PER_PROGRAM = 4
-"""Rows a program computes together (reading each weight tile once for all of them)."""
+"""Rows a program computes together on the CUDA-core path (reading each weight tile once for all of them)."""
+DOT_ROWS = 16
+"""Rows a program computes together on the tensor-core path, masked past the last row: the rows of one MMA tile
+(a smaller block, which Triton pads to the tile itself, holds more registers)."""
+DOT_MIN = 16
+"""The smallest `BLOCK_N` and `BLOCK_K` of the tensor-core path: K of a 16-bit `tl.dot` must be at least 16, and
+narrower columns would leave most of each MMA tile padding."""
 PREFETCHED_TILES = 2
 """Weight tiles a program loads before it waits for the previous kernel (and keeps in flight in its loop)."""
 CONTIGUOUS_ROW_COLUMNS = 16
@@ -264,13 +294,15 @@ CONTIGUOUS_ROW_COLUMNS = 16
 @dataclass(frozen=True)
 class LaunchConfig:
     """How `fused_linear` launches its kernel: `BLOCK_M` rows x `BLOCK_N` columns per program, `BLOCK_K` deep
-    weight tiles, K split over `split_k` programs."""
+    weight tiles, K split over `split_k` programs; `dot`: products on tensor cores (`tl.dot`) rather than as
+    a broadcast multiply and sum on CUDA cores."""
 
     block_m: int
     block_n: int
     block_k: int
     split_k: int
     num_warps: int = 4
+    dot: bool = False
 
 
 @functools.lru_cache(maxsize=16)
@@ -291,28 +323,49 @@ def launch_config(
     k_contiguous: bool,
     element_size: int = 2,
     sm_count: int = 132,
+    half_inputs: bool = True,
+    dot: bool | None = None,
 ) -> LaunchConfig:
     """The default launch of a projection with `columns` output columns (per segment block count as one
-    matrix of that many columns), `in_features` inputs and `rows` rows.
+    matrix of that many columns), `in_features` inputs and `rows` rows; `half_inputs`: x and the weights are
+    both fp16 or both bf16; `dot` forces a path (None: the default below).
+
+    Two paths. The CUDA-core path multiplies a `[rows, BLOCK_K]` input tile by a `[BLOCK_K, BLOCK_N]` weight tile
+    as a broadcast product summed over K: right for one row (a matrix-vector product has nothing for tensor
+    cores), but its cost grows with the rows, so it shrinks the weight tile per row (`TILE_BYTES` shared by up
+    to `MAX_ROWS_PER_PROGRAM` rows): more, smaller tiles. The tensor-core path (`dot`, the default for more than
+    one row of half inputs) pads the rows to a `DOT_ROWS` block and accumulates `tl.dot` products in float32:
+    an MMA instruction takes 16 rows at once and the padding is never loaded, so the weight tile keeps its
+    one-row size and up to 16 rows launch as many programs as one, reading the weights once. Its products are
+    exact (DTYPE x DTYPE in float32; the normed input is rounded to DTYPE before them either way), so only the
+    summation order differs between the paths.
+    float32 inputs keep the CUDA-core path: `tl.dot` on float32 rounds its inputs to TF32.
 
     Under programmatic dependent launch (`pdl.py`) a program's weight loads overlap the previous kernel
     only for the tiles it loads before its wait, `PREFETCHED_TILES`; so K is split until no program has
     more, and a split-K reduction (a round trip through L2 on the critical path) is avoided when it can be.
     Tiles of `TILE_BYTES`, shaped for coalesced reads: up to 256 deep when the inputs are contiguous in
-    memory (nn.Linear), `CONTIGUOUS_ROW_COLUMNS` wide when the columns are (Conv1D). If that leaves fewer
-    programs than SMs, K is split down to one tile per program, then tiles get shallower (down to 32).
+    memory (nn.Linear), `CONTIGUOUS_ROW_COLUMNS` wide when the columns are (Conv1D), on the tensor-core path
+    at least `DOT_MIN` each way. If that leaves fewer programs than SMs, K is split down to one tile per
+    program, then tiles get shallower (down to 32).
     Splitting needs a counter per column block and row group, so launches with more than
     `layers.SPLIT_K_LOCKS` of those (which fill the GPU anyway) do not split. A launch that splits anyway
     takes one tile per program, twice as wide and half as deep. The profile tool's `--sweep` times this choice
-    against other launch configurations for GPT-2's batch-1 projections (`benchmarks/tools/profile_generation.py`)."""
-    block_m = min(triton.next_power_of_2(max(rows, 1)), MAX_ROWS_PER_PROGRAM)
-    tile = TILE_BYTES // element_size // block_m
+    against other launch configurations, on both paths for several rows, for a model's batch-1 projections
+    (`benchmarks/tools/profile_generation.py`)."""
+    if dot and not half_inputs:
+        raise ValueError("dot=True needs x and weights of one 16-bit float dtype (fp16 or bf16): tl.dot on float32 "
+                         "rounds its inputs to TF32")
+    dot = (half_inputs and rows > 1) if dot is None else dot
+    smallest = DOT_MIN if dot else 1
+    block_m = DOT_ROWS if dot else min(triton.next_power_of_2(max(rows, 1)), MAX_ROWS_PER_PROGRAM)
+    tile = TILE_BYTES // element_size // (1 if dot else block_m)
     if k_contiguous:
-        block_k = min(triton.next_power_of_2(in_features), 256)
-        block_n = max(_pow2_at_most(tile // block_k), 8)
+        block_k = max(min(triton.next_power_of_2(in_features), 256), smallest)
+        block_n = max(_pow2_at_most(tile // block_k), 8, smallest)
     else:
-        block_n = min(triton.next_power_of_2(columns), CONTIGUOUS_ROW_COLUMNS)
-        block_k = min(max(_pow2_at_most(tile // block_n), 16), triton.next_power_of_2(in_features))
+        block_n = max(min(triton.next_power_of_2(columns), CONTIGUOUS_ROW_COLUMNS), smallest)
+        block_k = max(min(max(_pow2_at_most(tile // block_n), 16), triton.next_power_of_2(in_features)), smallest)
     programs_per_split = triton.cdiv(columns, block_n) * triton.cdiv(rows, block_m)
     while True:
         k_tiles = triton.cdiv(in_features, block_k)
@@ -329,7 +382,7 @@ def launch_config(
         block_n, block_k = block_n * 2, block_k // 2
         k_tiles = split_k = triton.cdiv(in_features, block_k)
     split_k = triton.cdiv(k_tiles, triton.cdiv(k_tiles, split_k))  # no empty shares
-    return LaunchConfig(block_m, block_n, block_k, split_k)
+    return LaunchConfig(block_m, block_n, block_k, split_k, dot=dot)
 
 
 def fused_linear(
@@ -345,14 +398,17 @@ def fused_linear(
     block_k: int | None = None,
     split_k: int | None = None,
     num_warps: int | None = None,
+    dot: bool | None = None,
     pdl: bool | None = None,
     out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """The Triton kernel of `reference.fused_linear` (same arguments); x is [rows, in] with unit column stride.
     `out` (or, when it is None, `out_dtype`) may be float32 for an fp16/bf16 x: the result is still rounded to
     x's dtype, then stored widened.
-    `block_n`, `block_k`, `split_k` and `num_warps` override the launch configuration (`launch_config`);
-    `pdl` the programmatic dependent launch (`pdl.enabled`; never under the interpreter)."""
+    `dot` chooses the tensor-core or the CUDA-core path (`launch_config`, which chooses when it is None; the
+    block sizes of the tensor-core path must be at least `DOT_MIN`); `block_n`, `block_k`, `split_k` and
+    `num_warps` override the rest of the launch configuration; `pdl` the programmatic dependent launch
+    (`pdl.enabled`; never under the interpreter)."""
     rows, in_features = x.shape
     if in_features != projection.in_features or x.stride(1) != 1:
         raise ValueError(f"x must be [rows, {projection.in_features}] with contiguous rows, got {tuple(x.shape)} "
@@ -380,8 +436,13 @@ def fused_linear(
     biases += [biases[0]] * (3 - len(biases))
     padded = list(sizes) + [0] * (3 - len(sizes))
     config = launch_config(out_features, in_features, rows, k_contiguous=weights[0].stride(1) == 1,
-                           element_size=weights[0].element_size(), sm_count=_sm_count(x.device))
+                           element_size=weights[0].element_size(), sm_count=_sm_count(x.device),
+                           half_inputs=x.dtype in (torch.float16, torch.bfloat16) and weights[0].dtype == x.dtype,
+                           dot=dot)
     block_n, block_k = block_n or config.block_n, block_k or config.block_k
+    if config.dot and min(block_n, block_k) < DOT_MIN:
+        raise ValueError(f"block_n={block_n}, block_k={block_k}: the tensor-core path needs both at least {DOT_MIN} "
+                         "(or dot=False)")
     split_k = split_k or (config.split_k if (block_n, block_k) == (config.block_n, config.block_k) else 1)
     blocks = triton.cdiv(sizes[0], block_n) if gated else sum(triton.cdiv(n, block_n) for n in sizes)
     groups = triton.cdiv(rows, config.block_m)
@@ -397,7 +458,8 @@ def fused_linear(
     norm_b = norm.bias if norm is not None and norm.bias is not None else norm_w
     add0 = addends[0] if addends else out
     add1 = addends[1] if len(addends) > 1 else out
-    stats_block = min(triton.next_power_of_2(in_features), 4096 // config.block_m)
+    stats_rows = min(triton.next_power_of_2(rows), config.block_m)  # the rows a row block holds at most
+    stats_block = min(triton.next_power_of_2(in_features), 4096 // stats_rows)
     _fused_linear_kernel[(blocks, split_k, groups)](
         x, x.stride(0), rows, in_features,
         norm_w, norm_b, norm.eps if norm is not None else 0.0,
@@ -418,6 +480,8 @@ def fused_linear(
         BLOCK_K=block_k,
         SPLIT_K=split_k,
         SPLIT_K_POW2=triton.next_power_of_2(split_k),
+        DOT=config.dot,
+        STATS_M=stats_rows,
         STATS_BLOCK=stats_block,
         STATS_ONE_LOAD=stats_block >= in_features,
         PDL=pdl,

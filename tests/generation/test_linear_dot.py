@@ -1,0 +1,88 @@
+"""The linear kernel's two paths for its products: `launch_config`'s choice between CUDA cores and tensor cores,
+the arguments that force one, and the tensor-core launches of GPT-2's and Llama-3.2-1B's 4-beam steps compiled for
+sm_90 (the interpreter checks their numbers: interpreted_kernels.py; the GPU too: test_kernels_gpu.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tendril.generation.kernels import linear
+from tendril.generation.kernels.layers import Norm, Projection
+
+GPT2 = [(2304, 768, False), (768, 768, False), (3072, 768, False), (768, 3072, False), (50257, 768, True)]
+LLAMA_1B = [(3072, 2048, True), (2048, 2048, True), (16384, 2048, True), (2048, 8192, True), (128256, 2048, True)]
+"""(columns, in_features, k_contiguous) of each model's projections (Conv1D's columns are contiguous)."""
+
+
+@pytest.mark.parametrize("columns, in_features, k_contiguous", GPT2 + LLAMA_1B)
+def test_several_half_rows_take_tensor_cores_with_the_one_row_launch(columns, in_features, k_contiguous):
+    one = linear.launch_config(columns, in_features, 1, k_contiguous=k_contiguous)
+    for rows in (2, 4, 16):
+        beams = linear.launch_config(columns, in_features, rows, k_contiguous=k_contiguous)
+        assert beams.dot and beams.block_m == linear.DOT_ROWS
+        assert (beams.block_n, beams.block_k, beams.split_k) == (one.block_n, one.block_k, one.split_k)
+    assert not one.dot and one.block_m == 1
+    fma = linear.launch_config(columns, in_features, 4, k_contiguous=k_contiguous, dot=False)
+    assert not fma.dot and fma.block_m == 4 and fma.block_n * fma.block_k <= linear.TILE_BYTES // 2 // 4  # per row
+    wide = linear.launch_config(columns, in_features, 4, k_contiguous=k_contiguous, element_size=4, half_inputs=False)
+    assert not wide.dot and wide.block_m == 4  # float32 products stay on CUDA cores (tl.dot would round to TF32)
+
+
+def test_tensor_core_blocks_are_at_least_16_each_way():
+    for columns in (1, 8, 24, 40, 200):
+        for in_features in (1, 12, 72, 5000):
+            for k_contiguous in (False, True):
+                for rows in (1, 3, 40):
+                    config = linear.launch_config(columns, in_features, rows, k_contiguous=k_contiguous, dot=True)
+                    assert config.dot and config.block_m == linear.DOT_ROWS
+                    assert min(config.block_n, config.block_k) >= linear.DOT_MIN, config
+                    assert config.split_k == 1 or config.split_k <= -(-in_features // config.block_k)
+
+
+def test_forcing_a_path_is_checked():
+    with pytest.raises(ValueError, match="dot=True needs x and weights of one 16-bit float dtype"):
+        linear.launch_config(64, 64, 4, k_contiguous=True, half_inputs=False, dot=True)
+    projection = Projection((torch.zeros(32, 64),), (None,))
+    with pytest.raises(ValueError, match="dot=True needs"):
+        linear.fused_linear(torch.zeros(4, 64), projection, dot=True)
+    half = Projection((torch.zeros(32, 64, dtype=torch.float16),), (None,))
+    with pytest.raises(ValueError, match="block_n=8, block_k=32: the tensor-core path needs both at least 16"):
+        linear.fused_linear(torch.zeros(4, 64, dtype=torch.float16), half, block_n=8)
+    with pytest.raises(ValueError, match="dot=True needs"):  # fp16 x, float32 weights: no exact tl.dot
+        linear.fused_linear(torch.zeros(4, 64, dtype=torch.float16), projection, dot=True)
+
+
+def _meta(*shape: int, dtype: torch.dtype) -> torch.Tensor:
+    return torch.empty(*shape, dtype=dtype, device="meta")
+
+
+def _projection(sizes: tuple[int, ...], in_f: int, conv1d: bool, dtype: torch.dtype) -> Projection:
+    weights = tuple(_meta(in_f, n, dtype=dtype).t() if conv1d else _meta(n, in_f, dtype=dtype) for n in sizes)
+    return Projection(weights, tuple(_meta(n, dtype=dtype) if conv1d else None for n in sizes))
+
+
+def test_tensor_core_launches_of_4_beam_steps_compile_for_hopper():
+    """GPT-2's (fp16, Conv1D) and Llama-3.2-1B's (bf16) projections at 4 rows, as their decode launches them (PDL
+    on), on the tensor-core path: norm, gated, three segments, split K, addends, float32 logits."""
+    from tests.generation.hopper_compile import hopper_compile
+
+    rows, half, bf16 = 4, torch.float16, torch.bfloat16
+    layer = Norm("layer", _meta(768, dtype=half), _meta(768, dtype=half), 1e-5)
+    rms = Norm("rms", _meta(2048, dtype=bf16), None, 1e-5)
+    launches = [
+        lambda: linear.fused_linear(_meta(rows, 768, dtype=half), _projection((2304,), 768, True, half), norm=layer,
+                                    pdl=True),
+        lambda: linear.fused_linear(_meta(rows, 3072, dtype=half), _projection((768,), 3072, True, half),
+                                    addends=(_meta(rows, 768, dtype=half),), pdl=True),
+        lambda: linear.fused_linear(_meta(rows, 768, dtype=half), _projection((50257,), 768, False, half), norm=layer,
+                                    out_dtype=torch.float32, pdl=True),
+        lambda: linear.fused_linear(_meta(rows, 2048, dtype=bf16), _projection((2048, 512, 512), 2048, False, bf16),
+                                    norm=rms, pdl=True),
+        lambda: linear.fused_linear(_meta(rows, 2048, dtype=bf16), _projection((8192, 8192), 2048, False, bf16),
+                                    norm=rms, activation="silu", gated=True, pdl=True),
+        lambda: linear.fused_linear(_meta(rows, 8192, dtype=bf16), _projection((2048,), 8192, False, bf16),
+                                    addends=(_meta(rows, 2048, dtype=bf16),), pdl=True),
+    ]
+    for launch in launches:
+        assert hopper_compile(linear._fused_linear_kernel, launch) == 1
