@@ -70,13 +70,28 @@ def test_linear_kernel_at_gpt2_sizes(out_f, in_f, conv1d):
     torch.testing.assert_close(got, expected, rtol=4e-3, atol=4e-3)
 
 
+def compiled_spills(kernel) -> dict[str, int]:
+    """Bytes spilled by every variant of `kernel` compiled in this process (as launched: Triton's own argument
+    specialization, which a compile without a GPU lacks), by cache key."""
+    spills = {}
+    for cache in kernel.device_caches.values():
+        for key, compiled in cache[0].items():
+            compiled._init_handles()
+            spills[str(key)] = compiled.n_spills
+    return spills
+
+
+SHAPES = SWEEP_SHAPES["gpt2"] + SWEEP_SHAPES["llama1b"]
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("label, out_f, in_f, layout, norm_kind, activation, residual",
-                         SWEEP_SHAPES["gpt2"], ids=[shape[0] for shape in SWEEP_SHAPES["gpt2"]])
-def test_linear_tensor_core_and_cuda_core_paths_at_gpt2_sizes(label, out_f, in_f, layout, norm_kind, activation,
-                                                                residual, dtype):
-    """A 4-beam step's projections: the tensor-core path (the default at 4 rows) and the CUDA-core path each
-    match the reference, so each other up to the order of their float32 sums."""
+@pytest.mark.parametrize("label, out_f, in_f, layout, norm_kind, activation, residual", SHAPES,
+                         ids=[shape[0] for shape in SHAPES])
+def test_linear_tensor_core_and_cuda_core_paths_at_model_sizes(label, out_f, in_f, layout, norm_kind, activation,
+                                                                 residual, dtype):
+    """A 4-beam step's projections of GPT-2 and Llama-3.2-1B: the tensor-core path (the default at 4 rows) and
+    the CUDA-core path each match the reference, so each other up to the order of their float32 sums, and no
+    launch spills registers."""
     torch.manual_seed(0)
     rows = 4
     w = (torch.randn(out_f, in_f, device="cuda") * 0.02).to(dtype)
@@ -103,6 +118,8 @@ def test_linear_tensor_core_and_cuda_core_paths_at_gpt2_sizes(label, out_f, in_f
         results.append(got)
     assert torch.equal(results[0], results[1])  # the default is the tensor-core path
     torch.testing.assert_close(results[1], results[2], **tolerance)
+    spilled = {key: spills for key, spills in compiled_spills(linear._fused_linear_kernel).items() if spills}
+    assert not spilled, spilled
 
 
 @pytest.mark.parametrize("family", ["gpt2", "gptj", "llama", "mistral", "qwen2"])

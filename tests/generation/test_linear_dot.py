@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import triton
 
 from tendril.generation.kernels import linear
 from tendril.generation.kernels.layers import Norm, Projection
@@ -16,13 +17,15 @@ LLAMA_1B = [(3072, 2048, True), (2048, 2048, True), (16384, 2048, True), (2048, 
 
 
 @pytest.mark.parametrize("columns, in_features, k_contiguous", GPT2 + LLAMA_1B)
-def test_several_half_rows_take_tensor_cores_with_the_one_row_launch(columns, in_features, k_contiguous):
+def test_several_half_rows_take_tensor_cores_with_one_launch_for_up_to_16_rows(columns, in_features, k_contiguous):
     one = linear.launch_config(columns, in_features, 1, k_contiguous=k_contiguous)
-    for rows in (2, 4, 16):
-        beams = linear.launch_config(columns, in_features, rows, k_contiguous=k_contiguous)
-        assert beams.dot and beams.block_m == linear.DOT_ROWS
-        assert (beams.block_n, beams.block_k, beams.split_k) == (one.block_n, one.block_k, one.split_k)
     assert not one.dot and one.block_m == 1
+    beams = [linear.launch_config(columns, in_features, rows, k_contiguous=k_contiguous) for rows in (2, 4, 16)]
+    assert len(set(beams)) == 1  # the rows share every weight tile: the launch does not depend on them
+    dot = beams[0]
+    assert dot.dot and dot.block_m == linear.DOT_ROWS
+    assert dot.block_n * dot.block_k <= linear.DOT_TILE and dot.block_k <= linear.DOT_TILE_K
+    assert triton.next_power_of_2(dot.split_k) * dot.block_m * dot.block_n <= linear.DOT_PARTIALS
     fma = linear.launch_config(columns, in_features, 4, k_contiguous=k_contiguous, dot=False)
     assert not fma.dot and fma.block_m == 4 and fma.block_n * fma.block_k <= linear.TILE_BYTES // 2 // 4  # per row
     wide = linear.launch_config(columns, in_features, 4, k_contiguous=k_contiguous, element_size=4, half_inputs=False)
