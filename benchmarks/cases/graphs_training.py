@@ -37,15 +37,20 @@ emptying the allocator's cache). The timed variant's `pool_mib` is the same pool
 
 Correctness: `max_param_rel_diff_amp_20_steps` is the largest relative difference of any parameter or optimizer
 state tensor between 20 graphed and 20 eager AMP steps on the same padded batches, dropout 0, over the models run
-(less the key-projection biases, `hf_training_steps.ZERO_GRADIENT`). Two eager runs are compared the same way
-(`eager twice`): the floor that their kernels' own run-to-run noise sets.
+(less the key-projection biases, `hf_training_steps.ZERO_GRADIENT`), every run under torch's deterministic
+algorithms (`deterministic_algorithms`; operations without one are listed in `extra`), so that the difference is
+the graphs' own. `max_param_rel_diff_amp_20_steps_default_algorithms` is the same with torch's default algorithms.
+Two eager runs are compared the same way in both modes (`eager twice`): the floor that their kernels' own
+run-to-run noise sets.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -69,6 +74,7 @@ W2V_LABELS = 64
 GPT2_VOCAB = 50257
 MODELS = ("wav2vec2", "gpt2")
 CORRECTNESS_STEPS = 20
+CUBLAS_WORKSPACE = "CUBLAS_WORKSPACE_CONFIG"
 CORRECTNESS_LR = 1e-5
 """A fine-tuning rate: 20 steps move every parameter well past fp32 rounding, while the run stays out of the chaotic
 regime of a large rate from random weights, where two eager runs already part by their backward's atomics."""
@@ -353,14 +359,37 @@ def correctness_lengths(sizes: tuple[int, ...], steps: int) -> list[int]:
     return [pattern[i % len(pattern)] for i in range(steps)]
 
 
-def max_param_rel_diff(ctx: Context, setup: Setup) -> float:
+@contextlib.contextmanager
+def deterministic_algorithms(found: list[str]) -> Iterator[None]:
+    """torch's deterministic algorithms (warn-only: an operation without one warns, and its message is added to
+    `found`), with cuBLAS's deterministic workspace setting, restored afterwards."""
+    previous = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled())
+    workspace = os.environ.get(CUBLAS_WORKSPACE)
+    os.environ[CUBLAS_WORKSPACE] = ":4096:8"
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            yield
+        found.extend(sorted({str(w.message).splitlines()[0] for w in caught} - set(found)))
+    finally:
+        torch.use_deterministic_algorithms(previous[0], warn_only=previous[1])
+        if workspace is None:
+            os.environ.pop(CUBLAS_WORKSPACE, None)
+        else:
+            os.environ[CUBLAS_WORKSPACE] = workspace
+
+
+def max_param_rel_diff(ctx: Context, setup: Setup, deterministic: bool) -> float:
     """Largest relative difference of parameters and optimizer state, 20 AMP steps graphed against eager. The
     same between two eager runs is reported beside it (`eager twice`: the run-to-run noise of the step's own
-    kernels); the worst tensors of both, and every run's loss and loss scale per step, go into `extra`."""
+    kernels); the worst tensors of both, and every run's loss and loss scale per step, go into `extra`.
+    `deterministic`: all three runs under `deterministic_algorithms`, so that what differs is the graphs'."""
+    mode = "deterministic" if deterministic else "default"
     generator = torch.Generator().manual_seed(3)
     lengths = correctness_lengths(setup.lengths, CORRECTNESS_STEPS)
     batches = [_padded(setup, setup.batch(n, generator)) for n in lengths]
-    states, traces = [], {}
+    states, traces, nondeterministic = [], {}, []
 
     def run(label: str, step: Callable[..., torch.Tensor], scaler: torch.amp.GradScaler) -> None:
         losses, scales = [], []
@@ -369,7 +398,8 @@ def max_param_rel_diff(ctx: Context, setup: Setup) -> float:
             scales.append(scaler.get_scale())
         traces[label] = {"loss": torch.stack(losses).tolist(), "scale": scales}
 
-    with sdpa_kernel(list(GRAPH_SDPA_BACKENDS)):
+    algorithms = deterministic_algorithms(nondeterministic) if deterministic else contextlib.nullcontext()
+    with sdpa_kernel(list(GRAPH_SDPA_BACKENDS)), algorithms:
         for label in ("eager", "eager twice"):
             reference, reference_optimizer, reference_scaler = _fresh(setup, 0.0, CORRECTNESS_LR)
             run(label, setup.make_step(reference, reference_optimizer, reference_scaler, amp=True), reference_scaler)
@@ -380,17 +410,23 @@ def max_param_rel_diff(ctx: Context, setup: Setup) -> float:
             buckets=setup.buckets,
         )  # fmt: skip
         run("tendril", step, scaler)
-    torch.cuda.synchronize()
-    ctx.add_value(f"{setup.name} tendril", "replays_in_correctness_steps", step.stats.replays)
+        torch.cuda.synchronize()
+    ctx.add_value(f"{setup.name} tendril {mode}", "replays_in_correctness_steps", step.stats.replays)
     graphed = hf.rel_diffs(hf.state_of(model, optimizer), states[0])
     twice = hf.rel_diffs(states[1], states[0])
-    ctx.add_value(f"{setup.name} eager twice", "max_param_rel_diff_amp_20_steps", max(twice.values()))
-    ctx.add_value(f"{setup.name} tendril", "max_param_rel_diff_amp_20_steps", max(graphed.values()))
-    ctx.extra[f"{setup.name}_worst_rel_diffs"] = {
+    ctx.add_value(f"{setup.name} eager twice {mode}", "max_param_rel_diff_amp_20_steps", max(twice.values()))
+    ctx.add_value(f"{setup.name} tendril {mode}", "max_param_rel_diff_amp_20_steps", max(graphed.values()))
+    ctx.extra[f"{setup.name}_worst_rel_diffs_{mode}"] = {
         "tendril_vs_eager": dict(list(graphed.items())[:5]),
         "eager_twice": dict(list(twice.items())[:5]),
     }
-    ctx.extra[f"{setup.name}_correctness_steps"] = traces
+    ctx.extra[f"{setup.name}_correctness_steps_{mode}"] = traces
+    if deterministic:
+        ctx.extra[f"{setup.name}_without_deterministic_algorithms"] = nondeterministic
+    if step.stats.eager_calls:  # then the comparison is not of graphs at all
+        ctx.note(f"{setup.name}: tendril ran {step.stats.eager_calls} of its correctness steps ({mode} algorithms) "
+                 f"eagerly:\n{step.stats.table()}")
+        return float("inf")
     return max(graphed.values())
 
 
@@ -424,7 +460,8 @@ def _measure(ctx: Context, setup: Setup) -> dict[str, float]:
         **({"vs_compile": ratio(compiled.median_ms, fast.median_ms)} if compiled is not None else {}),
         **({"compiled_vs_compile": ratio(compiled.median_ms, fused.median_ms)}
            if compiled is not None and fused is not None else {}),
-        "rel_diff": max_param_rel_diff(ctx, setup),
+        "rel_diff": max_param_rel_diff(ctx, setup, deterministic=True),
+        "rel_diff_default": max_param_rel_diff(ctx, setup, deterministic=False),
         **({"vs_eager_hf_loss": ratio(hf_loss.median_ms, fast.median_ms)} if hf_loss is not None else {}),
     }
 
@@ -433,11 +470,12 @@ def _measure(ctx: Context, setup: Setup) -> dict[str, float]:
 def run(ctx: Context) -> None:
     setups = {"wav2vec2": _wav2vec2_setup, "gpt2": _gpt2_setup}
     names = chosen_models(os.environ.get("GRAPHS_TRAINING_MODELS"))
-    diffs = []
+    diffs, default_diffs = [], []
     for name in names:
         setup = setups[name](ctx.quick)
         measured = _measure(ctx, setup)
         diffs.append(measured["rel_diff"])
+        default_diffs.append(measured["rel_diff_default"])
         ctx.target(f"{name}_step_over_kernel_time", measured["over_kernel"], Goal("<=", 1.15))
         ctx.target(f"{name}_speedup_vs_eager", measured["vs_eager"])
         if "vs_compile" in measured:
@@ -453,6 +491,7 @@ def run(ctx: Context) -> None:
             ctx.add_value("wav2vec2 tendril", "mib", shared / 2**20)
             ctx.target("wav2vec2_memory_ratio_vs_separate_pools", ratio(separate, shared), Goal(">=", 5))
     ctx.target("max_param_rel_diff_amp_20_steps", max(diffs), Goal("<=", 1e-3))
+    ctx.target("max_param_rel_diff_amp_20_steps_default_algorithms", max(default_diffs))
     ctx.note(f"models: {', '.join(names)}; batch {BATCH}; AMP fp16, GradScaler, fused AdamW; dropout 0.1 for timing")
     ctx.note("eager runs each batch as it comes; tendril, tendril+compile and compile run it padded to its bucket")
     ctx.extra["bucket_sizes"] = {name: list(setups[name](ctx.quick).lengths) for name in names}
