@@ -43,3 +43,14 @@ def test_drawn_lengths_fall_in_the_buckets_and_correctness_lengths_reuse_two():
     run = case.correctness_lengths(sizes, 20)
     assert len(run) == 20 and {(n + 31) // 32 * 32 for n in run} == {480, 512}
     assert case.ratio(3.0, 2.0) == 1.5 and case.ratio(1.0, 0.0) == float("inf")
+
+
+def test_deterministic_algorithms_are_on_inside_and_restored_after(monkeypatch):
+    monkeypatch.delenv(case.CUBLAS_WORKSPACE, raising=False)
+    found: list[str] = []
+    with case.deterministic_algorithms(found):
+        assert torch.are_deterministic_algorithms_enabled() and torch.is_deterministic_algorithms_warn_only_enabled()
+        assert case.os.environ[case.CUBLAS_WORKSPACE] == ":4096:8"
+        case.warnings.warn("an op without a deterministic algorithm\nits details")
+    assert found == ["an op without a deterministic algorithm"]
+    assert not torch.are_deterministic_algorithms_enabled() and case.CUBLAS_WORKSPACE not in case.os.environ
