@@ -16,6 +16,7 @@ from tests.generation.kernel_cases import (
     check_greedy_choice,
     check_linear,
 )
+from tests.generation.topk_cases import check_beam_top_k
 
 
 def _bfloat16_dot_in_float32() -> None:
@@ -53,6 +54,7 @@ def main() -> None:
     assert check_attention_through_rows(torch.float32, "cpu", slots=(5, 20)) > 0  # beam search's row table
     assert check_argmax("cpu") > 0
     assert check_greedy_choice("cpu") > 0
+    assert check_beam_top_k("cpu") > 0
     print("interpreted checks passed")
 
 

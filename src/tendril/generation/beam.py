@@ -29,6 +29,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from tendril.generation import kernels
 from tendril.generation.noise import gumbel
 from tendril.generation.state import Decoder, is_eos
 
@@ -213,13 +214,14 @@ class BeamSearch:
         log_probs = d.process(log_probs, running_sequences.view(b * k, -1), cur_len)
         log_probs = (log_probs.view(b, k, vocab) + running_scores[:, :, None]).view(b, k * vocab)
 
-        # b. the top `beams_to_keep` continuations over all beams (sampled without replacement if sampling)
+        # b. the top `beams_to_keep` continuations over all beams (sampled without replacement if sampling):
+        # `kernels.beam_top_k`: two kernels on CUDA, where `torch.topk` of so wide a row launches a chain of them
         if d.processing.do_sample:
-            picked = torch.topk(log_probs + gumbel(d.noise_key, cur_len, b, k * vocab), self.beams_to_keep)[1]
+            picked = kernels.beam_top_k(log_probs + gumbel(d.noise_key, cur_len, b, k * vocab), self.beams_to_keep)[1]
             top_log_probs, order = log_probs.gather(1, picked).sort(dim=-1, descending=True)
             top_indices = picked.gather(1, order)
         else:
-            top_log_probs, top_indices = torch.topk(log_probs, self.beams_to_keep)
+            top_log_probs, top_indices = kernels.beam_top_k(log_probs, self.beams_to_keep)
 
         rules = BeamRules(vocab, self.length_penalty, self.early_stopping)
         state, rows = self._bookkeep(

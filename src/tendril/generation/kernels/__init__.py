@@ -2,7 +2,7 @@
 
 `linear.py` (norm + projection + activation + residual adds), `attention.py` (cache write + rotary +
 attention of one query over the static cache), `argmax_kernel.py` (the token choice, alone or with the rest of a
-greedy step's bookkeeping), `reference.py` (plain
+greedy step's bookkeeping), `topk_kernel.py` (beam search's top-k over all beams), `reference.py` (plain
 PyTorch with the same numerics), `layers.py` (norms and projections read from HF modules), `pdl.py`
 (how consecutive kernels overlap). The functions here run the Triton kernels on
 CUDA tensors and the references elsewhere (the CPU), so a fused decode path runs, slowly, without a GPU;
@@ -20,7 +20,7 @@ import torch
 from tendril.generation.kernels import reference
 from tendril.generation.kernels.layers import Norm, Projection, activation_for
 
-__all__ = ["Norm", "Projection", "activation_for", "decode_attention", "fused_linear", "greedy_choice"]
+__all__ = ["Norm", "Projection", "activation_for", "beam_top_k", "decode_attention", "fused_linear", "greedy_choice"]
 
 
 def _use_triton(x: torch.Tensor) -> bool:
@@ -72,6 +72,22 @@ def greedy_choice(
 
         return argmax_kernel.greedy_choice(scores, step, sequences, unfinished, eos, pad, prompt_len)
     return reference.greedy_choice(scores, step, sequences, unfinished, eos, pad, prompt_len)
+
+
+def beam_top_k(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k largest scores of each row of `scores` ([rows, n] float32) and their indices, as `torch.topk(scores,
+    k)` returns them (values float32, indices int64, largest first, NaN above every number), except that equal
+    scores come in index order, on every device (`torch.topk` leaves their order unspecified). Two Triton kernels
+    on CUDA, no host synchronisation (`topk_kernel.py`); `reference.beam_top_k` elsewhere."""
+    if scores.dim() != 2 or scores.dtype != torch.float32:
+        raise ValueError(f"scores must be a 2-D float32 tensor, got {scores.dtype} {tuple(scores.shape)}")
+    if not 1 <= k <= scores.shape[1]:
+        raise ValueError(f"k must be between 1 and the row width {scores.shape[1]}, got {k}")
+    if _use_triton(scores):
+        from tendril.generation.kernels import topk_kernel
+
+        return topk_kernel.beam_top_k(scores if scores.stride(1) == 1 else scores.contiguous(), k)
+    return reference.beam_top_k(scores, k)
 
 
 def decode_attention(

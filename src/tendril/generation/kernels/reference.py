@@ -169,3 +169,18 @@ def greedy_choice(
         still_unfinished = unfinished & (tokens[:, None] != eos).all(-1)
     written = sequences.scatter(1, column.expand(sequences.shape[0], 1), tokens[:, None])
     return step + 1, written, still_unfinished, tokens
+
+
+def beam_top_k(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k largest scores of each row of `scores` [rows, n] and their indices, largest first, equal scores in
+    index order, NaN above every number (`topk_kernel.beam_top_k`'s contract), without sorting whole rows: the
+    k-th largest score, every score ranked above it and as many of the first scores equal to it as complete k,
+    then those k sorted stably by score."""
+    kth = torch.topk(scores, k, dim=-1).values[:, -1:]  # torch.topk ranks NaN above every number too
+    nan, kth_nan = scores.isnan(), kth.isnan()
+    above = (scores > kth) | (nan & ~kth_nan)
+    at = (scores == kth) | (nan & kth_nan)
+    chosen = above | (at & (at.cumsum(-1) <= k - above.sum(-1, keepdim=True)))  # exactly k a row
+    indices = torch.topk(chosen.to(torch.int8), k, dim=-1).indices.sort(dim=-1).values  # in index order
+    values, order = scores.gather(1, indices).sort(dim=-1, descending=True, stable=True)
+    return values, indices.gather(1, order)
