@@ -97,8 +97,15 @@ class SparseNetwork:
         """The dtype of inputs, weights, activations and outputs (fp32, fp16 or bf16)."""
         self.backend = "cuda" if device.type == "cuda" else ("cpu" if dtype == torch.float32 else "triton")
         self.threads = 1
-        self.state = RunState(self.backend, self.threads, torch.zeros(1, dtype=torch.int32, device=device))
-        """What every forward's steps share: backend, threads, the device overflow flag, the last nonzero counts."""
+        self._reused_outputs = _outputs_never_returned(steps, output_name)
+        self.state = RunState(
+            self.backend,
+            self.threads,
+            torch.zeros(1, dtype=torch.int32, device=device),
+            reused_outputs=self._reused_outputs,
+        )
+        """What every forward's steps share: backend, threads, the device overflow flag, the last nonzero counts, and
+        the CPU backend's prepared calls (a new state for each `set_backend`)."""
         self.rejected_kernels: dict[str, dict[str, str]] = {}
         """`{layer: {kernel: why}}` for the candidates `tune` refused (`registry.CHECKED_KERNELS` that failed to build
         or run, or disagreed with the layer's reference)."""
@@ -136,11 +143,14 @@ class SparseNetwork:
         if threads < 1:
             raise ValueError(f"threads={threads}: expected at least 1")
         self.backend, self.threads = backend, threads
-        self.state = RunState(backend, threads, self.state.overflow)
+        self.state = RunState(backend, threads, self.state.overflow, reused_outputs=self._reused_outputs)
         return self
 
     @torch.no_grad()
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The model's output for `x`, a new tensor. On the CPU backend the layers whose outputs stay inside the
+        network write them into buffers of their own, rewritten by every forward (`RunState.reused_outputs`), so run
+        a network from one Python thread at a time."""
         if x.device != self.device or x.dtype != self.dtype:
             raise ValueError(f"x: expected a {self.dtype} input on {self.device}, got {x.dtype} on {x.device}")
         self.state.count_inputs = self.count_activations
@@ -290,6 +300,24 @@ class SparseNetwork:
         else:
             held = sum(r.weight_bytes for r in layers)
         return held, sum(r.dense_weight_bytes for r in layers)
+
+
+def _outputs_never_returned(steps: list[Step], output_name: str) -> frozenset[str]:
+    """The sparse steps (by name) whose output the network never returns, whole or viewed: neither its output nor
+    an input of a dense step whose output that is (a dense op may return a view of its input). A name that also
+    names a step whose output is returned is left out."""
+    producers: dict[str, list[Step]] = {}
+    for step in steps:
+        producers.setdefault(step.output, []).append(step)
+    returned, pending = set(), [output_name]
+    while pending:
+        name = pending.pop()
+        if name not in returned:
+            returned.add(name)
+            pending += [i for step in producers.get(name, []) if isinstance(step, DenseStep) for i in step.inputs]
+    sparse = [step for step in steps if not isinstance(step, DenseStep)]
+    inside = {step.name for step in sparse if step.output not in returned}
+    return frozenset(inside - {step.name for step in sparse if step.output in returned})
 
 
 def _kernel_of(step: Step) -> str:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -51,6 +52,14 @@ class RunState:
     count_inputs: bool = False
     """Whether the layers whose kernels do not count their input's nonzeros on the way (dense fallbacks, the FC
     row kernel) count them with extra small kernels (for `SparseNetwork.layers`; off in plain forwards)."""
+    reused_outputs: frozenset[str] = frozenset()
+    """The steps (by name) whose CPU calls may write their output into a buffer of their own that the next call
+    overwrites: a network lists those whose output never reaches its caller (`SparseNetwork.forward` returns a
+    tensor no later call writes). Every other step's CPU call returns a new tensor."""
+    prepared: dict[int, Any] = field(default_factory=dict)
+    """The CPU backend's prepared call of each step (by `id`; the call holds its step), built at the step's first
+    call under this state (`ops/conv/cpu/prepared.py`, `linear_cpu.PreparedLinear`): a new state (a new backend or
+    thread count) prepares anew. Its counts buffers are what `last_counts` holds for those steps."""
 
     def compress(self, step: str, x: torch.Tensor, layout: ActivationLayout) -> CompressedActivations:
         if self.backend in ("cuda", "triton"):
@@ -65,6 +74,13 @@ class RunState:
         """Record the true nonzero counts a CPU kernel found in a step's dense input (the CPU steps
         compress only when a layer uses SCNN's dataflow, but a capacity too small is reported alike)."""
         self.overflow |= (counts > layout.capacity).any().to(torch.int32)
+        self.last_counts[step] = counts
+
+    def count_host(self, step: str, counts: torch.Tensor, capacity: int | None) -> None:
+        """`count` for the counts of a prepared CPU call, whose capacity it knows: None where no count can exceed
+        it (the capacity is the whole plane), so that the comparison is skipped."""
+        if capacity is not None and int(counts.max()) > capacity:
+            self.overflow.fill_(1)
         self.last_counts[step] = counts
 
 
@@ -138,7 +154,12 @@ class SparseConvStep:
 
     def run(self, values: Sequence[torch.Tensor], state: RunState) -> torch.Tensor:
         """The layer's output on the batch `values[0]` (and its residual `values[1]`), by the kernel the backend
-        and `conv_kernel` name (`registry.kernel_for`)."""
+        and `conv_kernel` name (`registry.kernel_for`); on the CPU, by the call prepared for this state where it takes
+        the input (`ops/conv/cpu/prepared.py`; the CPU kernel prepares it)."""
+        if state.backend == "cpu":
+            prepared = state.prepared.get(id(self))
+            if prepared is not None and prepared.accepts(values[0]):
+                return prepared(values[0], values[1] if self.residual else None, state)
         kernel = registry.kernel_for(state.backend, self.conv_kernel)
         unsupported = kernel.unsupported_dtype(self.weights.values.dtype)
         if unsupported is not None:
@@ -192,18 +213,15 @@ class SparseLinearStep:
 
     def run(self, values: Sequence[torch.Tensor], state: RunState) -> torch.Tensor:
         x = values[0]
-        if x.dim() != 2 or x.shape[1] != self.weights.in_features:
-            raise ValueError(f"{self.name}: expected input [N, {self.weights.in_features}], got {tuple(x.shape)}")
         if state.backend == "cpu":
-            if x.dtype != torch.float32:
-                raise ValueError(f"{self.name}: the cpu backend runs float32 networks only, got {x.dtype}")
-            y = torch.empty(x.shape[0], self.weights.out_features)
-            for b in range(x.shape[0]):
-                counts = linear_cpu.linear_dense_input(
-                    x[b], self.weights, self.bias, out=y[b], relu=self.relu, threads=state.threads
-                )
-                state.count(self.name, counts, self.layout)
-            return y
+            prepared = state.prepared.get(id(self))
+            if prepared is None or not prepared.accepts(x):
+                self._check_input(x)
+                if x.dtype != torch.float32:
+                    raise ValueError(f"{self.name}: the cpu backend runs float32 networks only, got {x.dtype}")
+                prepared = state.prepared[id(self)] = linear_cpu.PreparedLinear(self, state, x.shape[0])
+            return prepared(x, state)
+        self._check_input(x)
         outputs = []
         for b in range(x.shape[0]):
             if state.backend == "cuda" and self.fc_kernel == "rows":
@@ -220,6 +238,10 @@ class SparseLinearStep:
             y = linear_triton.linear(acts, self.weights, self.bias.to(torch.float32, copy=True))
             outputs.append((y.relu_() if self.relu else y).to(x.dtype))
         return batched(outputs)
+
+    def _check_input(self, x: torch.Tensor) -> None:
+        if x.dim() != 2 or x.shape[1] != self.weights.in_features:
+            raise ValueError(f"{self.name}: expected input [N, {self.weights.in_features}], got {tuple(x.shape)}")
 
 
 @dataclass

@@ -34,7 +34,7 @@ class SeparableMaxPool:
         self.padding = _pair(module.padding)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if x.device.type != "cpu":
+        if not x.is_cpu:
             return self.module(x)
         return max_pool(x, self.kernel, self.stride, self.padding)
 
@@ -57,10 +57,11 @@ def max_pool(
     if oh < 1 or ow < 1:
         raise ValueError(f"x: a {height}×{width} plane (padded) is smaller than the {kh}×{kw} pooling window")
     if x.dtype == torch.float32:
-        planes = x.detach().contiguous().reshape(-1, *x.shape[-2:])
-        out = torch.empty(planes.shape[0], oh, ow)
-        kernels().max_pool_planes(planes.numpy(), out.numpy(), kh, kw, sh, sw, ph, pw)
-        return out.view(*x.shape[:-2], oh, ow)
+        x = x.detach() if x.requires_grad else x
+        planes = (x if x.is_contiguous() else x.contiguous()).numpy().reshape(-1, *x.shape[-2:])
+        out = torch.empty(*x.shape[:-2], oh, ow)
+        kernels().max_pool_planes(planes, out.numpy().reshape(-1, oh, ow), kh, kw, sh, sw, ph, pw)
+        return out
     if ph or pw:
         x = F.pad(x, (pw, pw, ph, ph), value=float("-inf"))
     rows = x[..., 0 : (oh - 1) * sh + 1 : sh, :]

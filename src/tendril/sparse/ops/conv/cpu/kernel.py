@@ -40,6 +40,8 @@ Two entry points:
   goes straight into the planes (counting nonzeros per virtual channel on the way), bias, residual
   and ReLU are fused into the write-out, and the activations are compressed only when the cost model
   picks `cartesian`, so the common case makes one pass over the input and one over the output.
+A CPU network runs `conv_dense_input`'s `auto` method through `prepared.PreparedConv`, which makes the same kernel
+calls on operands worked out once per layer (`DirectOperands`, the numpy views, the buffers).
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ from __future__ import annotations
 import warnings
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from tendril.sparse.activations import ActivationLayout, CompressedActivations
@@ -95,6 +98,8 @@ class CpuConvPlan:
     cartesian_base: torch.Tensor
     block_ptr: torch.Tensor
     weights_per_channel: torch.Tensor
+    direct_macs: float
+    """The direct dataflow's multiply-adds, whatever the input: nonzero weights × output rows × R."""
 
     @classmethod
     def prepare(cls, weights: SparseConvWeights) -> CpuConvPlan:
@@ -144,19 +149,26 @@ class CpuConvPlan:
             base[cartesian].contiguous(),
             block_ptr.contiguous(),
             per_channel,
+            float(weights.nnz) * oh * row,
         )
+
+    def products(self, counts: torch.Tensor) -> int:
+        """The cartesian dataflow's products for activations with these stored counts per virtual channel."""
+        return int((counts.long() * self.weights_per_channel).sum())
 
     def work(self, counts: torch.Tensor) -> dict[str, float]:
         """Estimated nanoseconds on one core of each dataflow for activations with these stored counts."""
-        g = self.weights.geometry
-        products = float((counts.long() * self.weights_per_channel).sum())
-        macs = float(self.weights.nnz) * g.out_hw[0] * self.row
-        return {"cartesian": products * NS_PER_PRODUCT["cartesian"], "direct": macs * NS_PER_PRODUCT["direct"]}
+        cartesian = float(self.products(counts)) * NS_PER_PRODUCT["cartesian"]
+        return {"cartesian": cartesian, "direct": self.direct_macs * NS_PER_PRODUCT["direct"]}
 
     def choose(self, counts: torch.Tensor) -> str:
         """The dataflow the cost model predicts faster for these counts."""
-        cost = self.work(counts)
-        return min(cost, key=lambda m: cost[m])
+        return self.choose_for(self.products(counts))
+
+    def choose_for(self, products: int) -> str:
+        """`choose` given the products (`products(counts)`): `cartesian` where it costs no more than `direct`."""
+        cartesian = float(products) * NS_PER_PRODUCT["cartesian"]
+        return "cartesian" if cartesian <= self.direct_macs * NS_PER_PRODUCT["direct"] else "direct"
 
 
 def _padded_by_channel(
@@ -213,7 +225,7 @@ def conv(
         )
         out = torch.empty(g.out_channels, *g.out_hw)
         if method == "spmm":
-            _spmm(plan, _columns(plan, planes), out, torch.zeros(g.out_channels), init.contiguous(), relu=False)
+            _spmm(plan, columns_of(plan, planes), out, torch.zeros(g.out_channels), init.contiguous(), relu=False)
         else:
             _direct(plan, planes, out, torch.zeros(g.out_channels), init.contiguous(), relu=False, threads=used)
         return out
@@ -271,16 +283,33 @@ def conv_dense_input(
         if method == "auto":
             method = plan.choose(counts)
         if method == "spmm":
-            _spmm(plan, _columns(plan, planes), out, bias, resid, relu=relu)
+            _spmm(plan, columns_of(plan, planes), out, bias, resid, relu=relu)
             return counts
         if method == "direct":
             _direct(plan, planes, out, bias, resid, relu=relu, threads=used)
             return counts if counted else None
-        acts = compress_cpu.compress(x, layout, threads=used)
-        init = bias.view(-1, 1, 1).expand(g.out_channels, *g.out_hw)
-        y = _cartesian(acts, plan, acts.stored_counts, init if residual is None else init + residual)
-        out.copy_(y.relu_() if relu else y)
-        return acts.counts
+        return cartesian_dense_input(x, plan, bias, out, layout, residual, relu=relu, threads=used)
+
+
+def cartesian_dense_input(
+    x: torch.Tensor,
+    plan: CpuConvPlan,
+    bias: torch.Tensor,
+    out: torch.Tensor,
+    layout: ActivationLayout,
+    residual: torch.Tensor | None,
+    *,
+    relu: bool,
+    threads: int,
+) -> torch.Tensor:
+    """`conv_dense_input` by the cartesian dataflow: `x` compressed for `layout`, then convolved; returns the true
+    counts."""
+    g = plan.weights.geometry
+    acts = compress_cpu.compress(x, layout, threads=threads)
+    init = bias.view(-1, 1, 1).expand(g.out_channels, *g.out_hw)
+    y = _cartesian(acts, plan, acts.stored_counts, init if residual is None else init + residual)
+    out.copy_(y.relu_() if relu else y)
+    return acts.counts
 
 
 def _check_method(method: str) -> None:
@@ -293,7 +322,7 @@ def _check_supported(plan: CpuConvPlan, method: str) -> None:
         raise ValueError("method 'spmm' runs only 1×1 convolutions without padding or groups")
 
 
-def _columns(plan: CpuConvPlan, planes: torch.Tensor) -> torch.Tensor:
+def columns_of(plan: CpuConvPlan, planes: torch.Tensor) -> torch.Tensor:
     """The `[C, OH·OW]` input of the `spmm` product: the input itself where the plan reads it, else (a strided
     1×1 layer) every channel's first phase plane, which holds exactly the pixels the layer reads."""
     g = plan.weights.geometry
@@ -341,23 +370,44 @@ def _direct(
     threads: int,
 ) -> None:
     """The direct dataflow over `planes` (`plan.planes` filled, or the input where the plan reads it) into `out`."""
-    g = plan.weights.geometry
-    bands = -(-g.out_hw[0] // plan.band_rows)
-    k_blocks = min(g.out_channels, -(-UNITS_PER_THREAD * threads // bands)) if threads > 1 else 1
-    kernels().conv_direct(
-        out.numpy(),
-        bias.contiguous().numpy(),
-        residual.numpy(),
-        relu,
-        plan.direct_values.numpy(),
-        plan.direct_base.numpy(),
-        plan.k_ptr.numpy(),
-        planes.reshape(-1).numpy(),
-        plan.row,
-        plan.band_rows,
-        -(-g.out_channels // k_blocks),
-        VECTOR_FLOATS,
-    )
+    operands = DirectOperands.of(plan, threads)
+    operands.run(out.numpy(), bias.contiguous().numpy(), residual.numpy(), relu, planes.reshape(-1).numpy())
+
+
+@dataclass(frozen=True)
+class DirectOperands:
+    """What the direct kernel reads besides the input, output, bias and residual: the plan's weights as numpy arrays
+    and the work split for a thread count (built per call by `conv_dense_input`, once by a prepared layer)."""
+
+    values: np.ndarray
+    base: np.ndarray
+    k_ptr: np.ndarray
+    row: int
+    band_rows: int
+    k_block: int
+    """Output channels per work unit: enough units for `UNITS_PER_THREAD` per thread."""
+
+    @classmethod
+    def of(cls, plan: CpuConvPlan, threads: int) -> DirectOperands:
+        g = plan.weights.geometry
+        bands = -(-g.out_hw[0] // plan.band_rows)
+        k_blocks = min(g.out_channels, -(-UNITS_PER_THREAD * threads // bands)) if threads > 1 else 1
+        return cls(
+            plan.direct_values.numpy(),
+            plan.direct_base.numpy(),
+            plan.k_ptr.numpy(),
+            plan.row,
+            plan.band_rows,
+            -(-g.out_channels // k_blocks),
+        )
+
+    def run(self, out: np.ndarray, bias: np.ndarray, residual: np.ndarray, relu: bool, planes: np.ndarray) -> None:
+        """`out = [relu](bias + residual + conv(planes))`: `out` `[K, OH, OW]`, `residual` alike or `[0, 0, 0]`
+        (none), `planes` flat."""
+        kernels().conv_direct(
+            out, bias, residual, relu, self.values, self.base, self.k_ptr, planes,
+            self.row, self.band_rows, self.k_block, VECTOR_FLOATS,
+        )  # fmt: skip
 
 
 def _cartesian(

@@ -1,0 +1,194 @@
+"""The CPU backend's prepared layer calls (`ops/conv/cpu/prepared.py`, `linear_cpu.PreparedLinear`): bit-identical to
+the unprepared path, whatever the thread count and backend changes before; outputs the next call does not
+overwrite; the same errors on bad inputs; and a bound on the Python-level work per layer of a forward."""
+
+from __future__ import annotations
+
+import collections
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+from tendril.sparse import convert, prune
+from tendril.sparse.network import SparseNetwork
+from tendril.sparse.ops.conv.cpu.dataflow import run_unprepared
+from tendril.sparse.ops.linear import cpu as linear_cpu
+from tendril.sparse.steps import DenseStep, RunState, SparseConvStep, SparseLinearStep
+from tests.sparse.models import Bottleneck, ResNetLike, randomize_batchnorm
+
+SIZE = 40
+
+
+def _network(capacity: float = 1.0) -> SparseNetwork:
+    """A bottleneck ResNet: unpadded 1×1 layers (`spmm` on one thread), strided 1×1 downsamples, 3×3 and strided
+    3×3 layers (the compiled dataflows), fused residual adds, max pooling and an FC layer."""
+    torch.manual_seed(0)
+    model = randomize_batchnorm(ResNetLike(Bottleneck, (1, 2, 1))).eval()
+    prune(model, 0.3)
+    return convert(model, torch.randn(1, 3, SIZE, SIZE), activation_capacity=capacity)
+
+
+def _unprepared_forward(net: SparseNetwork, x: torch.Tensor) -> tuple[torch.Tensor, RunState]:
+    """The network's forward with every sparse layer run as the engine ran it before preparation: convolutions by
+    `run_unprepared`, FC layers by `linear_dense_input` per sample; returns the output and the state it counted in."""
+    state = RunState("cpu", net.threads, torch.zeros(1, dtype=torch.int32), count_inputs=net.count_activations)
+    values = {net.input_name: x}
+    with torch.no_grad():
+        for step in net.steps:
+            args = [values[name] for name in step.inputs]
+            if isinstance(step, SparseConvStep):
+                values[step.output] = run_unprepared(step, args[0], args[1] if step.residual else None, state)
+            elif isinstance(step, SparseLinearStep):
+                y = torch.empty(args[0].shape[0], step.weights.out_features)
+                for b in range(y.shape[0]):
+                    counts = linear_cpu.linear_dense_input(
+                        args[0][b], step.weights, step.bias, out=y[b], relu=step.relu, threads=net.threads
+                    )
+                    state.count(step.name, counts, step.layout)
+                values[step.output] = y
+            else:
+                values[step.output] = step.run(args, state)
+    return values[net.output_name], state
+
+
+def _assert_same_run(net: SparseNetwork, x: torch.Tensor) -> torch.Tensor:
+    """`net(x)` equals the unprepared forward bit for bit, with the same counts and overflow flag."""
+    with torch.no_grad():
+        y = net(x)
+    expected, state = _unprepared_forward(net, x)
+    assert torch.equal(y, expected)
+    assert net.state.last_counts.keys() == state.last_counts.keys()
+    for name, counts in state.last_counts.items():
+        assert torch.equal(net.state.last_counts[name], counts), name
+    assert torch.equal(net.state.overflow, state.overflow)
+    return y
+
+
+def test_prepared_calls_match_the_unprepared_path_across_thread_and_backend_changes():
+    net = _network()
+    inputs = [torch.randn(1, 3, SIZE, SIZE) for _ in range(2)]
+    first: dict[int, list[torch.Tensor]] = {}
+    for backend, threads in (("cpu", 1), ("cpu", 2), ("cpu", 1), ("triton", 1), ("cpu", 3), ("cpu", 2)):
+        net.set_backend(backend, threads)
+        assert not net.state.prepared  # a new setting prepares anew
+        if backend != "cpu":
+            continue
+        for x in inputs:
+            for _ in range(2):
+                y = _assert_same_run(net, x)
+            first.setdefault(threads, []).append(y)
+    assert all(torch.equal(a, b) for a, b in zip(first[1][:2], first[1][2:], strict=True))
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_prepared_calls_count_and_flag_overflow_as_the_unprepared_path(threads):
+    """Counting forwards (every layer counts, strided 1×1 layers through their phase planes), a reduced capacity
+    that overflows, a batch of two, then a batch of one again."""
+    net = _network(capacity=0.5).set_backend("cpu", threads)
+    for batch, count in ((1, False), (1, True), (2, True), (2, False), (1, True)):
+        net.count_activations = count
+        net.reset_overflow()
+        _assert_same_run(net, torch.randn(batch, 3, SIZE, SIZE).relu() + 0.1)
+    assert bool(net.state.overflow.item())
+
+
+def test_the_cartesian_dataflow_runs_prepared_on_very_sparse_inputs():
+    model = nn.Sequential(nn.Conv2d(8, 16, 3, padding=1), nn.ReLU(), nn.Conv2d(16, 8, 3, padding=1)).eval()
+    net = convert(model, torch.randn(1, 8, 24, 24)).set_backend("cpu", 2)
+    x = torch.randn(1, 8, 24, 24) * (torch.rand(1, 8, 24, 24) < 0.002)
+    step = net.steps[0]
+    assert isinstance(step, SparseConvStep)
+    _assert_same_run(net, x)
+    assert step.cpu_plan is not None and step.cpu_plan.choose(net.state.last_counts[step.name]) == "cartesian"
+    _assert_same_run(net, x)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_returned_output_is_never_overwritten_by_a_later_call(threads):
+    net = _network().set_backend("cpu", threads)
+    x1, x2 = torch.randn(1, 3, SIZE, SIZE), torch.randn(1, 3, SIZE, SIZE)
+    y1 = net(x1)
+    kept = y1.clone()
+    y2 = net(x2)
+    assert torch.equal(y1, kept) and not torch.equal(y1, y2)
+    assert y1.untyped_storage().data_ptr() != y2.untyped_storage().data_ptr()
+
+
+def test_a_sparse_layer_whose_output_a_dense_op_returns_writes_a_new_tensor():
+    """The last convolution's output reaches the caller through `flatten` (a view): that layer must not reuse a
+    buffer, while the first one does."""
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Conv2d(4, 4, 1), nn.Flatten()).eval()
+    x = torch.randn(1, 3, 8, 8)
+    net = convert(model, x).set_backend("cpu", 1)
+    first, _ = (s for s in net.steps if isinstance(s, SparseConvStep))
+    assert net.state.reused_outputs == frozenset({first.name})
+    y1 = net(x)
+    kept = y1.clone()
+    net(torch.randn(1, 3, 8, 8))
+    assert torch.equal(y1, kept)
+
+
+def test_bad_inputs_raise_the_unprepared_paths_errors_after_a_prepared_call():
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 36, 5)).eval()
+    x = torch.randn(1, 3, 8, 8)
+    net = convert(model, x).set_backend("cpu", 1)
+    net(x)
+    with pytest.raises(ValueError, match="layout expects"):
+        net(torch.randn(1, 3, 9, 9))
+    conv, fc = net.steps[0], net.steps[-1]
+    assert isinstance(conv, SparseConvStep) and isinstance(fc, SparseLinearStep)
+    with pytest.raises(ValueError, match="layout expects"):
+        conv.run([torch.randn(3, 8, 8)], net.state)
+    with pytest.raises(ValueError, match=r"expected input \[N, 144\]"):
+        fc.run([torch.randn(1, 145)], net.state)
+    with pytest.raises(ValueError, match="float32 networks only"):
+        fc.run([torch.randn(1, 144, dtype=torch.float64)], net.state)
+    with pytest.raises(ValueError, match=r"x: expected a torch\.float32 input"):
+        net(x.double())
+    wide = torch.randn(1, 3, 8, 16)[..., ::2]  # not contiguous: copied, same result
+    assert torch.equal(net(wide), net(wide.contiguous()))
+
+
+def _python_work(net: SparseNetwork, x: torch.Tensor, monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
+    """One forward's Python-level calls (`sys.setprofile` call events: Python functions, the compiled kernels'
+    dispatch and C functions) and its `torch.empty` and `Tensor.numpy` calls, counted after two forwards."""
+    with torch.no_grad():
+        net(x), net(x)
+        counted: collections.Counter[str] = collections.Counter()
+        for name, owner in (("empty", torch), ("numpy", torch.Tensor)):
+            original = getattr(owner, name)
+
+            def counting(*args: object, name: str = name, original: object = original, **kwargs: object) -> object:
+                counted[name] += 1
+                return original(*args, **kwargs)  # type: ignore[operator]
+
+            monkeypatch.setattr(owner, name, counting)
+
+        def profile(frame: object, event: str, arg: object) -> None:
+            if event in ("call", "c_call"):
+                counted["calls"] += 1
+
+        sys.setprofile(profile)
+        try:
+            net(x)
+        finally:
+            sys.setprofile(None)
+        monkeypatch.undo()
+    return dict(counted)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_the_python_work_of_a_forward_stays_bounded_per_layer(threads, monkeypatch):
+    """A guard against the per-layer host work growing back: a prepared forward makes at most `CALLS_PER_LAYER`
+    Python-level calls per sparse layer (the unprepared path made about 80), no tensor conversions or allocations
+    per layer (only around dense ops and for the returned output), whatever the thread count."""
+    calls_per_layer = 32
+    net = _network().set_backend("cpu", threads)
+    work = _python_work(net, torch.randn(1, 3, SIZE, SIZE), monkeypatch)
+    sparse = sum(not isinstance(s, DenseStep) for s in net.steps)
+    dense = len(net.steps) - sparse
+    assert work["calls"] <= calls_per_layer * sparse, work
+    assert work.get("numpy", 0) <= 2 * dense + 2, work
+    assert work.get("empty", 0) <= dense + 1, work
