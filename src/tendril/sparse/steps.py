@@ -59,7 +59,8 @@ class RunState:
     prepared: dict[int, Any] = field(default_factory=dict)
     """The CPU backend's prepared call of each step (by `id`; the call holds its step), built at the step's first
     call under this state (`ops/conv/cpu/prepared.py`, `linear_cpu.PreparedLinear`): a new state (a new backend or
-    thread count) prepares anew. Its counts buffers are what `last_counts` holds for those steps."""
+    thread count) prepares anew. Its counts buffers are what `last_counts` holds for those steps. A prepared call
+    reads the step's bias and CPU plan as they were at its first call: after replacing either, start a new state."""
 
     def compress(self, step: str, x: torch.Tensor, layout: ActivationLayout) -> CompressedActivations:
         if self.backend in ("cuda", "triton"):
