@@ -45,8 +45,12 @@ def test_greedy_choice_kernel_matches_its_reference():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-def test_attention_kernel_matches_reference(dtype):
+def test_attention_kernel_matches_reference_without_spilling(dtype):
+    from tendril.generation.kernels import attention
+
     assert check_attention(dtype, "cuda") > 0
+    spilled = {key: spills for key, spills in compiled_spills(attention._decode_attention_kernel).items() if spills}
+    assert not spilled, spilled
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
