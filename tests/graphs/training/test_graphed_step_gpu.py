@@ -151,6 +151,28 @@ def test_tiny_gpt2_amp_with_overflowing_steps_skipped_inside_replays_matches_eag
     assert_within(both.graphed, both.eager, max(1e-3, 2 * max_rel_diff(both.eager_again, both.eager)))
 
 
+def test_tiny_gpt2_amp_under_deterministic_algorithms_matches_eager_within_1e_3():
+    """The benchmark's correctness setting: eager and graphed runs under torch's deterministic algorithms (the
+    graphs capture them without a fallback), where the eager run's own noise is gone."""
+    from benchmarks.cases.graphs_training import deterministic_algorithms
+
+    generator = torch.Generator().manual_seed(0)
+    data = [gpt2_batch(n, 2, 1000, generator) for n in [20, 33, 64, 50, 17, 40, 64, 30, 9, 60] * 2]
+    found: list[str] = []
+    with deterministic_algorithms(found):
+        both = run_both(
+            lambda: _twins(gpt2_model),
+            lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3, fused=True, capturable=True),
+            lambda model, optimizer, scaler: gpt2_step(model, optimizer, scaler, amp=True),
+            data,
+            gpt2_buckets((32, 64)),
+            lambda: torch.amp.GradScaler("cuda"),
+            eager_twice=True,
+        )
+    assert max_rel_diff(both.eager_again, both.eager) == 0.0, found  # deterministic indeed
+    assert_within(both.graphed, both.eager, 1e-3)
+
+
 def test_tiny_wav2vec2_ctc_step_matches_eager():
     generator = torch.Generator().manual_seed(0)
     data = [wav2vec2_batch(n, 2, 8, 32, generator) for n in [4000, 8000, 6000, 8000, 3000] * 4]
