@@ -230,17 +230,17 @@ SWEEP_SIZE = 16
 
 def sweep_configs(out_f: int, in_f: int, k_contiguous: bool, rows: int = 1) -> list[tuple[int, int, int, int, bool]]:
     """(BLOCK_N, BLOCK_K, SPLIT_K, num_warps, dot) tried by `--sweep` for one shape and row count, the default first,
-    for several rows the other path's default (CUDA cores or tensor cores, `linear.launch_config`) second, then
+    for several rows the other path's default (CUDA cores or tensor cores, `launch.launch_config`) second, then
     `SWEEP_SIZE` others drawn (with a fixed seed) from the plausible ones: tiles of 2-16K elements, at least 64
     programs, at most 4 tiles a program, K split into whole non-empty shares, on either path for several rows."""
     import random
 
-    from tendril.generation.kernels import linear
+    from tendril.generation.kernels import launch
 
     sm_count = torch.cuda.get_device_properties(0).multi_processor_count
-    defaults = [linear.launch_config(out_f, in_f, rows, k_contiguous=k_contiguous, sm_count=sm_count)]
+    defaults = [launch.launch_config(out_f, in_f, rows, k_contiguous=k_contiguous, sm_count=sm_count)]
     if rows > 1:
-        defaults.append(linear.launch_config(out_f, in_f, rows, k_contiguous=k_contiguous, sm_count=sm_count,
+        defaults.append(launch.launch_config(out_f, in_f, rows, k_contiguous=k_contiguous, sm_count=sm_count,
                                              dot=not defaults[0].dot))
     chosen = [(d.block_n, d.block_k, d.split_k, d.num_warps, d.dot) for d in defaults]
     pool = []
@@ -251,7 +251,7 @@ def sweep_configs(out_f: int, in_f: int, k_contiguous: bool, rows: int = 1) -> l
         if (2048 <= block_n * block_k <= 16384 and programs >= 64 and split_k <= k_tiles
                 and -(-k_tiles // split_k) <= 4 and k_tiles % split_k == 0
                 and (split_k == 1 or -(-out_f // block_n) <= 1024)
-                and (not dot or (rows > 1 and block_n >= linear.DOT_MIN))):
+                and (not dot or (rows > 1 and block_n >= launch.DOT_MIN))):
             pool.append((block_n, block_k, split_k, warps, dot))
     random.Random(0).shuffle(pool)
     return [*chosen, *[c for c in pool if c not in chosen][:SWEEP_SIZE]]

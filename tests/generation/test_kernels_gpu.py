@@ -11,7 +11,7 @@ from benchmarks.cases.decode_models import TIE_ULPS, tie_gap_ulps
 from benchmarks.tools.profile_generation import SWEEP_SHAPES
 from tendril.generation import generate
 from tendril.generation.api import graphed_runners, release_graphs
-from tendril.generation.kernels import linear, reference
+from tendril.generation.kernels import launch, linear, reference
 from tendril.generation.kernels.layers import Norm, Projection
 from tendril.generation.noise import draw_key
 from tests.generation.kernel_cases import (
@@ -110,7 +110,7 @@ def test_linear_tensor_core_and_cuda_core_paths_at_model_sizes(label, out_f, in_
     options = dict(norm=norm, activation=activation,
                    addends=(torch.randn(rows, out_f, device="cuda").to(dtype),) if residual else ())
     expected = reference.fused_linear(x, projection, **options)
-    assert linear.launch_config(out_f, in_f, rows, k_contiguous=layout == "linear").dot
+    assert launch.launch_config(out_f, in_f, rows, k_contiguous=layout == "linear").dot
     tolerance = dict(rtol=4e-3, atol=4e-3) if dtype == torch.float16 else dict(rtol=3e-2, atol=3e-2)
     results = []
     for dot in (None, True, False):

@@ -8,7 +8,7 @@ import pytest
 import torch
 import triton
 
-from tendril.generation.kernels import linear
+from tendril.generation.kernels import launch, linear
 from tendril.generation.kernels.layers import Norm, Projection
 
 GPT2 = [(2304, 768, False), (768, 768, False), (3072, 768, False), (768, 3072, False), (50257, 768, True)]
@@ -18,17 +18,17 @@ LLAMA_1B = [(3072, 2048, True), (2048, 2048, True), (16384, 2048, True), (2048, 
 
 @pytest.mark.parametrize("columns, in_features, k_contiguous", GPT2 + LLAMA_1B)
 def test_several_half_rows_take_tensor_cores_with_one_launch_for_up_to_16_rows(columns, in_features, k_contiguous):
-    one = linear.launch_config(columns, in_features, 1, k_contiguous=k_contiguous)
+    one = launch.launch_config(columns, in_features, 1, k_contiguous=k_contiguous)
     assert not one.dot and one.block_m == 1
-    beams = [linear.launch_config(columns, in_features, rows, k_contiguous=k_contiguous) for rows in (2, 4, 16)]
+    beams = [launch.launch_config(columns, in_features, rows, k_contiguous=k_contiguous) for rows in (2, 4, 16)]
     assert len(set(beams)) == 1  # the rows share every weight tile: the launch does not depend on them
     dot = beams[0]
-    assert dot.dot and dot.block_m == linear.DOT_ROWS
-    assert dot.block_n * dot.block_k <= linear.DOT_TILE and dot.block_k <= linear.DOT_TILE_K
-    assert triton.next_power_of_2(dot.split_k) * dot.block_m * dot.block_n <= linear.DOT_PARTIALS
-    fma = linear.launch_config(columns, in_features, 4, k_contiguous=k_contiguous, dot=False)
-    assert not fma.dot and fma.block_m == 4 and fma.block_n * fma.block_k <= linear.TILE_BYTES // 2 // 4  # per row
-    wide = linear.launch_config(columns, in_features, 4, k_contiguous=k_contiguous, element_size=4, half_inputs=False)
+    assert dot.dot and dot.block_m == launch.DOT_ROWS
+    assert dot.block_n * dot.block_k <= launch.DOT_TILE and dot.block_k <= launch.DOT_TILE_K
+    assert triton.next_power_of_2(dot.split_k) * dot.block_m * dot.block_n <= launch.DOT_PARTIALS
+    fma = launch.launch_config(columns, in_features, 4, k_contiguous=k_contiguous, dot=False)
+    assert not fma.dot and fma.block_m == 4 and fma.block_n * fma.block_k <= launch.TILE_BYTES // 2 // 4  # per row
+    wide = launch.launch_config(columns, in_features, 4, k_contiguous=k_contiguous, element_size=4, half_inputs=False)
     assert not wide.dot and wide.block_m == 4  # float32 products stay on CUDA cores (tl.dot would round to TF32)
 
 
@@ -37,15 +37,15 @@ def test_tensor_core_blocks_are_at_least_16_each_way():
         for in_features in (1, 12, 72, 5000):
             for k_contiguous in (False, True):
                 for rows in (1, 3, 40):
-                    config = linear.launch_config(columns, in_features, rows, k_contiguous=k_contiguous, dot=True)
-                    assert config.dot and config.block_m == linear.DOT_ROWS
-                    assert min(config.block_n, config.block_k) >= linear.DOT_MIN, config
+                    config = launch.launch_config(columns, in_features, rows, k_contiguous=k_contiguous, dot=True)
+                    assert config.dot and config.block_m == launch.DOT_ROWS
+                    assert min(config.block_n, config.block_k) >= launch.DOT_MIN, config
                     assert config.split_k == 1 or config.split_k <= -(-in_features // config.block_k)
 
 
 def test_forcing_a_path_is_checked():
     with pytest.raises(ValueError, match="dot=True needs x and weights of one 16-bit float dtype"):
-        linear.launch_config(64, 64, 4, k_contiguous=True, half_inputs=False, dot=True)
+        launch.launch_config(64, 64, 4, k_contiguous=True, half_inputs=False, dot=True)
     projection = Projection((torch.zeros(32, 64),), (None,))
     with pytest.raises(ValueError, match="dot=True needs"):
         linear.fused_linear(torch.zeros(4, 64), projection, dot=True)
@@ -87,5 +87,5 @@ def test_tensor_core_launches_of_4_beam_steps_compile_for_hopper():
         lambda: linear.fused_linear(_meta(rows, 8192, dtype=bf16), _projection((2048,), 8192, False, bf16),
                                     addends=(_meta(rows, 2048, dtype=bf16),), pdl=True),
     ]
-    for launch in launches:
-        assert hopper_compile(linear._fused_linear_kernel, launch) == 1
+    for run in launches:
+        assert hopper_compile(linear._fused_linear_kernel, run) == 1

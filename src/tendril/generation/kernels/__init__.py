@@ -1,10 +1,10 @@
 """Fused kernels of one-token decode steps (`generate(step="fused")`).
 
-`linear.py` (norm + projection + activation + residual adds), `attention.py` (cache write + rotary +
-attention of one query over the static cache), `argmax_kernel.py` (the token choice, alone or with the rest of a
-greedy step's bookkeeping), `topk_kernel.py` (beam search's top-k over all beams), `reference.py` (plain
-PyTorch with the same numerics), `layers.py` (norms and projections read from HF modules), `pdl.py`
-(how consecutive kernels overlap). The functions here run the Triton kernels on
+`linear.py` (norm + projection + activation + residual adds; `launch.py` its default launch), `attention.py`
+(cache write + rotary + attention of one query over the static cache), `argmax_kernel.py` (the token choice, alone
+or with the rest of a greedy step's bookkeeping), `topk_kernel.py` (beam search's top-k over all beams),
+`reference.py` (plain PyTorch with the same numerics), `layers.py` (norms and projections read from HF modules),
+`pdl.py` (how consecutive kernels overlap). The functions here run the Triton kernels on
 CUDA tensors and the references elsewhere (the CPU), so a fused decode path runs, slowly, without a GPU;
 on the CPU under Triton's interpreter (`TRITON_INTERPRET=1`) they run the kernels (that is how CI tests
 them without a GPU).

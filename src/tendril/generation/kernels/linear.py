@@ -11,13 +11,13 @@ partial sums, then counts its arrival on its block's counter (an acq_rel atomic,
 the last program of the block to arrive reads the `SPLIT_K` partials back in a fixed order (so results
 do not depend on arrival order) and runs the epilogue, then resets the counter to zero for the next
 launch. No second kernel, no memset per launch: the counters belong to the `Projection`
-(`layers.SPLIT_K_LOCKS` of them). `launch_config` chooses the split (see there).
+(`layers.SPLIT_K_LOCKS` of them). `launch.launch_config` chooses the split (see there).
 
-Two paths for the products (`DOT`, chosen by `launch_config`). One row (greedy decoding) is a
+Two paths for the products (`DOT`, chosen by `launch.launch_config`). One row (greedy decoding) is a
 matrix-vector product: the CUDA-core path multiplies each input tile by its weight tile as a broadcast
 product summed over K, for up to 4 rows. Several rows of fp16/bf16 (beam search) take the tensor-core
 path: the rows padded to a 16-row block (the padding masked: never loaded, never stored) and `tl.dot`
-accumulating in float32 (an MMA instruction takes 16 rows at once), in smaller tiles (`launch_config`).
+accumulating in float32 (an MMA instruction takes 16 rows at once), in smaller tiles (`launch.launch_config`).
 
 Memory round trips. A batch-1 projection is a few microseconds, and most of it is waiting for memory, so
 the kernel orders its loads to overlap. Under programmatic dependent launch (`pdl.py`) the first two
@@ -43,13 +43,13 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
 from tendril.generation.kernels import pdl as programmatic
+from tendril.generation.kernels.launch import DOT_MIN, launch_config
 from tendril.generation.kernels.layers import ACTIVATIONS, SPLIT_K_LOCKS, Norm, Projection
 
 _NORMS = {None: 0, "layer": 1, "rms": 2}
@@ -275,127 +275,9 @@ def _fused_linear_kernel(
     tl.store(out_ptr + rows[:, None] * stride_om + cols[None, :], y.to(out_ptr.dtype.element_ty), mask=out_mask)
 
 
-TILE_BYTES = 16384
-"""Weight bytes a program reads per tile by default (8192 fp16 elements), shared by its rows."""
-MAX_ROWS_PER_PROGRAM = 4
-"""Rows a program computes together on the CUDA-core path (reading each weight tile once for all of them)."""
-DOT_ROWS = 16
-"""Rows a program computes together on the tensor-core path, masked past the last row: the rows of one MMA tile
-(a smaller block, which Triton pads to the tile itself, holds more registers)."""
-DOT_TILE = 4096
-"""Weight elements of a tensor-core tile by default, at most `DOT_TILE_K` deep: its input tile is normed in
-float32 over all `DOT_ROWS` rows of the block and fed to the MMA beside the weights, so a one-row-sized tile
-would not fit the registers (ptxas spills it)."""
-DOT_TILE_K = 128
-"""The deepest default tile of the tensor-core path (the depth sets the input tile's registers)."""
-DOT_PARTIALS = 8192
-"""Float32 partial sums the split-K reduction of a tensor-core launch reads at once (splits x `DOT_ROWS` x
-`BLOCK_N`, the padding rows included): the split is capped to keep them in registers."""
-DOT_MIN = 16
-"""The smallest `BLOCK_N` and `BLOCK_K` of the tensor-core path: K of a 16-bit `tl.dot` must be at least 16, and
-narrower columns would leave most of each MMA tile padding."""
-PREFETCHED_TILES = 2
-"""Weight tiles a program loads before it waits for the previous kernel (and keeps in flight in its loop)."""
-CONTIGUOUS_ROW_COLUMNS = 16
-"""Columns of a tile when columns are contiguous in memory (Conv1D): 32 bytes of fp16, one memory sector."""
-
-
-@dataclass(frozen=True)
-class LaunchConfig:
-    """How `fused_linear` launches its kernel: `BLOCK_M` rows x `BLOCK_N` columns per program, `BLOCK_K` deep
-    weight tiles, K split over `split_k` programs; `dot`: products on tensor cores (`tl.dot`) rather than as
-    a broadcast multiply and sum on CUDA cores."""
-
-    block_m: int
-    block_n: int
-    block_k: int
-    split_k: int
-    num_warps: int = 4
-    dot: bool = False
-
-
 @functools.lru_cache(maxsize=16)
 def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
-
-
-def _pow2_at_most(value: int) -> int:
-    return 1 << (max(value, 1).bit_length() - 1)
-
-
-@functools.lru_cache(maxsize=256)
-def launch_config(
-    columns: int,
-    in_features: int,
-    rows: int,
-    *,
-    k_contiguous: bool,
-    element_size: int = 2,
-    sm_count: int = 132,
-    half_inputs: bool = True,
-    dot: bool | None = None,
-) -> LaunchConfig:
-    """The default launch of a projection with `columns` output columns (per segment block count as one
-    matrix of that many columns), `in_features` inputs and `rows` rows; `half_inputs`: x and the weights are
-    both fp16 or both bf16; `dot` forces a path (None: the default below).
-
-    Two paths. The CUDA-core path multiplies a `[rows, BLOCK_K]` input tile by a `[BLOCK_K, BLOCK_N]` weight tile
-    as a broadcast product summed over K: right for one row (a matrix-vector product has nothing for tensor
-    cores), but its cost grows with the rows, so it shrinks the weight tile per row (`TILE_BYTES` shared by up
-    to `MAX_ROWS_PER_PROGRAM` rows): more, smaller tiles. The tensor-core path (`dot`, the default for more than
-    one row of half inputs) pads the rows to a `DOT_ROWS` block and accumulates `tl.dot` products in float32:
-    an MMA instruction takes 16 rows at once and the padding is never loaded, so up to 16 rows share each
-    weight tile, read once, and the launch is the same for any of them: tiles of `DOT_TILE` elements, at most
-    `DOT_TILE_K` deep, K split no further than `DOT_PARTIALS` allows. Its products are exact (DTYPE x DTYPE in
-    float32; the normed input is rounded to DTYPE before them either way), so only the summation order differs
-    between the paths. float32 inputs keep the CUDA-core path: `tl.dot` on float32 rounds its inputs to TF32.
-
-    Under programmatic dependent launch (`pdl.py`) a program's weight loads overlap the previous kernel
-    only for the tiles it loads before its wait, `PREFETCHED_TILES`; so K is split until no program has
-    more, and a split-K reduction (a round trip through L2 on the critical path) is avoided when it can be.
-    CUDA-core tiles of `TILE_BYTES`, shaped for coalesced reads: up to 256 deep when the inputs are contiguous
-    in memory (nn.Linear), `CONTIGUOUS_ROW_COLUMNS` wide when the columns are (Conv1D). If that leaves fewer
-    programs than SMs, K is split down to one tile per program, then tiles get shallower (down to 32).
-    Splitting needs a counter per column block and row group, so launches with more than
-    `layers.SPLIT_K_LOCKS` of those (which fill the GPU anyway) do not split. A CUDA-core launch of Conv1D
-    weights that splits anyway takes one tile per program, twice as wide and half as deep. The profile tool's
-    `--sweep` times this choice against other launch configurations, on both paths for several rows, for a
-    model's batch-1 projections
-    (`benchmarks/tools/profile_generation.py`)."""
-    if dot and not half_inputs:
-        raise ValueError("dot=True needs x and weights of one 16-bit float dtype (fp16 or bf16): tl.dot on float32 "
-                         "rounds its inputs to TF32")
-    dot = (half_inputs and rows > 1) if dot is None else dot
-    block_m = DOT_ROWS if dot else min(triton.next_power_of_2(max(rows, 1)), MAX_ROWS_PER_PROGRAM)
-    tile = TILE_BYTES // element_size // block_m
-    if dot:
-        block_k = max(min(triton.next_power_of_2(in_features), DOT_TILE_K), DOT_MIN)
-        block_n = max(_pow2_at_most(DOT_TILE // block_k), DOT_MIN)
-    elif k_contiguous:
-        block_k = min(triton.next_power_of_2(in_features), 256)
-        block_n = max(_pow2_at_most(tile // block_k), 8)
-    else:
-        block_n = min(triton.next_power_of_2(columns), CONTIGUOUS_ROW_COLUMNS)
-        block_k = min(max(_pow2_at_most(tile // block_n), 16), triton.next_power_of_2(in_features))
-    programs_per_split = triton.cdiv(columns, block_n) * triton.cdiv(rows, block_m)
-    while True:
-        k_tiles = triton.cdiv(in_features, block_k)
-        split_k = triton.cdiv(k_tiles, PREFETCHED_TILES)
-        if programs_per_split * split_k < sm_count:
-            split_k = k_tiles
-        if programs_per_split * split_k >= sm_count or block_k <= 32:
-            break
-        block_k //= 2
-    if programs_per_split > SPLIT_K_LOCKS:
-        split_k = 1
-    elif dot:  # the last program reads every split's partials of its block at once: they must fit the registers
-        split_k = min(split_k, max(_pow2_at_most(DOT_PARTIALS // (block_m * block_n)), 1))
-    elif 1 < split_k < k_tiles and not k_contiguous and block_k >= 64:
-        # the reduction is paid anyway: one tile per program, twice as wide (longer contiguous reads)
-        block_n, block_k = block_n * 2, block_k // 2
-        k_tiles = split_k = triton.cdiv(in_features, block_k)
-    split_k = triton.cdiv(k_tiles, triton.cdiv(k_tiles, split_k))  # no empty shares
-    return LaunchConfig(block_m, block_n, block_k, split_k, dot=dot)
 
 
 def fused_linear(
