@@ -3,6 +3,7 @@ step; fp32 within 1e-5 relative after 20 steps, AMP within 1e-3, dropout drawing
 
 from __future__ import annotations
 
+import copy
 import inspect
 from typing import Any, NamedTuple
 
@@ -137,17 +138,7 @@ def test_tiny_gpt2_amp_with_overflowing_steps_skipped_inside_replays_matches_eag
     (on the device, in the fused optimizer) and the scale halvings are replays, then real updates follow. At this
     learning rate, from random weights, two eager runs already part (the attention backward's atomics, scaled up by
     Adam): the graphed run must stay within twice that, or 1e-3."""
-    generator = torch.Generator().manual_seed(0)
-    data = [gpt2_batch(n, 2, 1000, generator) for n in [20, 33, 64, 50, 17, 40, 64, 30, 9, 60] * 3]
-    both = run_both(
-        lambda: _twins(gpt2_model),
-        lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3, fused=True, capturable=True),
-        lambda model, optimizer, scaler: gpt2_step(model, optimizer, scaler, amp=True),
-        data,
-        gpt2_buckets((32, 64)),
-        lambda: torch.amp.GradScaler("cuda", init_scale=2.0**30),
-        eager_twice=True,
-    )
+    both = _tiny_gpt2_amp_twice(repeats=3, init_scale=2.0**30)
     assert_within(both.graphed, both.eager, max(1e-3, 2 * max_rel_diff(both.eager_again, both.eager)))
 
 
@@ -156,19 +147,9 @@ def test_tiny_gpt2_amp_under_deterministic_algorithms_matches_eager_within_1e_3(
     graphs capture them without a fallback), where the eager run's own noise is gone."""
     from benchmarks.cases.graphs_training import deterministic_algorithms
 
-    generator = torch.Generator().manual_seed(0)
-    data = [gpt2_batch(n, 2, 1000, generator) for n in [20, 33, 64, 50, 17, 40, 64, 30, 9, 60] * 2]
     found: list[str] = []
     with deterministic_algorithms(found):
-        both = run_both(
-            lambda: _twins(gpt2_model),
-            lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3, fused=True, capturable=True),
-            lambda model, optimizer, scaler: gpt2_step(model, optimizer, scaler, amp=True),
-            data,
-            gpt2_buckets((32, 64)),
-            lambda: torch.amp.GradScaler("cuda"),
-            eager_twice=True,
-        )
+        both = _tiny_gpt2_amp_twice(repeats=2, init_scale=2.0**16)
     assert max_rel_diff(both.eager_again, both.eager) == 0.0, found  # deterministic indeed
     assert_within(both.graphed, both.eager, 1e-3)
 
@@ -286,9 +267,23 @@ def test_a_step_that_syncs_runs_eagerly_with_the_place_in_stats():
     assert "test_graphed_step_gpu.py" in step.stats.fallback_details[Fallback.HOST_SYNC]
 
 
+def _tiny_gpt2_amp_twice(repeats: int, init_scale: float) -> Both:
+    """`run_both` of tiny GPT-2 AMP LM steps (lr 1e-3, lengths 9-64 in two buckets, `repeats` times ten batches),
+    with a second eager run."""
+    generator = torch.Generator().manual_seed(0)
+    data = [gpt2_batch(n, 2, 1000, generator) for n in [20, 33, 64, 50, 17, 40, 64, 30, 9, 60] * repeats]
+    return run_both(
+        lambda: _twins(gpt2_model),
+        lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3, fused=True, capturable=True),
+        lambda model, optimizer, scaler: gpt2_step(model, optimizer, scaler, amp=True),
+        data,
+        gpt2_buckets((32, 64)),
+        lambda: torch.amp.GradScaler("cuda", init_scale=init_scale),
+        eager_twice=True,
+    )
+
+
 def _twins(make):
     torch.manual_seed(0)
     model = make()
-    import copy
-
     return model, copy.deepcopy(model)
