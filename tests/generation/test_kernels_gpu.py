@@ -48,6 +48,7 @@ def test_greedy_choice_kernel_matches_its_reference():
 def test_attention_kernel_matches_reference_without_spilling(dtype):
     from tendril.generation.kernels import attention
 
+    forget_compiled(attention._decode_attention_kernel)
     assert check_attention(dtype, "cuda") > 0
     spilled = {key: spills for key, spills in compiled_spills(attention._decode_attention_kernel).items() if spills}
     assert not spilled, spilled
@@ -74,9 +75,15 @@ def test_linear_kernel_at_gpt2_sizes(out_f, in_f, conv1d):
     torch.testing.assert_close(got, expected, rtol=4e-3, atol=4e-3)
 
 
+def forget_compiled(kernel) -> None:
+    """Drop `kernel`'s compiled variants, so that `compiled_spills` sees only the launches that follow."""
+    for cache in kernel.device_caches.values():
+        cache[0].clear()
+
+
 def compiled_spills(kernel) -> dict[str, int]:
-    """Bytes spilled by every variant of `kernel` compiled in this process (as launched: Triton's own argument
-    specialization, which a compile without a GPU lacks), by cache key."""
+    """Bytes spilled by every variant of `kernel` compiled in this process since `forget_compiled` (as launched:
+    Triton's own argument specialization, which a compile without a GPU lacks), by cache key."""
     spills = {}
     for cache in kernel.device_caches.values():
         for key, compiled in cache[0].items():
@@ -113,6 +120,7 @@ def test_linear_tensor_core_and_cuda_core_paths_at_model_sizes(label, out_f, in_
     assert launch.launch_config(out_f, in_f, rows, k_contiguous=layout == "linear").dot
     tolerance = dict(rtol=4e-3, atol=4e-3) if dtype == torch.float16 else dict(rtol=3e-2, atol=3e-2)
     results = []
+    forget_compiled(linear._fused_linear_kernel)  # other tests' launches (other dtypes, tiles) are not checked here
     for dot in (None, True, False):
         for _ in range(2):  # a split launch leaves its counters at zero for the next
             out = torch.full((rows, out_f), float("nan"), device="cuda", dtype=dtype)

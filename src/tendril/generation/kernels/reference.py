@@ -176,11 +176,15 @@ def beam_top_k(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor
     index order, NaN above every number (`topk_kernel.beam_top_k`'s contract), without sorting whole rows: the
     k-th largest score, every score ranked above it and as many of the first scores equal to it as complete k,
     then those k sorted stably by score."""
-    kth = torch.topk(scores, k, dim=-1).values[:, -1:]  # torch.topk ranks NaN above every number too
-    nan, kth_nan = scores.isnan(), kth.isnan()
-    above = (scores > kth) | (nan & ~kth_nan)
-    at = (scores == kth) | (nan & kth_nan)
+    nan = scores.isnan()
+    # one bit pattern for NaN and for zero: the GPU's radix sort and top-k rank by bits, not by value
+    ranked = scores.masked_fill(nan, float("nan")).masked_fill(scores == 0, 0.0)
+    kth = torch.topk(ranked, k, dim=-1).values[:, -1:]  # torch.topk ranks NaN above every number too
+    kth_nan = kth.isnan()
+    above = (ranked > kth) | (nan & ~kth_nan)
+    at = (ranked == kth) | (nan & kth_nan)
     chosen = above | (at & (at.cumsum(-1) <= k - above.sum(-1, keepdim=True)))  # exactly k a row
     indices = torch.topk(chosen.to(torch.int8), k, dim=-1).indices.sort(dim=-1).values  # in index order
-    values, order = scores.gather(1, indices).sort(dim=-1, descending=True, stable=True)
-    return values, indices.gather(1, order)
+    order = ranked.gather(1, indices).sort(dim=-1, descending=True, stable=True).indices
+    indices = indices.gather(1, order)
+    return scores.gather(1, indices), indices
