@@ -16,11 +16,14 @@ from tendril.graphs.buckets import Buckets, Pad
 __all__ = ["state_of"]
 
 
-def assert_within(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], tolerance: float) -> None:
-    """Every named tensor of `a` within `tolerance` of `b`'s relative to its largest value; names the worst three."""
+def assert_within(
+    a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], tolerance: float, context: Any = None
+) -> None:
+    """Every named tensor of `a` within `tolerance` of `b`'s relative to its largest value; names the worst three
+    (and `context`, if given)."""
     diffs = rel_diffs(a, b)
     worst = dict(list(diffs.items())[:3])
-    assert max(diffs.values(), default=0.0) <= tolerance, worst
+    assert max(diffs.values(), default=0.0) <= tolerance, worst if context is None else (worst, context)
 
 
 SEQ_BUCKETS = Buckets((4, 8), (("x", Pad(dim=1, value=0.0)), ("y", Pad(dim=1, value=0.0))), cut_outputs=False)

@@ -18,6 +18,7 @@ from benchmarks.hf_training_steps import (
     gpt2_model,
     gpt2_step,
     max_rel_diff,
+    rel_diffs,
     wav2vec2_batch,
     wav2vec2_buckets,
     wav2vec2_model,
@@ -53,41 +54,88 @@ class Both(NamedTuple):
     eager: dict[str, torch.Tensor]
     step: Any
     eager_again: dict[str, torch.Tensor] | None = None
+    trace: list[str] | None = None
 
 
-def _eager_state(model, make_optimizer, make_step, data, buckets, scaler) -> dict[str, torch.Tensor]:
-    """The steps eagerly on the padded batches, with the attention kernels graphs use; the final state."""
-    optimizer = make_optimizer(model)
-    eager = make_step(model, optimizer, None if scaler is None else scaler())
-    with sdpa_kernel(list(GRAPH_SDPA_BACKENDS)):
-        for batch in padded(data, buckets, tuple(inspect.signature(eager).parameters)):
-            eager(*batch)
-    return state_of(model, optimizer)
+class StepRecord(NamedTuple):
+    """One step of a traced run: what ran (warm-up, capture, replay, eager), its loss and loss scale (0 without a
+    scaler), and the state after it."""
+
+    kind: str
+    loss: float
+    scale: float
+    state: dict[str, torch.Tensor]
 
 
-def run_both(make_model, make_optimizer, make_step, data, buckets, scaler=None, ahead=None, eager_twice=False) -> Both:
-    """The steps eagerly and graphed; the two states and the graphed step. `ahead`: batches the graphed step
-    captures ahead of time (`capture`) after its first call. `eager_twice`: a second eager run from the same
-    weights (`eager_again`), the floor that the kernels' run-to-run noise sets."""
-    model, reference = make_model()
-    eager = _eager_state(reference, make_optimizer, make_step, data, buckets, scaler)
-    eager_again = None
-    if eager_twice:
-        eager_again = _eager_state(make_model()[1], make_optimizer, make_step, data, buckets, scaler)
+def _record(kind: str, loss: torch.Tensor, scaler: Any, model, optimizer) -> StepRecord:
+    scale = 0.0 if scaler is None else float(scaler.get_scale())
+    state = {name: tensor.clone() for name, tensor in state_of(model, optimizer).items()}
+    return StepRecord(kind, float(loss), scale, state)
+
+
+def _parting(graphed: list[StepRecord], eager: list[StepRecord], shown: int = 4) -> list[str]:
+    """The first `shown` steps after which the graphed run's state differs from the eager run's: what the step
+    ran, the largest relative difference and where, the two losses and loss scales."""
+    lines = []
+    for index, (ours, theirs) in enumerate(zip(graphed, eager, strict=True)):
+        diffs = rel_diffs(ours.state, theirs.state)
+        name, worst = next(iter(diffs.items()))
+        if worst > 0 and len(lines) < shown:
+            lines.append(f"step {index} ({ours.kind}): {worst:.3g} in {name}; loss {ours.loss:.6g} / {theirs.loss:.6g}"
+                         f"; scale {ours.scale:g} / {theirs.scale:g}")
+    return lines
+
+
+def _eager_run(model, make_optimizer, make_step, data, buckets, scaler, trace=False):
+    """The steps eagerly on the padded batches, with the attention kernels graphs use: the final state, and with
+    `trace` every step's `StepRecord`."""
     optimizer = make_optimizer(model)
     step_scaler = None if scaler is None else scaler()
+    eager = make_step(model, optimizer, step_scaler)
+    records = []
+    with sdpa_kernel(list(GRAPH_SDPA_BACKENDS)):
+        for batch in padded(data, buckets, tuple(inspect.signature(eager).parameters)):
+            loss = eager(*batch)
+            if trace:
+                records.append(_record("eager", loss, step_scaler, model, optimizer))
+    return state_of(model, optimizer), records
+
+
+def _kind(before: tuple[int, int], step) -> str:
+    warmups, graphs = step.stats.warmup_steps, len(step.stats.graphs)
+    return "warm-up" if warmups > before[0] else "capture" if graphs > before[1] else "replay"
+
+
+def run_both(make_model, make_optimizer, make_step, data, buckets, scaler=None, ahead=None, eager_twice=False,
+             trace=False) -> Both:
+    """The steps eagerly and graphed; the two states and the graphed step. `ahead`: batches the graphed step
+    captures ahead of time (`capture`) after its first call. `eager_twice`: a second eager run from the same
+    weights (`eager_again`), the floor that the kernels' run-to-run noise sets. `trace`: keep every step's state
+    in both runs, and name in `Both.trace` the first steps after which they part (`_parting`)."""
+    model, reference = make_model()
+    eager, eager_records = _eager_run(reference, make_optimizer, make_step, data, buckets, scaler, trace)
+    eager_again = None
+    if eager_twice:
+        eager_again = _eager_run(make_model()[1], make_optimizer, make_step, data, buckets, scaler)[0]
+    optimizer = make_optimizer(model)
+    step_scaler = None if scaler is None else scaler()
+    records = []
     with sdpa_kernel(list(GRAPH_SDPA_BACKENDS)):
         step = tendril.graphed_step(
             make_step(model, optimizer, step_scaler), model=model, optimizer=optimizer, scaler=step_scaler,
             buckets=buckets, config=Config(),
         )  # fmt: skip
         for index, batch in enumerate(data):
-            step(*batch)
+            before = step.stats.warmup_steps, len(step.stats.graphs)
+            loss = step(*batch)
+            if trace:
+                records.append(_record(_kind(before, step), loss, step_scaler, model, optimizer))
             if index == 0 and ahead is not None:
                 assert step.capture(ahead) == len(ahead), step.stats.table()
     torch.cuda.synchronize()
     assert step.stats.replays >= 10 and step.stats.eager_calls == 0, step.stats.table()
-    return Both(state_of(model, optimizer), eager, step, eager_again)
+    parting = _parting(records, eager_records) if trace else None
+    return Both(state_of(model, optimizer), eager, step, eager_again, parting)
 
 
 @pytest.mark.parametrize("fused", [True, False], ids=["fused", "foreach"])
@@ -139,7 +187,7 @@ def test_tiny_gpt2_amp_with_overflowing_steps_skipped_inside_replays_matches_eag
     learning rate, from random weights, two eager runs already part (the attention backward's atomics, scaled up by
     Adam): the graphed run must stay within twice that, or 1e-3."""
     both = _tiny_gpt2_amp_twice(repeats=3, init_scale=2.0**30)
-    assert_within(both.graphed, both.eager, max(1e-3, 2 * max_rel_diff(both.eager_again, both.eager)))
+    assert_within(both.graphed, both.eager, max(1e-3, 2 * max_rel_diff(both.eager_again, both.eager)), both.trace)
 
 
 def test_tiny_gpt2_amp_under_deterministic_algorithms_matches_eager_within_1e_3():
@@ -151,7 +199,7 @@ def test_tiny_gpt2_amp_under_deterministic_algorithms_matches_eager_within_1e_3(
     with deterministic_algorithms(found):
         both = _tiny_gpt2_amp_twice(repeats=2, init_scale=2.0**16)
     assert max_rel_diff(both.eager_again, both.eager) == 0.0, found  # deterministic indeed
-    assert_within(both.graphed, both.eager, 1e-3)
+    assert_within(both.graphed, both.eager, 1e-3, both.trace)
 
 
 def test_tiny_wav2vec2_ctc_step_matches_eager():
@@ -280,6 +328,7 @@ def _tiny_gpt2_amp_twice(repeats: int, init_scale: float) -> Both:
         gpt2_buckets((32, 64)),
         lambda: torch.amp.GradScaler("cuda", init_scale=init_scale),
         eager_twice=True,
+        trace=True,
     )
 
 
