@@ -66,6 +66,24 @@ TIE_ULPS = 8.0
 count as a near tie (the rule of `benchmarks.cases.generation`, there in fp16 ulps)."""
 
 
+def sequence_log_prob(model: nn.Module, tokens: torch.Tensor, prompt_len: int) -> float:
+    """HF's log-probability of the generated part of `tokens` [1, L], teacher-forced: one HF forward over the
+    sequence, its logits' float32 log-softmax at each chosen token, summed."""
+    with torch.inference_mode():
+        logits = model(tokens[:, :-1]).logits[0, prompt_len - 1:].float()  # type: ignore[operator]
+    return float(logits.log_softmax(-1).gather(1, tokens[0, prompt_len:, None]).sum())
+
+
+def beam_score_gap(model: nn.Module, ours: torch.Tensor, reference: torch.Tensor, prompt_len: int) -> float:
+    """How far the sequence of a beam search (`ours`, [1, L]) scores below HF's own (`reference`, same shape), both
+    scored by HF (`sequence_log_prob`: with equal lengths and length penalty 1, the order beam search ranks
+    sequences by), relative to HF's score: at most 0 where ours scores as well or better. Within the model dtype's
+    relative precision (`torch.finfo(dtype).eps`), the two searches found equally good sequences up to the
+    rounding of the logits they were ranked by: a near tie."""
+    theirs = sequence_log_prob(model, reference, prompt_len)
+    return (theirs - sequence_log_prob(model, ours, prompt_len)) / abs(theirs)
+
+
 def tie_gap_ulps(model: nn.Module, tokens: torch.Tensor, prompt_len: int) -> float:
     """The largest gap over the generated steps of greedy `tokens` [1, L] between HF's best logit and HF's logit of
     the chosen token, teacher-forced (one HF forward over the sequence), in ulps of the model's dtype at the best

@@ -7,7 +7,8 @@ process: `hf eager` (`model.generate`), `hf static+compile` (`cache_implementati
 compiles; its first call, the compilation, is the reported warm-up), and `tendril <step>` for each
 `step` of `tendril.generate`; then the targets' `tendril fastest` (the fastest step whose tokens agree
 with HF eager's: identical, or for greedy within the teacher-forced near-tie rule of
-`decode_models.tie_gap_ulps` in the model's dtype) and `tendril fastest identical` (HF-identical tokens).
+`decode_models.tie_gap_ulps` in the model's dtype, for beams within `decode_models.beam_score_gap`'s) and
+`tendril fastest identical` (HF-identical tokens).
 Per variant: ms per call, us per token (the call over 128), tok/s, time to first token (a 1-token call; not
 for compiled variants, which would compile again) and roofline fraction.
 
@@ -35,7 +36,15 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from benchmarks.cases.decode_models import TIE_ULPS, gpt2, llama, tie_gap_ulps, tiny_gpt2, tiny_llama
+from benchmarks.cases.decode_models import (
+    TIE_ULPS,
+    beam_score_gap,
+    gpt2,
+    llama,
+    tie_gap_ulps,
+    tiny_gpt2,
+    tiny_llama,
+)
 from benchmarks.cases.generation import Generate, hf_eager, hf_static_compiled, measure, tendril_generate
 from benchmarks.registry import Context, Goal, register
 from tendril.generation import STEPS, Step
@@ -132,11 +141,18 @@ def agreement(ctx: Context, model: nn.Module, label: str, ours: torch.Tensor, re
     if ours.shape == reference.shape and torch.equal(ours, reference):
         ctx.note(f"{label}: identical tokens")
         return "identical"
-    if not greedy or ours.shape != reference.shape:
+    if ours.shape != reference.shape:
         ctx.note(f"{label}: tokens DIFFER (shapes {tuple(ours.shape)}, {tuple(reference.shape)})")
         return "differs"
-    gap = tie_gap_ulps(model, ours, PROMPT_LEN)
     first = int((ours[0] != reference[0]).nonzero()[0]) - PROMPT_LEN
+    if not greedy:
+        gap = beam_score_gap(model, ours, reference, PROMPT_LEN)
+        eps = torch.finfo(next(model.parameters()).dtype).eps
+        verdict = "near tie" if gap <= eps else "differs"
+        ctx.note(f"{label}: parts from HF at new token {first}; scored by HF, its sequence is {gap:.2e} of HF's "
+                 f"log-probability below HF's own ({verdict}: <= {eps:.2e}, the dtype's precision, is a near tie)")
+        return verdict
+    gap = tie_gap_ulps(model, ours, PROMPT_LEN)
     verdict = "near tie" if gap <= TIE_ULPS else "differs"
     ctx.note(f"{label}: parts from HF at new token {first}; teacher-forced by HF every token is within {gap:.2f} "
              f"ulps of HF's best logit ({verdict}: <= {TIE_ULPS:g} is a near tie)")

@@ -79,6 +79,26 @@ def test_near_ties_count_in_ulps_of_the_models_dtype():
     assert decode_models.tie_gap_ulps(model, swapped, 5) > decode_models.TIE_ULPS
 
 
+def test_beam_near_ties_compare_hfs_scores_of_the_two_sequences(monkeypatch):
+    model = decode_models.tiny_llama(CPU, torch.bfloat16)
+    prompt = torch.randint(0, 1024, (1, 5), generator=torch.Generator().manual_seed(3))
+    with torch.inference_mode():
+        reference = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=6, num_beams=4,
+                                   do_sample=False)
+    assert decode_models.beam_score_gap(model, reference, reference, 5) == 0.0
+    with torch.inference_mode():
+        worst = int(model(reference[:, :6]).logits[0, -1].argmin())
+    swapped = reference.clone()
+    swapped[0, 6] = worst
+    gap = decode_models.beam_score_gap(model, swapped, reference, 5)
+    assert gap > torch.finfo(torch.bfloat16).eps
+    assert decode_models.beam_score_gap(model, reference, swapped, 5) < 0  # the better sequence scores below 0
+    ctx = Context(device=CPU, quick=True)
+    monkeypatch.setattr(case, "PROMPT_LEN", 5)
+    assert case.agreement(ctx, model, "beam4", swapped, reference, greedy=False) == "differs"
+    assert "parts from HF at new token 1" in ctx.notes[-1]
+
+
 def test_quick_case_runs_on_the_cpu(monkeypatch):
     monkeypatch.setenv(case.MODELS_ENV, "gpt2_fp16")
     monkeypatch.setenv(case.STEPS_ENV, "eager,fused")
