@@ -41,7 +41,9 @@ about equal cost (never over a dimension as small as a layer's input channels).
   each window's columns; NaNs propagate as in torch's `max_pool2d`.
 - `linear_dense_input`: the sparse FC layer. Each nonzero input feature meets the nonzero column of
   its feature (CSC); input features are split into parts of about equal weight nonzeros, one
-  accumulator row each; a second parallel pass sums the parts with the bias and applies ReLU.
+  accumulator row each; a second parallel pass sums the parts with the bias and applies ReLU. The scatter
+  indexes with unsigned integers (`_at`; the weights' row indices are checked non-negative when they are
+  built), which spares every product numba's negative-index wraparound.
 """
 
 from __future__ import annotations
@@ -176,8 +178,8 @@ def linear_dense_input(out, bias, relu, x, values, rows, col_ptr, bounds, parts,
         for f in range(bounds[part], bounds[part + 1]):
             a = x[f]
             if a != 0:
-                for e in range(col_ptr[f], col_ptr[f + 1]):
-                    acc[rows[e]] += values[e] * a
+                for e in range(_at(col_ptr[f], 0), _at(col_ptr[f + 1], 0)):
+                    acc[_at(rows[e], 0)] += values[e] * a
     n_parts, features = parts.shape
     chunk = 256
     for c in prange((features + chunk - 1) // chunk):
