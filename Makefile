@@ -37,19 +37,21 @@ gpu-test:
 gpu-demo:
 	PYTHONPATH=src $(PYTHON) -m tendril.cli demo
 
-# One device-lane session in a single call (machine start-up is paid once): the GPU tests (TESTS), the quick
+# One device-lane session in a single call (machine start-up is paid once): the GPU tests (TESTS: a part of the
+# suite, such as tests/graphs tests/generation; the whole suite outlasts one call), the quick
 # demo, then each benchmark in CASES and each profiler in TOOLS (`benchmarks/tools/README.md`). Logs and results
 # go to the folder OUT, packed at the end into OUT.tgz (the device lane returns a few files only); record what a
 # session found in benchmarks/results/RUNLOG.md:
 # `make gpu-lane OUT=$$OUT/lane CASES="generation graphs-memory" TOOLS=profile_generation`.
-# Each step has its own time limit, so one that hangs cannot take the others' time.
+# Each step has its own time limit, so one that hangs cannot take the others' time (the tests are interrupted,
+# not killed, so that pytest still prints which failed).
 OUT ?= gpu-lane-out
 TESTS ?= tests
 CASES ?=
 TOOLS ?=
 gpu-lane:
 	mkdir -p $(OUT)/results
-	-PYTHONPATH=src:. timeout 540 $(PYTHON) -m pytest -m gpu -q -rf -p no:cacheprovider $(TESTS) > $(OUT)/gpu-tests.txt 2>&1; tail -3 $(OUT)/gpu-tests.txt
+	-PYTHONPATH=src:. timeout -s INT 540 $(PYTHON) -m pytest -m gpu -q -rf --durations=25 -p no:cacheprovider $(TESTS) > $(OUT)/gpu-tests.txt 2>&1; tail -3 $(OUT)/gpu-tests.txt
 	-PYTHONPATH=src timeout 180 $(PYTHON) -m tendril.cli demo --quick > $(OUT)/demo.txt 2>&1; tail -3 $(OUT)/demo.txt
 	-for case in $(CASES); do PYTHONPATH=src:. timeout 420 $(PYTHON) -m benchmarks run $$case --out $(OUT)/results > $(OUT)/$$case.txt 2>&1; tail -3 $(OUT)/$$case.txt; done
 	-for tool in $(TOOLS); do PYTHONPATH=src:. timeout 420 $(PYTHON) -m benchmarks.tools.$$tool --out $(OUT)/results > $(OUT)/$$tool.txt 2>&1; tail -3 $(OUT)/$$tool.txt; done
