@@ -97,6 +97,13 @@ def test_beam_near_ties_compare_hfs_scores_of_the_two_sequences(monkeypatch):
     monkeypatch.setattr(case, "PROMPT_LEN", 5)
     assert case.agreement(ctx, model, "beam4", swapped, reference, greedy=False) == "differs"
     assert "parts from HF at new token 1" in ctx.notes[-1]
+    # a sequence HF scores within the dtype's precision of its own is a near tie, whichever scores higher
+    eps = torch.finfo(torch.bfloat16).eps
+    for gap in (eps, -1.0):
+        monkeypatch.setattr(case, "beam_score_gap", lambda *_, gap=gap: gap)
+        assert case.agreement(ctx, model, "beam4", swapped, reference, greedy=False) == "near tie"
+    monkeypatch.setattr(case, "beam_score_gap", lambda *_: 2 * eps)
+    assert case.agreement(ctx, model, "beam4", swapped, reference, greedy=False) == "differs"
 
 
 def test_quick_case_runs_on_the_cpu(monkeypatch):
