@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.attention import SDPBackend
 
 from tendril.graphs.buckets import Buckets, Pad
 from tendril.graphs.training.ctc import ctc_loss
@@ -150,6 +151,14 @@ def wav2vec2_batch(
     targets = torch.where(torch.arange(labels) < label_lengths.unsqueeze(1), targets, IGNORE)
     return audio.to(device), mask.to(device), targets.to(device)
 
+
+ONE_ATTENTION_KERNEL = (SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH)
+"""Attention kernels for comparing graphed fp16 GPT-2 steps with eager ones. Some transformers releases (5.17 among
+them) skip GPT-2's causal mask, passing `is_causal` to SDPA, except while a CUDA graph is being captured, which their
+mask shortcut takes for tracing: there they build an explicit mask. With flash attention allowed, the eager step
+then runs flash attention and the graph memory-efficient attention with a mask, two kernels that round fp16
+differently (about 6e-4 relative in one step's gradients, which Adam carries on). Memory-efficient attention serves
+both forms alike, so with these kernels the two runs differ only by what the graphs do."""
 
 ZERO_GRADIENT = {"attention.k_proj.bias": (0, 1), "attn.c_attn.bias": (1, 3)}
 """Parameters whose gradient is zero in exact arithmetic, by name part: the share `(index, parts)` of the tensor

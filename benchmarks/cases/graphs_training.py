@@ -38,8 +38,10 @@ emptying the allocator's cache). The timed variant's `pool_mib` is the same pool
 Correctness: `max_param_rel_diff_amp_20_steps` is the largest relative difference of any parameter or optimizer
 state tensor between 20 graphed and 20 eager AMP steps on the same padded batches, dropout 0, over the models run
 (less the key-projection biases, `hf_training_steps.ZERO_GRADIENT`), every run under torch's deterministic
-algorithms (`deterministic_algorithms`; operations without one are listed in `extra`), so that the difference is
-the graphs' own. `max_param_rel_diff_amp_20_steps_default_algorithms` is the same with torch's default algorithms.
+algorithms (`deterministic_algorithms`; operations without one are listed in `extra`) and one attention kernel
+(`hf_training_steps.ONE_ATTENTION_KERNEL`), so that the difference is the graphs' own.
+`max_param_rel_diff_amp_20_steps_default_algorithms` is the same with torch's default algorithms and the attention
+kernels graphs capture with, as users run them.
 Two eager runs are compared the same way in both modes (`eager twice`): the floor that their kernels' own
 run-to-run noise sets.
 """
@@ -63,6 +65,7 @@ from benchmarks import hf_training_steps as hf
 from benchmarks.registry import Context, Goal, register
 from tendril.graphs.buckets import Buckets
 from tendril.graphs.capture import GRAPH_SDPA_BACKENDS
+from tendril.graphs.cuda_backend import CudaBackend
 from tendril.utils.device_memory import device_memory_in_use
 from tendril.utils.timing import Timing, summarize
 
@@ -384,7 +387,9 @@ def max_param_rel_diff(ctx: Context, setup: Setup, deterministic: bool) -> float
     """Largest relative difference of parameters and optimizer state, 20 AMP steps graphed against eager. The
     same between two eager runs is reported beside it (`eager twice`: the run-to-run noise of the step's own
     kernels); the worst tensors of both, and every run's loss and loss scale per step, go into `extra`.
-    `deterministic`: all three runs under `deterministic_algorithms`, so that what differs is the graphs'."""
+    `deterministic`: all three runs under `deterministic_algorithms` and on `hf.ONE_ATTENTION_KERNEL`, so that what
+    differs is the graphs'; otherwise with torch's default algorithms and the attention kernels graphs capture with
+    (`GRAPH_SDPA_BACKENDS`), as users run them."""
     mode = "deterministic" if deterministic else "default"
     generator = torch.Generator().manual_seed(3)
     lengths = correctness_lengths(setup.lengths, CORRECTNESS_STEPS)
@@ -399,7 +404,8 @@ def max_param_rel_diff(ctx: Context, setup: Setup, deterministic: bool) -> float
         traces[label] = {"loss": torch.stack(losses).tolist(), "scale": scales}
 
     algorithms = deterministic_algorithms(nondeterministic) if deterministic else contextlib.nullcontext()
-    with sdpa_kernel(list(GRAPH_SDPA_BACKENDS)), algorithms:
+    attention = hf.ONE_ATTENTION_KERNEL if deterministic else GRAPH_SDPA_BACKENDS
+    with sdpa_kernel(list(attention)), algorithms:
         for label in ("eager", "eager twice"):
             reference, reference_optimizer, reference_scaler = _fresh(setup, 0.0, CORRECTNESS_LR)
             run(label, setup.make_step(reference, reference_optimizer, reference_scaler, amp=True), reference_scaler)
@@ -407,7 +413,7 @@ def max_param_rel_diff(ctx: Context, setup: Setup, deterministic: bool) -> float
         model, optimizer, scaler = _fresh(setup, 0.0, CORRECTNESS_LR)
         step = tendril.graphed_step(
             setup.make_step(model, optimizer, scaler, amp=True), model=model, optimizer=optimizer, scaler=scaler,
-            buckets=setup.buckets,
+            buckets=setup.buckets, backend=CudaBackend(attention),
         )  # fmt: skip
         run("tendril", step, scaler)
         torch.cuda.synchronize()

@@ -13,6 +13,7 @@ from torch.nn.attention import sdpa_kernel
 
 import tendril
 from benchmarks.hf_training_steps import (
+    ONE_ATTENTION_KERNEL,
     gpt2_batch,
     gpt2_buckets,
     gpt2_model,
@@ -26,6 +27,7 @@ from benchmarks.hf_training_steps import (
 )
 from tendril.config import Config
 from tendril.graphs.capture import GRAPH_SDPA_BACKENDS
+from tendril.graphs.cuda_backend import CudaBackend
 from tendril.graphs.stats import Fallback
 from tests.graphs.training.loops import (
     SEQ_BUCKETS,
@@ -47,7 +49,6 @@ def no_tf32_convolutions(monkeypatch):
     different algorithms whose results differ by TF32's rounding, above the fp32 tolerance."""
     monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
 LENGTHS = [3, 8, 4, 7, 2, 5, 8, 1, 6, 4] * 2
-
 
 class Both(NamedTuple):
     graphed: dict[str, torch.Tensor]
@@ -86,14 +87,14 @@ def _parting(graphed: list[StepRecord], eager: list[StepRecord], shown: int = 4)
     return lines
 
 
-def _eager_run(model, make_optimizer, make_step, data, buckets, scaler, trace=False):
-    """The steps eagerly on the padded batches, with the attention kernels graphs use: the final state, and with
-    `trace` every step's `StepRecord`."""
+def _eager_run(model, make_optimizer, make_step, data, buckets, scaler, trace=False, attention=GRAPH_SDPA_BACKENDS):
+    """The steps eagerly on the padded batches, with the attention kernels graphs use (`attention`): the final
+    state, and with `trace` every step's `StepRecord`."""
     optimizer = make_optimizer(model)
     step_scaler = None if scaler is None else scaler()
     eager = make_step(model, optimizer, step_scaler)
     records = []
-    with sdpa_kernel(list(GRAPH_SDPA_BACKENDS)):
+    with sdpa_kernel(list(attention)):
         for batch in padded(data, buckets, tuple(inspect.signature(eager).parameters)):
             loss = eager(*batch)
             if trace:
@@ -107,23 +108,24 @@ def _kind(before: tuple[int, int], step) -> str:
 
 
 def run_both(make_model, make_optimizer, make_step, data, buckets, scaler=None, ahead=None, eager_twice=False,
-             trace=False) -> Both:
+             trace=False, attention=GRAPH_SDPA_BACKENDS) -> Both:
     """The steps eagerly and graphed; the two states and the graphed step. `ahead`: batches the graphed step
     captures ahead of time (`capture`) after its first call. `eager_twice`: a second eager run from the same
     weights (`eager_again`), the floor that the kernels' run-to-run noise sets. `trace`: keep every step's state
-    in both runs, and name in `Both.trace` the first steps after which they part (`_parting`)."""
+    in both runs, and name in `Both.trace` the first steps after which they part (`_parting`). `attention`: the
+    attention kernels both runs may use."""
     model, reference = make_model()
-    eager, eager_records = _eager_run(reference, make_optimizer, make_step, data, buckets, scaler, trace)
+    eager, eager_records = _eager_run(reference, make_optimizer, make_step, data, buckets, scaler, trace, attention)
     eager_again = None
     if eager_twice:
-        eager_again = _eager_run(make_model()[1], make_optimizer, make_step, data, buckets, scaler)[0]
+        eager_again = _eager_run(make_model()[1], make_optimizer, make_step, data, buckets, scaler, False, attention)[0]
     optimizer = make_optimizer(model)
     step_scaler = None if scaler is None else scaler()
     records = []
-    with sdpa_kernel(list(GRAPH_SDPA_BACKENDS)):
+    with sdpa_kernel(list(attention)):
         step = tendril.graphed_step(
             make_step(model, optimizer, step_scaler), model=model, optimizer=optimizer, scaler=step_scaler,
-            buckets=buckets, config=Config(),
+            buckets=buckets, backend=CudaBackend(attention), config=Config(),
         )  # fmt: skip
         for index, batch in enumerate(data):
             before = step.stats.warmup_steps, len(step.stats.graphs)
@@ -329,6 +331,7 @@ def _tiny_gpt2_amp_twice(repeats: int, init_scale: float) -> Both:
         lambda: torch.amp.GradScaler("cuda", init_scale=init_scale),
         eager_twice=True,
         trace=True,
+        attention=ONE_ATTENTION_KERNEL,
     )
 
 
