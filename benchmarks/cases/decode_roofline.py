@@ -149,8 +149,10 @@ def agreement(ctx: Context, model: nn.Module, label: str, ours: torch.Tensor, re
         gap = beam_score_gap(model, ours, reference, PROMPT_LEN)
         eps = torch.finfo(next(model.parameters()).dtype).eps
         verdict = "near tie" if gap <= eps else "differs"
-        ctx.note(f"{label}: parts from HF at new token {first}; scored by HF, its sequence is {gap:.2e} of HF's "
-                 f"log-probability below HF's own ({verdict}: <= {eps:.2e}, the dtype's precision, is a near tie)")
+        side = f"{gap:.2e} below" if gap >= 0 else f"{-gap:.2e} above"
+        ctx.note(f"{label}: parts from HF at new token {first}; scored by HF, its sequence's log-probability is "
+                 f"{side} HF's own, relative ({verdict}: at most {eps:.2e} below, the dtype's precision, is a near "
+                 "tie)")
         return verdict
     gap = tie_gap_ulps(model, ours, PROMPT_LEN)
     verdict = "near tie" if gap <= TIE_ULPS else "differs"
