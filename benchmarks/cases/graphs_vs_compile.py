@@ -203,7 +203,9 @@ def run(ctx: Context) -> None:
 
 def _warm_start(cache_dir: Path, quick: bool) -> dict[str, Any]:
     """What a second process, given `cache_dir`, reports (`warm_start_main`): `ready_s`, the seconds from
-    `graphed(model, compile=True)` to all lengths ready, with its compile time and cache hits and misses."""
+    `graphed(model, compile=True)` to all lengths ready, with its compile time, cache hits and misses, and where
+    the compile's time went (`compile_phases_s`: seconds per phase of dynamo's, AOTAutograd's and Inductor's
+    timed functions, summed over calls; nested phases overlap)."""
     root = Path(__file__).resolve().parents[2]
     env = {key: value for key, value in os.environ.items() if key != "TORCHINDUCTOR_CACHE_DIR"}
     env["TENDRIL_CACHE_DIR"] = str(cache_dir)
@@ -231,14 +233,16 @@ def warm_start_main(quick: bool) -> None:
             fast(ids)
         torch.cuda.synchronize(device)
         ready_s = time.perf_counter() - start
-    from torch._dynamo.utils import counters
+    from torch._dynamo.utils import compilation_time_metrics, counters
 
     stats = fast.stats.compile
     caches = {f"{group} {name}": count for group in ("inductor", "aot_autograd")
               for name, count in counters[group].items() if "cache" in name}  # fmt: skip
+    phases = {name: round(sum(times), 3) for name, times in compilation_time_metrics.items()}
     print(json.dumps({
         "ready_s": ready_s, "compile_s": stats.compile_s if stats else None,
         "compiles": stats.compiles if stats else None, "graphs": len(fast.keys()), "caches": caches,
+        "compile_phases_s": dict(sorted(phases.items(), key=lambda item: -item[1])),
     }))  # fmt: skip
 
 
