@@ -153,9 +153,9 @@ def wav2vec2_batch(
 
 
 ONE_ATTENTION_KERNEL = (SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH)
-"""Attention kernels for comparing graphed fp16 GPT-2 steps with eager ones. Some transformers releases (5.17 among
-them) skip GPT-2's causal mask, passing `is_causal` to SDPA, except while a CUDA graph is being captured, which their
-mask shortcut takes for tracing: there they build an explicit mask. With flash attention allowed, the eager step
+"""Attention kernels for comparing graphed fp16 steps of HF models with eager ones. Some transformers releases (5.17
+among them) skip GPT-2's causal mask, passing `is_causal` to SDPA, except while a CUDA graph is being captured, which
+their mask shortcut takes for tracing: there they build an explicit mask. With flash attention allowed, the eager step
 then runs flash attention and the graph memory-efficient attention with a mask, two kernels that round fp16
 differently (about 6e-4 relative in one step's gradients, which Adam carries on). Memory-efficient attention serves
 both forms alike, so with these kernels the two runs differ only by what the graphs do."""
