@@ -131,8 +131,8 @@ class PreparedConv:
             with cpu_threads.kernel_threads(self.threads):
                 return self(x, residual, state)
         out = self.output if self.reuse else TensorViews(self.output.rows, self.spmm).of(torch.empty(self.out_shape))
-        inputs = self.inputs.of(x if x.is_contiguous() else x.contiguous())
-        residuals = None if residual is None else self.residuals.of(residual.contiguous())
+        inputs = self.inputs.of(_contiguous(x))
+        residuals = None if residual is None else self.residuals.of(_contiguous(residual))
         count = state.count_inputs or self.may_overflow
         published = self._published_counts(x, state)
         if self.publishes:  # the counts published last describe the buffer only until it is rewritten
@@ -220,3 +220,8 @@ class PreparedConv:
         """The pixels a strided 1×1 layer reads, as `[C, OH·OW]` columns (a buffer rewritten each call)."""
         np.copyto(self.subsampled, x[:, :: self.stride[0], :: self.stride[1]])
         return self.columns
+
+
+def _contiguous(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor.contiguous()`, without its dispatch where the tensor already is (the common case: a layer's output)."""
+    return tensor if tensor.is_contiguous() else tensor.contiguous()
