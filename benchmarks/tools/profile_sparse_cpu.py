@@ -87,7 +87,7 @@ class KernelCall:
 
 
 class KernelTrace:
-    """While `installed`, every call of a parallel compiled kernel (`cpu_kernels`, which the operators look up by
+    """While `installed`, every call of a compiled kernel (`cpu_kernels`, which the operators look up by
     attribute at each call) is timed and recorded with the step that made it."""
 
     def __init__(self) -> None:
@@ -98,7 +98,7 @@ class KernelTrace:
     @contextlib.contextmanager
     def installed(self, steps: Sequence[Any] = ()) -> Iterator[KernelTrace]:
         module = cpu_threads.kernels()
-        originals = parallel_kernels(module)
+        originals = compiled_kernels(module)
         for name, kernel in originals.items():
             setattr(module, name, self._timed(name, kernel))
         for step in steps:
@@ -131,9 +131,11 @@ class KernelTrace:
         return call
 
 
-def parallel_kernels(module: ModuleType) -> dict[str, Dispatcher]:
-    """The module's compiled functions with parallel loops (each call enters at least one parallel region)."""
-    return {k: v for k, v in vars(module).items() if isinstance(v, Dispatcher) and v.targetoptions.get("parallel")}
+def compiled_kernels(module: ModuleType) -> dict[str, Dispatcher]:
+    """The module's compiled functions that the operators call (not the helpers inlined into them): those with
+    parallel loops, whose every call enters at least one parallel region, and the serial ones."""
+    return {k: v for k, v in vars(module).items()
+            if isinstance(v, Dispatcher) and v.targetoptions.get("inline", "never") == "never"}
 
 
 def regions_per_call(kernel: Dispatcher) -> int | None:
@@ -484,7 +486,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         forward = profile_forward(net, x, n, max(3, FORWARD_REPS // scale), max(2, TRACED_FORWARDS // scale))
         report["forward"][str(n)] = forward
         print(f"{n} threads: forward {forward['ms']['median']:.3f} ms, {time.perf_counter() - start:.1f} s", flush=True)
-    kernels = parallel_kernels(module)
+    kernels = compiled_kernels(module)
     if args.quick:
         regions: dict[str, int | None] = dict.fromkeys(kernels)
         report["notes"].append("--quick: regions per call not counted (compiling uncached kernel copies takes seconds)")

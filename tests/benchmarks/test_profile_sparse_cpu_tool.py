@@ -47,6 +47,17 @@ def test_regions_per_call_counts_the_parallel_loops_a_kernel_launched_with():
     assert tool.regions_per_call(tool.empty_region) == 1
 
 
+def test_the_trace_covers_the_serial_kernels_and_leaves_the_inlined_helpers_out():
+    from benchmarks.tools import profile_sparse_cpu as tool
+    from tendril.sparse.ops import cpu_threads
+
+    kernels = tool.compiled_kernels(cpu_threads.kernels())
+    assert {"conv_direct", "count_channels", "sum_band_counts"} <= kernels.keys()
+    assert not {"write_band", "_products", "_at"} & kernels.keys()
+    tool.serial_call(np.zeros(1, dtype=np.float32))
+    assert tool.regions_per_call(tool.serial_call) == 0
+
+
 def test_thread_counts_must_be_positive_integers():
     from benchmarks.tools import profile_sparse_cpu as tool
 

@@ -13,9 +13,8 @@ from torch import nn
 
 from tendril.sparse import convert, prune
 from tendril.sparse.network import SparseNetwork
-from tendril.sparse.ops.conv.cpu.dataflow import run_unprepared
-from tendril.sparse.ops.linear import cpu as linear_cpu
-from tendril.sparse.steps import DenseStep, RunState, SparseConvStep, SparseLinearStep
+from tendril.sparse.steps import DenseStep, SparseConvStep, SparseLinearStep
+from tests.sparse.cpu_checks import assert_same_run
 from tests.sparse.models import Bottleneck, ResNetLike, randomize_batchnorm
 
 SIZE = 40
@@ -30,42 +29,6 @@ def _network(capacity: float = 1.0) -> SparseNetwork:
     return convert(model, torch.randn(1, 3, SIZE, SIZE), activation_capacity=capacity)
 
 
-def _unprepared_forward(net: SparseNetwork, x: torch.Tensor) -> tuple[torch.Tensor, RunState]:
-    """The network's forward with every sparse layer run as the engine ran it before preparation: convolutions by
-    `run_unprepared`, FC layers by `linear_dense_input` per sample; returns the output and the state it counted in."""
-    state = RunState("cpu", net.threads, torch.zeros(1, dtype=torch.int32), count_inputs=net.count_activations)
-    values = {net.input_name: x}
-    with torch.no_grad():
-        for step in net.steps:
-            args = [values[name] for name in step.inputs]
-            if isinstance(step, SparseConvStep):
-                values[step.output] = run_unprepared(step, args[0], args[1] if step.residual else None, state)
-            elif isinstance(step, SparseLinearStep):
-                y = torch.empty(args[0].shape[0], step.weights.out_features)
-                for b in range(y.shape[0]):
-                    counts = linear_cpu.linear_dense_input(
-                        args[0][b], step.weights, step.bias, out=y[b], relu=step.relu, threads=net.threads
-                    )
-                    state.count(step.name, counts, step.layout)
-                values[step.output] = y
-            else:
-                values[step.output] = step.run(args, state)
-    return values[net.output_name], state
-
-
-def _assert_same_run(net: SparseNetwork, x: torch.Tensor) -> torch.Tensor:
-    """`net(x)` equals the unprepared forward bit for bit, with the same counts and overflow flag."""
-    with torch.no_grad():
-        y = net(x)
-    expected, state = _unprepared_forward(net, x)
-    assert torch.equal(y, expected)
-    assert net.state.last_counts.keys() == state.last_counts.keys()
-    for name, counts in state.last_counts.items():
-        assert torch.equal(net.state.last_counts[name], counts), name
-    assert torch.equal(net.state.overflow, state.overflow)
-    return y
-
-
 def test_prepared_calls_match_the_unprepared_path_across_thread_and_backend_changes():
     net = _network()
     inputs = [torch.randn(1, 3, SIZE, SIZE) for _ in range(2)]
@@ -77,7 +40,7 @@ def test_prepared_calls_match_the_unprepared_path_across_thread_and_backend_chan
             continue
         for x in inputs:
             for _ in range(2):
-                y = _assert_same_run(net, x)
+                y = assert_same_run(net, x)
             first.setdefault(threads, []).append(y)
     assert all(torch.equal(a, b) for a, b in zip(first[1][:2], first[1][2:], strict=True))
 
@@ -90,7 +53,7 @@ def test_prepared_calls_count_and_flag_overflow_as_the_unprepared_path(threads):
     for batch, count in ((1, False), (1, True), (2, True), (2, False), (1, True)):
         net.count_activations = count
         net.reset_overflow()
-        _assert_same_run(net, torch.randn(batch, 3, SIZE, SIZE).relu() + 0.1)
+        assert_same_run(net, torch.randn(batch, 3, SIZE, SIZE).relu() + 0.1)
     assert bool(net.state.overflow.item())
 
 
@@ -100,9 +63,9 @@ def test_the_cartesian_dataflow_runs_prepared_on_very_sparse_inputs():
     x = torch.randn(1, 8, 24, 24) * (torch.rand(1, 8, 24, 24) < 0.002)
     step = net.steps[0]
     assert isinstance(step, SparseConvStep)
-    _assert_same_run(net, x)
+    assert_same_run(net, x)
     assert step.cpu_plan is not None and step.cpu_plan.choose(net.state.last_counts[step.name]) == "cartesian"
-    _assert_same_run(net, x)
+    assert_same_run(net, x)
 
 
 @pytest.mark.parametrize("threads", [1, 2])

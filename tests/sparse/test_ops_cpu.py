@@ -302,6 +302,27 @@ def test_cpu_max_pool_matches_torch(shape, kernel, stride, padding, dtype) -> No
     assert pool(x).is_contiguous()
 
 
+@pytest.mark.parametrize("output_size", [1, (1, 1)])
+@pytest.mark.parametrize("shape", [(1, 3, 7, 7), (2, 5, 4, 6), (3, 1, 9), (1, 2048, 7, 7)])
+def test_cpu_global_avg_pool_matches_torch(shape, output_size) -> None:
+    """The compiled mean of each plane (fp32) is torch's within fp32 rounding; other dtypes run the module."""
+    x = torch.randn(shape) + 0.5
+    module = torch.nn.AdaptiveAvgPool2d(output_size)
+    pool = cpu_pool.pooling(module)
+    assert isinstance(pool, cpu_pool.GlobalAvgPool)
+    y = pool(x)
+    assert y.shape == module(x).shape and y.is_contiguous()
+    torch.testing.assert_close(y, module(x.double()).float(), rtol=1e-6, atol=1e-6)
+    assert torch.equal(pool(x[..., ::2]), pool(x[..., ::2].contiguous()))
+    assert torch.equal(pool(x.double()), module(x.double()))
+
+
 def test_pooling_keeps_modules_it_does_not_cover() -> None:
-    for module in (torch.nn.MaxPool2d(2, ceil_mode=True), torch.nn.MaxPool2d(3, dilation=2), torch.nn.AvgPool2d(2)):
+    for module in (
+        torch.nn.MaxPool2d(2, ceil_mode=True),
+        torch.nn.MaxPool2d(3, dilation=2),
+        torch.nn.AvgPool2d(2),
+        torch.nn.AdaptiveAvgPool2d((1, 2)),
+        torch.nn.AdaptiveAvgPool2d(2),
+    ):
         assert cpu_pool.pooling(module) is module

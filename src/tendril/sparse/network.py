@@ -37,6 +37,7 @@ from dataclasses import dataclass
 import torch
 
 from tendril.sparse.ops import cpu_threads
+from tendril.sparse.ops.conv.cpu import kernel as cpu_kernel
 from tendril.sparse.ops.conv.register.tiling import RegisterTilePlan
 from tendril.sparse.steps import DenseStep, RunState, SparseConvStep, SparseLinearStep, Step
 from tendril.sparse.tuning import KernelTuner
@@ -98,12 +99,8 @@ class SparseNetwork:
         self.backend = "cuda" if device.type == "cuda" else ("cpu" if dtype == torch.float32 else "triton")
         self.threads = 1
         self._reused_outputs = _outputs_never_returned(steps, output_name)
-        self.state = RunState(
-            self.backend,
-            self.threads,
-            torch.zeros(1, dtype=torch.int32, device=device),
-            reused_outputs=self._reused_outputs,
-        )
+        self._counted_outputs = _outputs_read_directly(steps, self._reused_outputs)
+        self.state = self._new_state(torch.zeros(1, dtype=torch.int32, device=device))
         """What every forward's steps share: backend, threads, the device overflow flag, the last nonzero counts, and
         the CPU backend's prepared calls (a new state for each `set_backend`)."""
         self.rejected_kernels: dict[str, dict[str, str]] = {}
@@ -143,8 +140,17 @@ class SparseNetwork:
         if threads < 1:
             raise ValueError(f"threads={threads}: expected at least 1")
         self.backend, self.threads = backend, threads
-        self.state = RunState(backend, threads, self.state.overflow, reused_outputs=self._reused_outputs)
+        self.state = self._new_state(self.state.overflow)
         return self
+
+    def _new_state(self, overflow: torch.Tensor) -> RunState:
+        return RunState(
+            self.backend,
+            self.threads,
+            overflow,
+            reused_outputs=self._reused_outputs,
+            counted_outputs=self._counted_outputs,
+        )
 
     @torch.no_grad()
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -318,6 +324,15 @@ def _outputs_never_returned(steps: list[Step], output_name: str) -> frozenset[st
     sparse = [step for step in steps if not isinstance(step, DenseStep)]
     inside = {step.name for step in sparse if step.output not in returned}
     return frozenset(inside - {step.name for step in sparse if step.output in returned})
+
+
+def _outputs_read_directly(steps: list[Step], reused: frozenset[str]) -> frozenset[str]:
+    """The convolutions (by name) in `reused` whose output a convolution that reads its input directly
+    (`cpu_kernel.reads_input`) takes as its input: those whose CPU calls keep their output's nonzeros for it
+    (`RunState.counted_outputs`)."""
+    convolutions = [step for step in steps if isinstance(step, SparseConvStep)]
+    read = {step.inputs[0] for step in convolutions if cpu_kernel.reads_input(step.weights.geometry)}
+    return frozenset(step.name for step in convolutions if step.name in reused and step.output in read)
 
 
 def _kernel_of(step: Step) -> str:

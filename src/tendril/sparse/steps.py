@@ -24,6 +24,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -56,6 +57,12 @@ class RunState:
     """The steps (by name) whose CPU calls may write their output into a buffer of their own that the next call
     overwrites: a network lists those whose output never reaches its caller (`SparseNetwork.forward` returns a
     tensor no later call writes). Every other step's CPU call returns a new tensor."""
+    counted_outputs: frozenset[str] = frozenset()
+    """The steps (by name, all in `reused_outputs`) whose CPU calls keep their output's nonzeros as their direct
+    kernel writes it, for the next layers that read that output directly (`ops/conv/cpu/prepared.py`)."""
+    output_counts: dict[str, tuple[torch.Tensor, np.ndarray]] = field(default_factory=dict)
+    """Per activation name, the tensor a step of `counted_outputs` last wrote under it and that write's nonzeros per
+    sample, band and channel (`[N, bands, C]`), while they describe it."""
     prepared: dict[int, Any] = field(default_factory=dict)
     """The CPU backend's prepared call of each step (by `id`; the call holds its step), built at the step's first
     call under this state (`ops/conv/cpu/prepared.py`, `linear_cpu.PreparedLinear`): a new state (a new backend or

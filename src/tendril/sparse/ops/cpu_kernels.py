@@ -13,7 +13,9 @@ about equal cost (never over a dimension as small as a layer's input channels).
   which only a nonzero claims.
 - `fill_planes`: a dense `[C, H, W]` activation straight into the direct dataflow's zero-padded
   phase planes (row width `row`), counting each virtual channel's nonzeros on the way; parallel over
-  virtual channels.
+  virtual channels. It returns the cartesian dataflow's products for these counts (`Σ counts × weights per
+  channel`, what the cost model compares), as do `count_channels` and `sum_band_counts`, so that choosing the
+  dataflow takes no other pass.
 - `scatter_planes`: compressed activations into the same planes (the inverse of `compress_planes`).
 - `conv_cartesian`: SCNN's dataflow. For each block of output channels (its halo accumulators stay in
   the L2 cache) and each virtual input channel, every nonzero weight meets every stored activation and
@@ -29,13 +31,18 @@ about equal cost (never over a dimension as small as a layer's input channels).
   no scalar remainder loop runs (the extra accumulators read the next rows, still inside the channel's
   plane, and are never written out). The band's input
   rows of every channel (reused by all output channels of the unit) stay in the L2 cache. Bias, the
-  residual and ReLU are applied when the band is written out, cropped to the output width.
+  residual and ReLU are applied when the band is written out, cropped to the output width, and the nonzeros
+  written are counted on the way: with `band_counts` (`[bands, K]`, or `[0, 0]`: not kept) each unit stores its
+  band's count per output channel, so that a next layer reading this output directly needs no counting pass.
   Work = nonzero weights × output pixels.
 - `count_channels`: the nonzeros of each channel of a dense `[C, H, W]` input, for the layers whose
   direct dataflow reads the input itself (unpadded 1×1 stride-1 layers need no planes); parallel over
   channels, each row counted in float32 (vectorized, exact below 2^24 per row).
+- `sum_band_counts`: the same counts from the `band_counts` of the direct kernel that wrote the input (serial:
+  a sum over a few bands per channel, no parallel region).
 - `bias_residual_relu`: `out[k] = [relu](out[k] + bias[k] + residual[k])` in place over a `[K, N]` product
   (what follows a library product), one pass; parallel over rows.
+- `mean_planes`: the mean of each `[H·W]` plane (global average pooling), parallel over planes.
 - `max_pool_planes`: max pooling of `[P, H, W]` planes, parallel over planes, separably: per output row, the
   maxima over its window rows (one contiguous, vectorizable pass per row into a `-inf`-padded buffer), then over
   each window's columns; NaNs propagate as in torch's `max_pool2d`.
@@ -78,7 +85,7 @@ def compress_planes(
 
 
 @njit(parallel=True, cache=True, fastmath=True)
-def fill_planes(x, stride_h, stride_w, pad_h, pad_w, planes, row, plane_rows, counts):
+def fill_planes(x, stride_h, stride_w, pad_h, pad_w, planes, row, plane_rows, counts, weights_per_channel):
     height, width = x.shape[1], x.shape[2]
     phases = stride_h * stride_w
     for v in prange(planes.shape[0]):
@@ -103,6 +110,7 @@ def fill_planes(x, stride_h, stride_w, pad_h, pad_w, planes, row, plane_rows, co
                 n += _copy_row(strided, plane[at + first_ix : at + end_ix])
         plane[plane_rows * row :] = 0
         counts[v] = n
+    return _products(counts, weights_per_channel)
 
 
 @njit(inline="always", fastmath=True)
@@ -140,11 +148,12 @@ def conv_cartesian(acc, values, base, block_ptr, act_values, act_address, counts
 
 
 @njit(parallel=True, cache=True, fastmath=True)
-def conv_direct(out, bias, residual, relu, values, base, k_ptr, planes, row, band_rows, k_block, vector):
+def conv_direct(out, residual, planes, band_counts, bias, relu, values, base, k_ptr, row, band_rows, k_block, vector):
     channels, out_h = out.shape[0], out.shape[1]
     bands = (out_h + band_rows - 1) // band_rows
     k_blocks = (channels + k_block - 1) // k_block
     has_residual = residual.shape[0] > 0
+    counted = band_counts.shape[0] > 0
     for unit in prange(bands * k_blocks):
         band, kb = unit // k_blocks, unit % k_blocks
         y0 = band * band_rows
@@ -167,7 +176,9 @@ def conv_direct(out, bias, residual, relu, values, base, k_ptr, planes, row, ban
                     high = (w4 * planes[b4 + q] + w5 * planes[b5 + q]) + (w6 * planes[b6 + q] + w7 * planes[b7 + q])
                     acc[q] += low + high
                 i += 8
-            write_band(out, acc, bias[k], residual, has_residual, relu, k, y0, rows, row)
+            written = write_band(out, acc, bias[k], residual, has_residual, relu, k, y0, rows, row)
+            if counted:
+                band_counts[band, k] = written
 
 
 @njit(parallel=True, cache=True, fastmath=True)
@@ -194,7 +205,7 @@ def linear_dense_input(out, bias, relu, x, values, rows, col_ptr, bounds, parts,
 
 
 @njit(parallel=True, cache=True, fastmath=True)
-def count_channels(x, counts):
+def count_channels(x, counts, weights_per_channel):
     for c in prange(x.shape[0]):
         n = np.int64(0)
         for y in range(x.shape[1]):
@@ -204,6 +215,27 @@ def count_channels(x, counts):
                 in_row += np.float32(row[i] != 0)
             n += np.int64(in_row)
         counts[c] = n
+    return _products(counts, weights_per_channel)
+
+
+@njit(cache=True)
+def sum_band_counts(band_counts, counts, weights_per_channel):
+    channels = counts.shape[0]
+    for c in range(channels):
+        counts[c] = 0
+    for band in range(band_counts.shape[0]):
+        for c in range(channels):
+            counts[c] += band_counts[band, c]
+    return _products(counts, weights_per_channel)
+
+
+@njit(inline="always")
+def _products(counts, weights_per_channel):
+    """The cartesian dataflow's products for activations with these counts per virtual channel."""
+    products = np.int64(0)
+    for v in range(counts.shape[0]):
+        products += np.int64(counts[v]) * weights_per_channel[v]
+    return products
 
 
 @njit(parallel=True, cache=True, fastmath=True)
@@ -225,14 +257,17 @@ def bias_residual_relu(out, bias, residual, relu):
 @njit(inline="always", fastmath=True)
 def write_band(out, acc, bias, residual, has_residual, relu, k, y0, rows, row):
     """Output channel `k`'s band, from accumulators of row width `row`, cropped, with bias, residual and ReLU
-    (flat unsigned indices and loop-invariant branches, so the row loops vectorize)."""
+    (flat unsigned indices and loop-invariant branches, so the row loops vectorize); returns the nonzeros written
+    (counted in float32 per row: vectorized, exact below 2^24)."""
     out_h, out_w = out.shape[1], out.shape[2]
     flat_out = out.reshape(-1)
     flat_residual = residual.reshape(-1)
     width = np.uint64(out_w)
+    written = np.int64(0)
     for yy in range(np.uint64(rows)):
         at = _at(k * out_h * out_w, (y0 + yy) * out_w)
         band_at = yy * np.uint64(row)
+        in_row = np.float32(0)
         for xx in range(width):
             value = acc[band_at + xx] + bias
             if has_residual:
@@ -240,12 +275,25 @@ def write_band(out, acc, bias, residual, has_residual, relu, k, y0, rows, row):
             if relu:
                 value = max(value, np.float32(0))
             flat_out[at + xx] = value
+            in_row += np.float32(value != 0)
+        written += np.int64(in_row)
+    return written
 
 
 @njit(inline="always")
 def _at(base, offset):
     """An unsigned flat index: numba indexes with it without a negative-index check, so loops vectorize."""
     return np.uint64(base + offset)
+
+
+@njit(parallel=True, cache=True, fastmath=True)
+def mean_planes(x, out):
+    size = x.shape[1]
+    for p in prange(x.shape[0]):
+        total = np.float32(0)
+        for i in range(size):
+            total += x[p, i]
+        out[p] = total / np.float32(size)
 
 
 @njit(parallel=True, cache=True)

@@ -1,4 +1,5 @@
-"""Max pooling for CPU networks: compiled (fp32) or as separable maxima of strided views (other dtypes).
+"""Pooling for CPU networks: max pooling compiled (fp32) or as separable maxima of strided views (other dtypes), and
+global average pooling compiled (fp32).
 
 torch's `max_pool2d` on a contiguous (NCHW) CPU tensor runs a scalar loop per output pixel, at batch 1 an order
 of magnitude slower than a pass over the input; in a CPU network it can cost as much as a sparse convolution
@@ -10,8 +11,13 @@ the maximum over a `kh × kw` window is the maximum over `kw` columns of the max
 of that, every one a vectorized pass. Either way the padding is implicit `-inf`, as in torch's, and NaNs propagate
 as they do there.
 
-`pooling(module)` wraps a `MaxPool2d` whose options this covers (no dilation, no `ceil_mode`, no indices) so
-that CPU tensors take these paths and other devices the module itself; any other module is returned as it is.
+An `AdaptiveAvgPool2d` to one pixel (ResNet's pooling before its FC layer) is the mean of each plane: for fp32 a
+compiled pass parallel over planes (`cpu_kernels.mean_planes`), for the same reason: torch's own, on one thread
+between two compiled layers, costs many times its single pass.
+
+`pooling(module)` wraps a `MaxPool2d` whose options this covers (no dilation, no `ceil_mode`, no indices) and an
+`AdaptiveAvgPool2d` to 1×1 so that CPU tensors take these paths and other devices the module itself; any other
+module is returned as it is.
 """
 
 from __future__ import annotations
@@ -39,11 +45,35 @@ class SeparableMaxPool:
         return max_pool(x, self.kernel, self.stride, self.padding)
 
 
+class GlobalAvgPool:
+    """`module(x)` for an `nn.AdaptiveAvgPool2d` to 1×1, compiled for fp32 CPU tensors."""
+
+    def __init__(self, module: nn.AdaptiveAvgPool2d) -> None:
+        self.module = module
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if not x.is_cpu or x.dtype != torch.float32 or x.shape[-1] * x.shape[-2] == 0:
+            return self.module(x)
+        return global_avg_pool(x)
+
+
 def pooling(module: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
-    """The callable a network runs for a pooling module: `SeparableMaxPool` where it covers the module."""
+    """The callable a network runs for a pooling module: `SeparableMaxPool` or `GlobalAvgPool` where one covers the
+    module."""
     if isinstance(module, nn.MaxPool2d) and _separable(module):
         return SeparableMaxPool(module)
+    if isinstance(module, nn.AdaptiveAvgPool2d) and _to_one_pixel(module):
+        return GlobalAvgPool(module)
     return module
+
+
+def global_avg_pool(x: torch.Tensor) -> torch.Tensor:
+    """`F.adaptive_avg_pool2d(x, 1)` of an fp32 CPU tensor with nonempty planes: each plane's mean, compiled."""
+    x = x.detach() if x.requires_grad else x
+    planes = (x if x.is_contiguous() else x.contiguous()).numpy().reshape(-1, x.shape[-2] * x.shape[-1])
+    out = torch.empty(*x.shape[:-2], 1, 1)
+    kernels().mean_planes(planes, out.numpy().reshape(-1))
+    return out
 
 
 def max_pool(
@@ -75,6 +105,11 @@ def max_pool(
 
 def _separable(module: nn.MaxPool2d) -> bool:
     return _pair(module.dilation) == (1, 1) and not module.ceil_mode and not module.return_indices
+
+
+def _to_one_pixel(module: nn.AdaptiveAvgPool2d) -> bool:
+    size = module.output_size
+    return size == 1 if isinstance(size, int) else size is not None and tuple(size) == (1, 1)
 
 
 def _pair(value: int | tuple[int, ...]) -> tuple[int, int]:

@@ -41,7 +41,7 @@ Two entry points:
   and ReLU are fused into the write-out, and the activations are compressed only when the cost model
   picks `cartesian`, so the common case makes one pass over the input and one over the output.
 A CPU network runs `conv_dense_input`'s `auto` method through `prepared.PreparedConv`, which makes the same kernel
-calls on operands worked out once per layer (`DirectOperands`, the numpy views, the buffers).
+calls on operands worked out once per layer (`DirectCall`, the numpy views, the buffers).
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ import numpy as np
 import torch
 
 from tendril.sparse.activations import ActivationLayout, CompressedActivations
-from tendril.sparse.format import SparseConvWeights
+from tendril.sparse.format import ConvGeometry, SparseConvWeights
 from tendril.sparse.ops.compress import cpu as compress_cpu
 from tendril.sparse.ops.cpu_threads import kernel_threads, kernels
 
@@ -131,13 +131,13 @@ class CpuConvPlan:
         block_ptr = torch.cat([block_ptr[:-1].view(blocks, channels), block_ptr[channels::channels, None]], 1)
         base = (k % k_block) * plane - rp * acc_w - sp + (kh - 1) * acc_w + (kw - 1)
         pointwise = g.kernel == (1, 1) and g.padding == (0, 0) and g.groups == 1
-        reads_input = g.kernel == (1, 1) and g.stride == (1, 1) and g.padding == (0, 0)
+        direct_input = reads_input(g)
         return cls(
             weights,
             row,
             plane_rows,
-            torch.empty(0 if reads_input else channels, plane_stride),
-            reads_input,
+            torch.empty(0 if direct_input else channels, plane_stride),
+            direct_input,
             _csr_weights(weights) if pointwise else None,
             direct_values,
             direct_base,
@@ -169,6 +169,12 @@ class CpuConvPlan:
         """`choose` given the products (`products(counts)`): `cartesian` where it costs no more than `direct`."""
         cartesian = float(products) * NS_PER_PRODUCT["cartesian"]
         return "cartesian" if cartesian <= self.direct_macs * NS_PER_PRODUCT["direct"] else "direct"
+
+
+def reads_input(geometry: ConvGeometry) -> bool:
+    """Whether a layer's direct dataflow reads its input itself, its phase planes being the input (an unpadded 1×1
+    stride-1 layer): `CpuConvPlan.reads_input`."""
+    return geometry.kernel == (1, 1) and geometry.stride == (1, 1) and geometry.padding == (0, 0)
 
 
 def _padded_by_channel(
@@ -273,15 +279,17 @@ def conv_dense_input(
             return None
         planes = x.view(g.in_channels, -1) if plan.reads_input else plan.planes
         counted = method == "auto" or count or not plan.reads_input
+        products = 0
         if method != "cartesian" and plan.reads_input:
             if counted:
-                kernels().count_channels(x.numpy(), counts.numpy())
+                products = kernels().count_channels(x.numpy(), counts.numpy(), plan.weights_per_channel.numpy())
         elif method != "cartesian":
-            kernels().fill_planes(
-                x.numpy(), *g.stride, *g.padding, planes.numpy(), plan.row, plan.plane_rows, counts.numpy()
-            )
+            products = kernels().fill_planes(
+                x.numpy(), *g.stride, *g.padding, planes.numpy(), plan.row, plan.plane_rows, counts.numpy(),
+                plan.weights_per_channel.numpy(),
+            )  # fmt: skip
         if method == "auto":
-            method = plan.choose(counts)
+            method = plan.choose_for(products)
         if method == "spmm":
             _spmm(plan, columns_of(plan, planes), out, bias, resid, relu=relu)
             return counts
@@ -370,44 +378,40 @@ def _direct(
     threads: int,
 ) -> None:
     """The direct dataflow over `planes` (`plan.planes` filled, or the input where the plan reads it) into `out`."""
-    operands = DirectOperands.of(plan, threads)
-    operands.run(out.numpy(), bias.contiguous().numpy(), residual.numpy(), relu, planes.reshape(-1).numpy())
+    call = DirectCall.of(plan, threads, bias.contiguous().numpy(), relu)
+    call.run(out.numpy(), residual.numpy(), planes.reshape(-1).numpy())
+
+
+NOT_COUNTED = np.empty((0, 0), dtype=np.int32)
+"""The direct kernel's `band_counts` where its output's nonzeros are not kept."""
 
 
 @dataclass(frozen=True)
-class DirectOperands:
-    """What the direct kernel reads besides the input, output, bias and residual: the plan's weights as numpy arrays
-    and the work split for a thread count (built per call by `conv_dense_input`, once by a prepared layer)."""
+class DirectCall:
+    """The direct kernel's arguments that stay the same from call to call of a layer: bias, ReLU, the plan's weights
+    as numpy arrays and the work split for a thread count (built per call by `conv_dense_input`, once by a prepared
+    layer, which then passes only the output, residual, input planes and counts buffer at each call)."""
 
-    values: np.ndarray
-    base: np.ndarray
-    k_ptr: np.ndarray
-    row: int
-    band_rows: int
-    k_block: int
-    """Output channels per work unit: enough units for `UNITS_PER_THREAD` per thread."""
+    arguments: tuple[object, ...]
+    """`(bias, relu, values, base, k_ptr, row, band_rows, k_block, vector)`, `conv_direct`'s last arguments."""
+    bands: int
+    """Bands of output rows (the first dimension of the kernel's `band_counts`)."""
 
     @classmethod
-    def of(cls, plan: CpuConvPlan, threads: int) -> DirectOperands:
+    def of(cls, plan: CpuConvPlan, threads: int, bias: np.ndarray, relu: bool) -> DirectCall:
         g = plan.weights.geometry
         bands = -(-g.out_hw[0] // plan.band_rows)
         k_blocks = min(g.out_channels, -(-UNITS_PER_THREAD * threads // bands)) if threads > 1 else 1
-        return cls(
-            plan.direct_values.numpy(),
-            plan.direct_base.numpy(),
-            plan.k_ptr.numpy(),
-            plan.row,
-            plan.band_rows,
-            -(-g.out_channels // k_blocks),
-        )
+        weights = (plan.direct_values.numpy(), plan.direct_base.numpy(), plan.k_ptr.numpy())
+        k_block = -(-g.out_channels // k_blocks)
+        return cls((bias, relu, *weights, plan.row, plan.band_rows, k_block, VECTOR_FLOATS), bands)
 
-    def run(self, out: np.ndarray, bias: np.ndarray, residual: np.ndarray, relu: bool, planes: np.ndarray) -> None:
+    def run(
+        self, out: np.ndarray, residual: np.ndarray, planes: np.ndarray, band_counts: np.ndarray = NOT_COUNTED
+    ) -> None:
         """`out = [relu](bias + residual + conv(planes))`: `out` `[K, OH, OW]`, `residual` alike or `[0, 0, 0]`
-        (none), `planes` flat."""
-        kernels().conv_direct(
-            out, bias, residual, relu, self.values, self.base, self.k_ptr, planes,
-            self.row, self.band_rows, self.k_block, VECTOR_FLOATS,
-        )  # fmt: skip
+        (none), `planes` flat; with `band_counts` (`[bands, K]`), the nonzeros written per band and channel."""
+        kernels().conv_direct(out, residual, planes, band_counts, *self.arguments)
 
 
 def _cartesian(

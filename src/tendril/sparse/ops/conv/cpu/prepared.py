@@ -16,6 +16,15 @@ What it reuses between calls:
   output never reaches its caller): each call then overwrites the previous call's output. Otherwise every call
   writes a new tensor.
 So a prepared layer serves one call at a time: a network runs from one Python thread at a time on the CPU.
+
+Counts passed between layers: an unpadded 1×1 stride-1 layer reads its input directly, so no pass over it counts
+its nonzeros on the way (the cost model and the layer report need them) and it would count them with a pass of its
+own, one more parallel region per layer. Where the layer that writes that input does so by the direct kernel into a
+reused buffer (a network lists those layers in `RunState.counted_outputs`), the kernel counts what it writes per
+band and output channel, and the layer publishes the counts in `RunState.output_counts` beside the tensor they
+describe; a reading layer handed that very tensor sums them (a serial call) instead of counting. A publishing layer
+drops its entry before it rewrites the buffer and publishes again only where every sample went through the direct
+kernel. The counts are the same numbers either way, so outputs and reports stay bit-identical.
 """
 
 from __future__ import annotations
@@ -72,6 +81,7 @@ class PreparedConv:
         self.step = step
         """Held, so that the step's `id`, `RunState.prepared`'s key, stays its own."""
         self.name, self.layout, self.relu = step.name, step.layout, step.relu
+        self.input_name, self.output_name = step.inputs[0], step.output
         self.threads, self.used = state.threads, cpu_threads.usable(state.threads)
         self.in_shape = (batch, g.in_channels, *g.in_hw)
         self.out_shape = (batch, g.out_channels, *g.out_hw)
@@ -85,9 +95,10 @@ class PreparedConv:
         self.bias_array = self.bias.numpy()
         self.counts = torch.empty(g.virtual_channels, dtype=torch.int32)
         self.counts_array = self.counts.numpy()
-        self.weights_per_channel = plan.weights_per_channel.numpy()
-        self.direct = kernel.DirectOperands.of(plan, self.used)
-        self.fill = (*g.stride, *g.padding, plan.planes.numpy(), plan.row, plan.plane_rows)
+        self.count_arguments = (self.counts_array, plan.weights_per_channel.numpy())
+        """The counting kernels' last arguments: the counts buffer and the plan's weights per channel."""
+        self.direct = kernel.DirectCall.of(plan, self.used, self.bias_array, step.relu)
+        self.fill = (*g.stride, *g.padding, plan.planes.numpy(), plan.row, plan.plane_rows, *self.count_arguments)
         self.planes = plan.planes.view(-1).numpy()
         self.stride = g.stride
         strided_spmm = self.spmm and not plan.reads_input
@@ -100,6 +111,12 @@ class PreparedConv:
         self.reuse = step.name in state.reused_outputs
         if self.reuse:
             self.output.of(torch.empty(self.out_shape))
+        self.publishes = self.reuse and step.name in state.counted_outputs
+        """Whether the direct kernel keeps this layer's output nonzeros for the next layers (`RunState.output_counts`):
+        only into a reused buffer, which no one else writes."""
+        bands = self.direct.bands if self.publishes else 0
+        self.band_counts = np.zeros((batch, bands, g.out_channels if bands else 0), dtype=np.int32)
+        self.sample_band_counts = list(self.band_counts)
 
     def accepts(self, x: torch.Tensor) -> bool:
         """Whether `x` is an input this call was prepared for (the batch size and shape it expects, fp32)."""
@@ -114,27 +131,49 @@ class PreparedConv:
             with cpu_threads.kernel_threads(self.threads):
                 return self(x, residual, state)
         out = self.output if self.reuse else TensorViews(self.output.rows, self.spmm).of(torch.empty(self.out_shape))
-        inputs = self.inputs.of(x if x.is_contiguous() else x.contiguous())
-        residuals = None if residual is None else self.residuals.of(residual.contiguous())
+        inputs = self.inputs.of(_contiguous(x))
+        residuals = None if residual is None else self.residuals.of(_contiguous(residual))
         count = state.count_inputs or self.may_overflow
+        published = self._published_counts(x, state)
+        if self.publishes:  # the counts published last describe the buffer only until it is rewritten
+            state.output_counts.pop(self.output_name, None)
+        publish = self.publishes
         for b in range(self.in_shape[0]):
             if self.spmm:
-                counts = self._spmm(inputs, residuals, out, b, count)
+                counts = self._spmm(inputs, residuals, out, b, count, published)
+                publish = False
             else:
-                counts = self._compiled(inputs, residuals, out, b)
+                counts, direct = self._compiled(inputs, residuals, out, b, published)
+                publish = publish and direct
             if counts is not None:
                 state.count_host(self.name, counts, self.capacity)
         assert out.tensor is not None
+        if publish:
+            state.output_counts[self.output_name] = (out.tensor, self.band_counts)
         return out.tensor
 
+    def _published_counts(self, x: torch.Tensor, state: RunState) -> np.ndarray | None:
+        """The band counts the layer that wrote `x` published for it (`[N, bands, C]`), where this layer reads its
+        input directly and they describe `x`; else None."""
+        if not self.plan.reads_input:
+            return None
+        entry = state.output_counts.get(self.input_name)
+        return entry[1] if entry is not None and entry[0] is x else None
+
     def _spmm(
-        self, inputs: TensorViews, residuals: TensorViews | None, out: TensorViews, b: int, count: bool
+        self,
+        inputs: TensorViews,
+        residuals: TensorViews | None,
+        out: TensorViews,
+        b: int,
+        count: bool,
+        published: np.ndarray | None,
     ) -> torch.Tensor | None:
         """Sample `b` by the library product, as `conv_dense_input(..., count=count)` on one thread (the calls of
         `kernel._spmm`); returns the counts where it counts."""
         plan, x = self.plan, inputs.arrays[b]
         if count:
-            self._fill_or_count(x)
+            self._count(x, b, published)
             columns = inputs.flat[b] if plan.reads_input else kernel.columns_of(plan, plan.planes)
         else:
             columns = inputs.flat[b] if plan.reads_input else self._subsample(x)
@@ -145,20 +184,19 @@ class PreparedConv:
         return self.counts if count else None
 
     def _compiled(
-        self, inputs: TensorViews, residuals: TensorViews | None, out: TensorViews, b: int
-    ) -> torch.Tensor | None:
+        self, inputs: TensorViews, residuals: TensorViews | None, out: TensorViews, b: int, published: np.ndarray | None
+    ) -> tuple[torch.Tensor, bool]:
         """Sample `b` by the compiled dataflow the cost model picks, as `conv_dense_input(..., method="auto")`;
-        returns the counts."""
-        plan = self.plan
-        planes = self._fill_or_count(inputs.arrays[b])
-        if plan.choose_for(int(self.counts_array @ self.weights_per_channel)) == "direct":
+        returns the counts and whether the direct kernel ran (keeping the output's band counts where it publishes)."""
+        products, planes = self._count(inputs.arrays[b], b, published)
+        if self.plan.choose_for(products) == "direct":
             resid = NO_RESIDUAL if residuals is None else residuals.arrays[b]
-            self.direct.run(out.arrays[b], self.bias_array, resid, self.relu, planes)
-            return self.counts
+            self.direct.run(out.arrays[b], resid, planes, self.sample_band_counts[b])
+            return self.counts, True
         assert inputs.tensor is not None and out.tensor is not None
-        return kernel.cartesian_dense_input(
+        counts = kernel.cartesian_dense_input(
             inputs.tensor[b],
-            plan,
+            self.plan,
             self.bias,
             out.tensor[b],
             self.layout,
@@ -166,17 +204,24 @@ class PreparedConv:
             relu=self.relu,
             threads=self.used,
         )
+        return counts, False
 
-    def _fill_or_count(self, x: np.ndarray) -> np.ndarray:
-        """Count `x`'s nonzeros per virtual channel into the counts buffer, filling the phase planes unless the plan
-        reads the input itself; returns the flat planes the direct dataflow reads."""
-        if self.plan.reads_input:
-            self.kernels.count_channels(x, self.counts_array)
-            return x.reshape(-1)
-        self.kernels.fill_planes(x, *self.fill, self.counts_array)
-        return self.planes
+    def _count(self, x: np.ndarray, b: int, published: np.ndarray | None) -> tuple[int, np.ndarray]:
+        """Count sample `b`'s input nonzeros per virtual channel into the counts buffer: from the band counts its
+        writer published, else by a pass, which fills the phase planes unless the plan reads the input itself.
+        Returns the cartesian dataflow's products for these counts and the flat planes the direct dataflow reads."""
+        if not self.plan.reads_input:
+            return self.kernels.fill_planes(x, *self.fill), self.planes
+        if published is not None:
+            return self.kernels.sum_band_counts(published[b], *self.count_arguments), x.reshape(-1)
+        return self.kernels.count_channels(x, *self.count_arguments), x.reshape(-1)
 
     def _subsample(self, x: np.ndarray) -> torch.Tensor:
         """The pixels a strided 1×1 layer reads, as `[C, OH·OW]` columns (a buffer rewritten each call)."""
         np.copyto(self.subsampled, x[:, :: self.stride[0], :: self.stride[1]])
         return self.columns
+
+
+def _contiguous(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor.contiguous()`, without its dispatch where the tensor already is (the common case: a layer's output)."""
+    return tensor if tensor.is_contiguous() else tensor.contiguous()
