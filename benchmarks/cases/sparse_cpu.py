@@ -14,7 +14,10 @@ same pruned weights with BatchNorm folded into the convolutions (`torch.fx`'s `f
   compiled dataflow forced (`direct` and `cartesian`: see `ops/conv/cpu/kernel.py`), the library doing the
   same product (torch's sparse CSR × dense `addmm`, MKL's sparse BLAS, on the input itself for 1×1
   layers, else on `F.unfold`'s im2col columns, unfold included) and the activation compression alone
-  (what SCNN's dataflow needs first).
+  (what SCNN's dataflow needs first);
+- inside a forward (`extra.<net>_d<density>.forward_steps_ms`): every step's wall time in tendril's forward at
+  each thread count, pooling and flattening included, and their sum beside the layers as
+  `other_steps_ms_in_forward`.
 
 Targets: `{net}_d{density}_cpu_speedup_vs_dense_1thread` and `_allthreads` (dense time / tendril time)
 and `{net}_d{density}_cpu_thread_scaling` (tendril's 1-thread time / all-thread time), with the goals
@@ -55,6 +58,7 @@ from torch.fx.experimental.optimization import fuse
 
 from benchmarks.registry import Context, Goal, register
 from tendril.sparse import convert, prune
+from tendril.sparse.network import SparseNetwork
 from tendril.sparse.ops import cpu_threads
 from tendril.sparse.ops.compress import cpu as compress_cpu
 from tendril.sparse.ops.conv.cpu import kernel as conv_cpu
@@ -221,6 +225,7 @@ def _bench(ctx: Context, name: str, density: float) -> None:
         per_layer: dict[str, dict[str, Any]] = {s.name: {} for s in steps}
         totals: dict[int, tuple[float, float]] = {}
         reports: dict[str, Any] = {}
+        forward_steps: dict[str, dict[str, float]] = {}
         for threads in thread_counts:
             torch.set_num_threads(threads)
             net.set_backend("cpu", threads)
@@ -239,6 +244,11 @@ def _bench(ctx: Context, name: str, density: float) -> None:
                 totals[threads] = (sparse_cpu.median_ms, dense_cpu.median_ms)
             else:
                 totals[threads] = (sparse.median_ms, dense_t.median_ms)
+            in_forward = _forward_steps_ms(net, inputs[0], reps)
+            outside = sum(ms for step, ms in zip(net.steps, in_forward.values(), strict=True)
+                          if not isinstance(step, (SparseConvStep, SparseLinearStep)))  # fmt: skip
+            ctx.add_value(f"{tag} tendril cpu {label}", "other_steps_ms_in_forward", outside)
+            forward_steps[label] = in_forward
             if not reports:
                 net.count_activations = True
                 net(inputs[0])
@@ -282,7 +292,18 @@ def _bench(ctx: Context, name: str, density: float) -> None:
             values[f"{tag}_dense_thread_scaling"] = totals[1][1] / totals[all_threads][1]
     for key, value in values.items():
         ctx.target(key, value, TARGETS.get(key))
-    ctx.extra[tag] = {"threads": thread_counts, "layers": [{"layer": k, **v} for k, v in per_layer.items()]}
+    ctx.extra[tag] = {
+        "threads": thread_counts,
+        "layers": [{"layer": k, **v} for k, v in per_layer.items()],
+        "forward_steps_ms": forward_steps,
+    }
+
+
+def _forward_steps_ms(net: SparseNetwork, x: torch.Tensor, reps: int) -> dict[str, float]:
+    """Each step's wall time inside a forward (`SparseNetwork.profile` without counting inputs), the median over
+    `reps` forwards, rounded to µs: where a forward's time goes beside its layers (pooling, flattening)."""
+    runs = [net.profile(x, count_inputs=False) for _ in range(reps)]
+    return {name: round(statistics.median(run[i][1] for run in runs), 3) for i, (name, _) in enumerate(runs[0])}
 
 
 def _rescale(model: nn.Module, density: float) -> None:

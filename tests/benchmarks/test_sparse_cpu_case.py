@@ -31,3 +31,8 @@ def test_a_quick_run_reports_the_targets_and_dense_scaling(monkeypatch):
     if (os.cpu_count() or 1) > 1:
         assert ctx.targets["alexnet_d0.1_dense_thread_scaling"] > 0
     assert ctx.extra["host_cpus"]["logical"] == os.cpu_count()
+    steps = ctx.extra["alexnet_d0.1"]["forward_steps_ms"]
+    assert "1 thread" in steps and all(ms >= 0 for ms in steps["1 thread"].values())
+    assert any("features" in name for name in steps["1 thread"])  # the pools' steps are timed too
+    other = [r for r in ctx.rows if r.metric == "other_steps_ms_in_forward"]
+    assert other and all(r.median > 0 for r in other)

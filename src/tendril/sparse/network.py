@@ -176,12 +176,12 @@ class SparseNetwork:
         return cpu_threads.kernel_threads(self.threads)
 
     @torch.no_grad()
-    def profile(self, x: torch.Tensor) -> list[tuple[str, float]]:
-        """One forward timing each step (CUDA events on the GPU, wall clock on the CPU): `(step, ms)`. It counts
-        every layer's nonzero inputs (for `layers`), and the time of layers that count with extra kernels
-        includes theirs."""
+    def profile(self, x: torch.Tensor, count_inputs: bool = True) -> list[tuple[str, float]]:
+        """One forward timing each step (CUDA events on the GPU, wall clock on the CPU): `(step, ms)`. With
+        `count_inputs` it counts every layer's nonzero inputs (for `layers`), and the time of layers that count with
+        extra kernels includes theirs; without, the steps run as in `forward`."""
         values = {self.input_name: x}
-        self.state.count_inputs = True
+        self.state.count_inputs = count_inputs or self.count_activations
         if self.device.type != "cuda":
             timings = []
             with self._cpu_threads():
