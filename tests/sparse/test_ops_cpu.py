@@ -309,7 +309,7 @@ def test_cpu_global_avg_pool_matches_torch(shape, output_size) -> None:
     x = torch.randn(shape) + 0.5
     module = torch.nn.AdaptiveAvgPool2d(output_size)
     pool = cpu_pool.pooling(module)
-    assert isinstance(pool, cpu_pool.GlobalAvgPool)
+    assert isinstance(pool, cpu_pool.AdaptiveAvgPool)
     y = pool(x)
     assert y.shape == module(x).shape and y.is_contiguous()
     torch.testing.assert_close(y, module(x.double()).float(), rtol=1e-6, atol=1e-6)
@@ -322,7 +322,20 @@ def test_pooling_keeps_modules_it_does_not_cover() -> None:
         torch.nn.MaxPool2d(2, ceil_mode=True),
         torch.nn.MaxPool2d(3, dilation=2),
         torch.nn.AvgPool2d(2),
-        torch.nn.AdaptiveAvgPool2d((1, 2)),
-        torch.nn.AdaptiveAvgPool2d(2),
     ):
         assert cpu_pool.pooling(module) is module
+
+
+@pytest.mark.parametrize("output_size", [7, (7, 7), (None, 7), (7, None)])
+def test_cpu_adaptive_avg_pool_to_the_input_size_is_a_copy(output_size) -> None:
+    x = torch.randn(1, 8, 7, 7)
+    module = torch.nn.AdaptiveAvgPool2d(output_size)
+    y = cpu_pool.pooling(module)(x)
+    assert torch.equal(y, module(x)) and y.data_ptr() != x.data_ptr()
+
+
+@pytest.mark.parametrize("output_size", [(1, 2), 2, (3, None)])
+def test_cpu_adaptive_avg_pool_to_other_sizes_runs_the_module(output_size) -> None:
+    x = torch.randn(1, 4, 6, 6)
+    module = torch.nn.AdaptiveAvgPool2d(output_size)
+    assert torch.equal(cpu_pool.pooling(module)(x), module(x))

@@ -13,11 +13,12 @@ as they do there.
 
 An `AdaptiveAvgPool2d` to one pixel (ResNet's pooling before its FC layer) is the mean of each plane: for fp32 a
 compiled pass parallel over planes (`cpu_kernels.mean_planes`), for the same reason: torch's own, on one thread
-between two compiled layers, costs many times its single pass.
+between two compiled layers, costs many times its single pass. One to the input's own size (VGG's, at 224×224) is
+a copy.
 
 `pooling(module)` wraps a `MaxPool2d` whose options this covers (no dilation, no `ceil_mode`, no indices) and an
-`AdaptiveAvgPool2d` to 1×1 so that CPU tensors take these paths and other devices the module itself; any other
-module is returned as it is.
+`AdaptiveAvgPool2d`, so that CPU tensors take these paths and other devices the module itself; any other module is
+returned as it is.
 """
 
 from __future__ import annotations
@@ -45,8 +46,10 @@ class SeparableMaxPool:
         return max_pool(x, self.kernel, self.stride, self.padding)
 
 
-class GlobalAvgPool:
-    """`module(x)` for an `nn.AdaptiveAvgPool2d` to 1×1, compiled for fp32 CPU tensors."""
+class AdaptiveAvgPool:
+    """`module(x)` for an `nn.AdaptiveAvgPool2d`: on fp32 CPU tensors, to one pixel compiled (`global_avg_pool`), and
+    to the input's own size a copy (each window one pixel: VGG's pooling to 7×7 of a 7×7 input); otherwise the
+    module."""
 
     def __init__(self, module: nn.AdaptiveAvgPool2d) -> None:
         self.module = module
@@ -54,16 +57,21 @@ class GlobalAvgPool:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if not x.is_cpu or x.dtype != torch.float32 or x.shape[-1] * x.shape[-2] == 0:
             return self.module(x)
-        return global_avg_pool(x)
+        size = _output_size(self.module, x)
+        if size == (1, 1):
+            return global_avg_pool(x)
+        if size == tuple(x.shape[-2:]):
+            return x.clone()
+        return self.module(x)
 
 
 def pooling(module: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
-    """The callable a network runs for a pooling module: `SeparableMaxPool` or `GlobalAvgPool` where one covers the
-    module."""
+    """The callable a network runs for a pooling module: `SeparableMaxPool` where it covers the module,
+    `AdaptiveAvgPool` for adaptive average pooling."""
     if isinstance(module, nn.MaxPool2d) and _separable(module):
         return SeparableMaxPool(module)
-    if isinstance(module, nn.AdaptiveAvgPool2d) and _to_one_pixel(module):
-        return GlobalAvgPool(module)
+    if isinstance(module, nn.AdaptiveAvgPool2d):
+        return AdaptiveAvgPool(module)
     return module
 
 
@@ -107,9 +115,11 @@ def _separable(module: nn.MaxPool2d) -> bool:
     return _pair(module.dilation) == (1, 1) and not module.ceil_mode and not module.return_indices
 
 
-def _to_one_pixel(module: nn.AdaptiveAvgPool2d) -> bool:
+def _output_size(module: nn.AdaptiveAvgPool2d, x: torch.Tensor) -> tuple[int, int]:
+    """The module's output size for `x` (None keeps the input's size in that dimension)."""
     size = module.output_size
-    return size == 1 if isinstance(size, int) else size is not None and tuple(size) == (1, 1)
+    pair = (size, size) if isinstance(size, int) or size is None else (size[0], size[-1])
+    return (pair[0] or x.shape[-2], pair[1] or x.shape[-1])
 
 
 def _pair(value: int | tuple[int, ...]) -> tuple[int, int]:
