@@ -50,6 +50,7 @@ def no_tf32_convolutions(monkeypatch):
     monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
 LENGTHS = [3, 8, 4, 7, 2, 5, 8, 1, 6, 4] * 2
 
+
 class Both(NamedTuple):
     graphed: dict[str, torch.Tensor]
     eager: dict[str, torch.Tensor]
