@@ -100,6 +100,7 @@ class SparseNetwork:
         self.threads = 1
         self._reused_outputs = _outputs_never_returned(steps, output_name)
         self._counted_outputs = _outputs_read_directly(steps, self._reused_outputs)
+        self._planes_readers = _planes_readers(steps, self._reused_outputs)
         self.state = self._new_state(torch.zeros(1, dtype=torch.int32, device=device))
         """What every forward's steps share: backend, threads, the device overflow flag, the last nonzero counts, and
         the CPU backend's prepared calls (a new state for each `set_backend`)."""
@@ -150,6 +151,7 @@ class SparseNetwork:
             overflow,
             reused_outputs=self._reused_outputs,
             counted_outputs=self._counted_outputs,
+            planes_readers=self._planes_readers,
         )
 
     @torch.no_grad()
@@ -333,6 +335,30 @@ def _outputs_read_directly(steps: list[Step], reused: frozenset[str]) -> frozens
     convolutions = [step for step in steps if isinstance(step, SparseConvStep)]
     read = {step.inputs[0] for step in convolutions if cpu_kernel.reads_input(step.weights.geometry)}
     return frozenset(step.name for step in convolutions if step.name in reused and step.output in read)
+
+
+def _planes_readers(steps: list[Step], reused: frozenset[str]) -> dict[str, SparseConvStep]:
+    """The convolutions in `reused` whose output only one step reads, a convolution whose phase planes hold its input
+    as is (`cpu_kernel.holds_input`), mapped to that reader (`RunState.planes_readers`)."""
+    readers: dict[str, list[Step]] = {}
+    writers: dict[str, int] = {}
+    for step in steps:
+        writers[step.output] = writers.get(step.output, 0) + 1
+        for name in step.inputs:
+            readers.setdefault(name, []).append(step)
+    found = {}
+    for step in steps:
+        read = readers.get(step.output, [])
+        if not isinstance(step, SparseConvStep) or step.name not in reused or writers[step.output] != 1:
+            continue
+        reader = read[0] if len(read) == 1 else None
+        if (
+            isinstance(reader, SparseConvStep)
+            and reader.inputs[0] == step.output
+            and cpu_kernel.holds_input(reader.weights.geometry)
+        ):
+            found[step.name] = reader
+    return found
 
 
 def _kernel_of(step: Step) -> str:

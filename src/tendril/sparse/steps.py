@@ -22,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -40,6 +40,9 @@ from tendril.sparse.ops.conv.interface import batched
 from tendril.sparse.ops.conv.register.kernel import RegisterConvLayer
 from tendril.sparse.ops.linear import cpu as linear_cpu
 from tendril.sparse.ops.linear import triton as linear_triton
+
+if TYPE_CHECKING:
+    from tendril.sparse.ops.conv.cpu.prepared import PlanesOutput
 
 
 @dataclass
@@ -63,6 +66,12 @@ class RunState:
     output_counts: dict[str, tuple[torch.Tensor, np.ndarray]] = field(default_factory=dict)
     """Per activation name, the tensor a step of `counted_outputs` last wrote under it and that write's nonzeros per
     sample, band and channel (`[N, bands, C]`), while they describe it."""
+    planes_readers: dict[str, SparseConvStep] = field(default_factory=dict)
+    """Per step (by name, all in `reused_outputs`), the one convolution that reads its output, where that one's phase
+    planes hold its input as is (`cpu_kernel.holds_input`): the step's CPU call at batch 1 may write its output
+    straight into planes laid out as that reader's (`ops/conv/cpu/prepared.py`)."""
+    output_planes: dict[str, PlanesOutput] = field(default_factory=dict)
+    """Per activation name, the planes a step of `planes_readers` writes under it (and the tensor it returns)."""
     prepared: dict[int, Any] = field(default_factory=dict)
     """The CPU backend's prepared call of each step (by `id`; the call holds its step), built at the step's first
     call under this state (`ops/conv/cpu/prepared.py`, `linear_cpu.PreparedLinear`): a new state (a new backend or

@@ -31,7 +31,9 @@ about equal cost (never over a dimension as small as a layer's input channels).
   no scalar remainder loop runs (the extra accumulators read the next rows, still inside the channel's
   plane, and are never written out). The band's input
   rows of every channel (reused by all output channels of the unit) stay in the L2 cache. Bias, the
-  residual and ReLU are applied when the band is written out, cropped to the output width, and the nonzeros
+  residual and ReLU are applied when the band is written out, cropped to the output width, into a `[K, ·]` output
+  whose channel rows hold each row of the output grid at `out_at + y × out_row` (a contiguous `[K, OH, OW]` output:
+  0 and OW; the next layer's zero-padded phase planes: their interior, `prepared.py`), and the nonzeros
   written are counted on the way: with `band_counts` (`[bands, K]`, or `[0, 0]`: not kept) each unit stores its
   band's count per output channel, so that a next layer reading this output directly needs no counting pass.
   Work = nonzero weights × output pixels.
@@ -148,11 +150,15 @@ def conv_cartesian(acc, values, base, block_ptr, act_values, act_address, counts
 
 
 @njit(parallel=True, cache=True, fastmath=True)
-def conv_direct(out, residual, planes, band_counts, bias, relu, values, base, k_ptr, row, band_rows, k_block, vector):
-    channels, out_h = out.shape[0], out.shape[1]
+def conv_direct(
+    out, residual, planes, band_counts, out_at, out_row, out_h, out_w, bias, relu, values, base, k_ptr, row, band_rows,
+    k_block, vector,
+):
+    channels = out.shape[0]
     bands = (out_h + band_rows - 1) // band_rows
     k_blocks = (channels + k_block - 1) // k_block
     has_residual = residual.shape[0] > 0
+    flat_residual = residual.reshape(-1)
     counted = band_counts.shape[0] > 0
     for unit in prange(bands * k_blocks):
         band, kb = unit // k_blocks, unit % k_blocks
@@ -176,7 +182,10 @@ def conv_direct(out, residual, planes, band_counts, bias, relu, values, base, k_
                     high = (w4 * planes[b4 + q] + w5 * planes[b5 + q]) + (w6 * planes[b6 + q] + w7 * planes[b7 + q])
                     acc[q] += low + high
                 i += 8
-            written = write_band(out, acc, bias[k], residual, has_residual, relu, k, y0, rows, row)
+            written = write_band(
+                out[k], out_at, out_row, out_w, acc, bias[k], flat_residual, k * out_h * out_w, has_residual, relu, y0,
+                rows, row,
+            )  # fmt: skip
             if counted:
                 band_counts[band, k] = written
 
@@ -255,26 +264,26 @@ def bias_residual_relu(out, bias, residual, relu):
 
 
 @njit(inline="always", fastmath=True)
-def write_band(out, acc, bias, residual, has_residual, relu, k, y0, rows, row):
-    """Output channel `k`'s band, from accumulators of row width `row`, cropped, with bias, residual and ReLU
-    (flat unsigned indices and loop-invariant branches, so the row loops vectorize); returns the nonzeros written
-    (counted in float32 per row: vectorized, exact below 2^24)."""
-    out_h, out_w = out.shape[1], out.shape[2]
-    flat_out = out.reshape(-1)
-    flat_residual = residual.reshape(-1)
+def write_band(out, out_at, out_row, out_w, acc, bias, residual, residual_at, has_residual, relu, y0, rows, row):
+    """One output channel's band, from accumulators of row width `row`, cropped, with bias, the residual (flat, the
+    channel's grid from `residual_at`) and ReLU, into `out` (the channel's flat output: output row `y` starts at
+    `out_at + y × out_row`); flat unsigned indices and loop-invariant branches, so the row loops vectorize. Returns
+    the nonzeros written (counted in float32 per row: vectorized, exact below 2^24)."""
     width = np.uint64(out_w)
     written = np.int64(0)
     for yy in range(np.uint64(rows)):
-        at = _at(k * out_h * out_w, (y0 + yy) * out_w)
+        y = y0 + yy
+        at = _at(out_at, y * out_row)
+        resid = _at(residual_at, y * width)
         band_at = yy * np.uint64(row)
         in_row = np.float32(0)
         for xx in range(width):
             value = acc[band_at + xx] + bias
             if has_residual:
-                value += flat_residual[at + xx]
+                value += residual[resid + xx]
             if relu:
                 value = max(value, np.float32(0))
-            flat_out[at + xx] = value
+            out[at + xx] = value
             in_row += np.float32(value != 0)
         written += np.int64(in_row)
     return written

@@ -152,6 +152,14 @@ class CpuConvPlan:
             float(weights.nnz) * oh * row,
         )
 
+    def input_grid(self) -> tuple[int, int]:
+        """Where the input lies in the planes of a layer that `holds_input`: `(at, R)`, input row `y` of channel `c`
+        at `planes[c, at + y × R :][:W]`; everything else in the planes is padding, zero after every fill."""
+        g = self.weights.geometry
+        if not holds_input(g):
+            raise ValueError("only the planes of a stride-1 layer that does not read its input itself hold the input")
+        return g.padding[0] * self.row + g.padding[1], self.row
+
     def products(self, counts: torch.Tensor) -> int:
         """The cartesian dataflow's products for activations with these stored counts per virtual channel."""
         return int((counts.long() * self.weights_per_channel).sum())
@@ -169,6 +177,12 @@ class CpuConvPlan:
         """`choose` given the products (`products(counts)`): `cartesian` where it costs no more than `direct`."""
         cartesian = float(products) * NS_PER_PRODUCT["cartesian"]
         return "cartesian" if cartesian <= self.direct_macs * NS_PER_PRODUCT["direct"] else "direct"
+
+
+def holds_input(geometry: ConvGeometry) -> bool:
+    """Whether a layer's phase planes hold its input as it is, one zero-padded plane per channel (a stride-1 layer that
+    does not read its input itself): its input can be written straight into them (`CpuConvPlan.input_grid`)."""
+    return geometry.stride == (1, 1) and not reads_input(geometry)
 
 
 def reads_input(geometry: ConvGeometry) -> bool:
@@ -379,7 +393,7 @@ def _direct(
 ) -> None:
     """The direct dataflow over `planes` (`plan.planes` filled, or the input where the plan reads it) into `out`."""
     call = DirectCall.of(plan, threads, bias.contiguous().numpy(), relu)
-    call.run(out.numpy(), residual.numpy(), planes.reshape(-1).numpy())
+    call.run(out.view(out.shape[0], -1).numpy(), residual.numpy(), planes.reshape(-1).numpy())
 
 
 NOT_COUNTED = np.empty((0, 0), dtype=np.int32)
@@ -388,29 +402,39 @@ NOT_COUNTED = np.empty((0, 0), dtype=np.int32)
 
 @dataclass(frozen=True)
 class DirectCall:
-    """The direct kernel's arguments that stay the same from call to call of a layer: bias, ReLU, the plan's weights
-    as numpy arrays and the work split for a thread count (built per call by `conv_dense_input`, once by a prepared
-    layer, which then passes only the output, residual, input planes and counts buffer at each call)."""
+    """The direct kernel's arguments that stay the same from call to call of a layer: where in its output rows the
+    output grid lies, bias, ReLU, the plan's weights as numpy arrays and the work split for a thread count (built per
+    call by `conv_dense_input`, once by a prepared layer, which then passes only the output, residual, input planes
+    and counts buffer at each call)."""
 
     arguments: tuple[object, ...]
-    """`(bias, relu, values, base, k_ptr, row, band_rows, k_block, vector)`, `conv_direct`'s last arguments."""
+    """`(out_at, out_row, out_h, out_w, bias, relu, values, base, k_ptr, row, band_rows, k_block, vector)`,
+    `conv_direct`'s last arguments."""
     bands: int
     """Bands of output rows (the first dimension of the kernel's `band_counts`)."""
 
     @classmethod
-    def of(cls, plan: CpuConvPlan, threads: int, bias: np.ndarray, relu: bool) -> DirectCall:
+    def of(
+        cls, plan: CpuConvPlan, threads: int, bias: np.ndarray, relu: bool, grid: tuple[int, int] | None = None
+    ) -> DirectCall:
+        """The call for `plan`; `grid` is `(out_at, out_row)`, where output row `y` of a channel starts in that
+        channel's row of the `[K, ·]` output (None: a contiguous `[K, OH, OW]` output, `(0, OW)`)."""
         g = plan.weights.geometry
-        bands = -(-g.out_hw[0] // plan.band_rows)
+        (oh, ow) = g.out_hw
+        bands = -(-oh // plan.band_rows)
         k_blocks = min(g.out_channels, -(-UNITS_PER_THREAD * threads // bands)) if threads > 1 else 1
         weights = (plan.direct_values.numpy(), plan.direct_base.numpy(), plan.k_ptr.numpy())
         k_block = -(-g.out_channels // k_blocks)
-        return cls((bias, relu, *weights, plan.row, plan.band_rows, k_block, VECTOR_FLOATS), bands)
+        out_at, out_row = (0, ow) if grid is None else grid
+        layout = (out_at, out_row, oh, ow)
+        return cls((*layout, bias, relu, *weights, plan.row, plan.band_rows, k_block, VECTOR_FLOATS), bands)
 
     def run(
         self, out: np.ndarray, residual: np.ndarray, planes: np.ndarray, band_counts: np.ndarray = NOT_COUNTED
     ) -> None:
-        """`out = [relu](bias + residual + conv(planes))`: `out` `[K, OH, OW]`, `residual` alike or `[0, 0, 0]`
-        (none), `planes` flat; with `band_counts` (`[bands, K]`), the nonzeros written per band and channel."""
+        """`out = [relu](bias + residual + conv(planes))`: `out` `[K, ·]` (each channel's output grid as `grid`
+        says), `residual` `[K, OH, OW]` or `[0, 0, 0]` (none), `planes` flat; with `band_counts` (`[bands, K]`), the
+        nonzeros written per band and channel."""
         kernels().conv_direct(out, residual, planes, band_counts, *self.arguments)
 
 
