@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import collections
+from collections.abc import Callable, Sequence
+
+import pytest
 import torch
 
 from tendril.sparse.network import SparseNetwork
+from tendril.sparse.ops import cpu_threads
 from tendril.sparse.ops.conv.cpu.dataflow import run_unprepared
 from tendril.sparse.ops.linear import cpu as linear_cpu
 from tendril.sparse.steps import RunState, SparseConvStep, SparseLinearStep
@@ -44,3 +49,19 @@ def assert_same_run(net: SparseNetwork, x: torch.Tensor) -> torch.Tensor:
         assert torch.equal(net.state.last_counts[name], counts), name
     assert torch.equal(net.state.overflow, state.overflow)
     return y
+
+
+def count_kernel_calls(monkeypatch: pytest.MonkeyPatch, names: Sequence[str]) -> collections.Counter[str]:
+    """Calls of the compiled kernels `names` from now on (the operators look each kernel up on the module at its
+    call, so a patched module attribute sees every call)."""
+    calls: collections.Counter[str] = collections.Counter()
+    module = cpu_threads.kernels()
+    for name in names:
+        original = getattr(module, name)
+
+        def counted(*args: object, name: str = name, original: Callable[..., object] = original) -> object:
+            calls[name] += 1
+            return original(*args)
+
+        monkeypatch.setattr(module, name, counted)
+    return calls

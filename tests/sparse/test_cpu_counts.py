@@ -4,38 +4,19 @@ its input; either way the outputs, counts and overflow flags are the unprepared 
 
 from __future__ import annotations
 
-import collections
-from collections.abc import Callable
-
 import pytest
 import torch
 from torch import nn
 
 from tendril.sparse import convert, prune
 from tendril.sparse.network import SparseNetwork
-from tendril.sparse.ops import cpu_threads
 from tendril.sparse.ops.conv.cpu import kernel as cpu_kernel
 from tendril.sparse.steps import SparseConvStep
-from tests.sparse.cpu_checks import assert_same_run, unprepared_forward
+from tests.sparse.cpu_checks import assert_same_run, count_kernel_calls, unprepared_forward
 from tests.sparse.models import Bottleneck, ResNetLike, randomize_batchnorm
 
 SIZE = 40
 COUNTING = ("count_channels", "sum_band_counts", "fill_planes")
-
-
-def _calls(monkeypatch: pytest.MonkeyPatch) -> collections.Counter[str]:
-    """Calls of the counting kernels from now on (the operators look each kernel up on the module at its call)."""
-    calls: collections.Counter[str] = collections.Counter()
-    module = cpu_threads.kernels()
-    for name in COUNTING:
-        original = getattr(module, name)
-
-        def counted(*args: object, name: str = name, original: Callable[..., object] = original) -> object:
-            calls[name] += 1
-            return original(*args)
-
-        monkeypatch.setattr(module, name, counted)
-    return calls
 
 
 def _resnet(capacity: float = 1.0) -> SparseNetwork:
@@ -60,7 +41,7 @@ def test_layers_reading_a_convolutions_output_directly_take_its_counts(batch, mo
     after_convolution, others = _direct_readers(net)
     assert after_convolution > 0 and others > 0  # the ResNet's first block reads the max pool's output
     assert net.state.counted_outputs <= net.state.reused_outputs and net.state.counted_outputs
-    calls = _calls(monkeypatch)
+    calls = count_kernel_calls(monkeypatch, COUNTING)
     for _ in range(2):
         x = torch.randn(batch, 3, SIZE, SIZE)
         calls.clear()
@@ -78,7 +59,7 @@ def test_a_layer_counts_itself_when_the_writer_of_its_input_kept_no_counts(monke
     net = convert(model, torch.randn(1, 8, 24, 24)).set_backend("cpu", 2)
     first = net.steps[0]
     assert isinstance(first, SparseConvStep) and net.state.counted_outputs == frozenset({first.name})
-    calls = _calls(monkeypatch)
+    calls = count_kernel_calls(monkeypatch, COUNTING)
     dense, sparse = torch.randn(1, 8, 24, 24), torch.randn(1, 8, 24, 24) * (torch.rand(1, 8, 24, 24) < 0.002)
     for x, counted in ((dense, "sum_band_counts"), (sparse, "count_channels"), (dense, "sum_band_counts")):
         calls.clear()
@@ -97,7 +78,7 @@ def test_a_layer_handed_another_tensor_counts_it_itself(monkeypatch):
     reader = next(s for s in net.steps if isinstance(s, SparseConvStep) and s.inputs[0] in written and not s.residual)
     other = net.state.output_counts[reader.inputs[0]][0].clone()
     other[:, ::2] = 0
-    calls = _calls(monkeypatch)
+    calls = count_kernel_calls(monkeypatch, COUNTING)
     reader.run([other], net.state)
     assert calls["count_channels"] == 1 and calls["sum_band_counts"] == 0
     expected = (other[0] != 0).sum((1, 2)).to(torch.int32)

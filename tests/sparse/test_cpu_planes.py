@@ -5,37 +5,17 @@ the outputs, counts and overflow flags are the unprepared path's, bit for bit.""
 
 from __future__ import annotations
 
-import collections
-from collections.abc import Callable
-
-import pytest
 import torch
 from torch import nn
 
 from tendril.sparse import convert
 from tendril.sparse.network import SparseNetwork
-from tendril.sparse.ops import cpu_threads
 from tendril.sparse.ops.conv.cpu import kernel as cpu_kernel
 from tendril.sparse.steps import SparseConvStep
-from tests.sparse.cpu_checks import assert_same_run, unprepared_forward
+from tests.sparse.cpu_checks import assert_same_run, count_kernel_calls, unprepared_forward
 
 SIZE = 20
 KERNELS = ("fill_planes", "count_channels", "sum_band_counts", "conv_direct", "conv_cartesian")
-
-
-def _calls(monkeypatch: pytest.MonkeyPatch) -> collections.Counter[str]:
-    """Calls of the planes' and counting kernels from now on (the operators look each up on the module at its call)."""
-    calls: collections.Counter[str] = collections.Counter()
-    module = cpu_threads.kernels()
-    for name in KERNELS:
-        original = getattr(module, name)
-
-        def counted(*args: object, name: str = name, original: Callable[..., object] = original) -> object:
-            calls[name] += 1
-            return original(*args)
-
-        monkeypatch.setattr(module, name, counted)
-    return calls
 
 
 def _chain(*layers: nn.Module, channels: int = 8) -> SparseNetwork:
@@ -61,7 +41,7 @@ def test_a_chain_of_convolutions_writes_into_the_next_layers_planes(monkeypatch)
     net = _vgg_like().set_backend("cpu", 2)
     first, second, third = _convolutions(net)
     assert net.state.planes_readers == {first.name: second, second.name: third}
-    calls = _calls(monkeypatch)
+    calls = count_kernel_calls(monkeypatch, KERNELS)
     for _ in range(3):
         x = torch.randn(1, 8, SIZE, SIZE)
         calls.clear()
@@ -84,7 +64,7 @@ def test_a_pointwise_writer_lands_on_its_compiled_path_only(monkeypatch):
     for threads, fills in ((1, 1), (2, 0)):
         net.set_backend("cpu", threads)
         assert net.state.planes_readers == {first.name: second}
-        calls = _calls(monkeypatch)
+        calls = count_kernel_calls(monkeypatch, KERNELS)
         net(torch.randn(1, 8, SIZE, SIZE))
         assert calls["fill_planes"] == fills
         monkeypatch.undo()
@@ -107,7 +87,7 @@ def test_no_planes_for_strided_readers_returned_outputs_or_outputs_read_twice():
 
 def test_a_batch_of_two_fills_as_before_and_batches_of_one_land_again(monkeypatch):
     net = _vgg_like().set_backend("cpu", 2)
-    calls = _calls(monkeypatch)
+    calls = count_kernel_calls(monkeypatch, KERNELS)
     for batch, fills in ((1, 1), (2, 6), (1, 1), (2, 6)):
         calls.clear()
         net(torch.randn(batch, 8, SIZE, SIZE))
@@ -127,7 +107,7 @@ def test_a_reader_handed_another_tensor_fills_its_own_planes(monkeypatch):
     written = net.state.output_planes[first.output].tensor
     kept = written.clone()
     expected = second.reference([written])
-    calls = _calls(monkeypatch)
+    calls = count_kernel_calls(monkeypatch, KERNELS)
     landed = second.run([written], net.state).clone()  # its buffer is rewritten by the next call
     assert calls["fill_planes"] == 0
     other = written.clone()
@@ -150,7 +130,7 @@ def test_a_writer_that_goes_cartesian_writes_the_planes_and_its_reader_counts_th
     net = _chain(nn.Conv2d(8, 16, 3, padding=1, bias=False), nn.Conv2d(16, 8, 3, padding=1)).set_backend("cpu", 2)
     dense = torch.randn(1, 8, SIZE, SIZE)
     sparse = torch.randn(1, 8, SIZE, SIZE) * (torch.rand(1, 8, SIZE, SIZE) < 0.002)
-    calls = _calls(monkeypatch)
+    calls = count_kernel_calls(monkeypatch, KERNELS)
     for x, cartesian in ((dense, False), (sparse, True), (dense, False), (sparse, True)):
         calls.clear()
         net(x)
@@ -160,4 +140,4 @@ def test_a_writer_that_goes_cartesian_writes_the_planes_and_its_reader_counts_th
         y, state = unprepared_forward(net, x)
         assert torch.equal(net(x), y)
         assert all(torch.equal(net.state.last_counts[k], v) for k, v in state.last_counts.items())
-        calls = _calls(monkeypatch)
+        calls = count_kernel_calls(monkeypatch, KERNELS)
