@@ -152,13 +152,18 @@ def wav2vec2_batch(
     return audio.to(device), mask.to(device), targets.to(device)
 
 
-ONE_ATTENTION_KERNEL = (SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH)
-"""Attention kernels for comparing graphed fp16 steps of HF models with eager ones. Some transformers releases (5.17
-among them) skip GPT-2's causal mask, passing `is_causal` to SDPA, except while a CUDA graph is being captured, which
-their mask shortcut takes for tracing: there they build an explicit mask. With flash attention allowed, the eager step
-then runs flash attention and the graph memory-efficient attention with a mask, two kernels that round fp16
-differently (about 6e-4 relative in one step's gradients, which Adam carries on). Memory-efficient attention serves
-both forms alike, so with these kernels the two runs differ only by what the graphs do."""
+ONE_ATTENTION_KERNEL = (SDPBackend.MATH,)
+"""The attention kernel for comparing graphed fp16 steps of HF models with eager ones: SDPA's math backend, plain
+matrix products and a softmax, alone. Two reasons rule out the fused kernels.
+- Some transformers releases (5.17 among them) skip GPT-2's causal mask, passing `is_causal` to SDPA, except while a
+  CUDA graph is being captured, which their mask shortcut takes for tracing: there they build an explicit mask. The
+  fused kernels round the two forms differently (flash attention is not even used for the masked one); the math
+  backend turns both into the same additive mask.
+- Memory-efficient attention's backward accumulates the query gradient with atomics when it splits the keys, so it
+  is not deterministic even under `torch.use_deterministic_algorithms(True, warn_only=True)`, and a graph's replay
+  may order those atomics differently from an eager launch.
+With the math backend under deterministic algorithms two eager runs agree exactly, and the graphed run differs only
+by what the graphs do."""
 
 ZERO_GRADIENT = {"attention.k_proj.bias": (0, 1), "attn.c_attn.bias": (1, 3)}
 """Parameters whose gradient is zero in exact arithmetic, by name part: the share `(index, parts)` of the tensor

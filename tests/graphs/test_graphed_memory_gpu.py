@@ -94,6 +94,31 @@ def test_a_failed_capture_returns_its_memory_and_leaves_the_callable_usable():
         assert graphed_fn.stats.fallbacks[Fallback.HOST_SYNC] == 1
 
 
+def test_a_capture_cuda_invalidated_returns_its_memory_and_the_pool_takes_later_captures():
+    """A stream query while capturing is a call CUDA forbids that the sync debug mode does not see: CUDA
+    invalidates the capture, so PyTorch cannot end it normally and leaves the pool taking allocations."""
+
+    def queries_when_long(x):
+        y = (x @ x.T).relu()
+        if x.shape[0] > 1000:
+            torch.cuda.current_stream().query()
+        return y
+
+    graphed_fn = fast(queries_when_long)
+    with torch.inference_mode():
+        pools_before = _private_pools()
+        big = torch.randn(2048, 2048, device="cuda")
+        with pytest.warns(UserWarning, match="synchronises"):
+            out = graphed_fn(big)
+        torch.testing.assert_close(out, queries_when_long(big))
+        del out
+        assert _private_pools() <= pools_before, "the invalidated capture's pool still holds device memory"
+        small = torch.randn(64, 64, device="cuda")
+        torch.testing.assert_close(graphed_fn(small), queries_when_long(small))
+        assert graphed_fn.stats.captures == 1 and graphed_fn.stats.replays == 1, graphed_fn.stats.table()
+        torch.rand(4, device="cuda")  # the default generator left capture mode
+
+
 def test_callables_share_one_capture_stream_so_a_deleted_callable_leaves_nothing_behind():
     """PyTorch keeps a cuBLAS workspace per stream a product ran on; a capture stream per callable left one
     behind each deleted callable."""

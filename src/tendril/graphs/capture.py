@@ -14,7 +14,8 @@ Failing cleanly. While capturing, PyTorch's sync debug mode is set to "error", s
 synchronisation (`.item()`, `.cpu()`, data-dependent shapes) raises at the offending call *before*
 it reaches CUDA: the capture is still valid, ends normally and is discarded, which returns its pool
 and leaves the random-number generator consistent. A capture CUDA itself invalidated cannot end
-normally; PyTorch then leaves the default CUDA generator in capture mode, so `capture` restores it.
+normally; PyTorch then leaves the default CUDA generator in capture mode and the pool taking the
+allocations, so `capture` restores the one and releases the other.
 
 Garbage collection is paused while recording. A collection during a capture may destroy an unreachable
 graph executable of some earlier `CUDAGraph` (`cudaGraphExecDestroy`), which CUDA forbids while a stream is
@@ -128,11 +129,9 @@ def capture(
         generator = torch.cuda.default_generators[device.index]
         saved_generator = generator.clone_state()
         mode = "relaxed" if pin_host_copies else "thread_local"
+        pool = torch.cuda.graph_pool_handle() if pool is None else pool  # named, so a failed capture can release it
         try:
-            if pool is None:
-                graph.capture_begin(capture_error_mode=mode)
-            else:
-                graph.capture_begin(pool=pool, capture_error_mode=mode)
+            graph.capture_begin(pool=pool, capture_error_mode=mode)
         except BaseException:
             generator.graphsafe_set_state(saved_generator)
             raise
@@ -141,7 +140,7 @@ def capture(
                 with _sync_errors(), stager if stager is not None else contextlib.nullcontext():
                     outputs = fn(*args, **kwargs)
             except BaseException:
-                _abandon(graph, generator, saved_generator)
+                _abandon(graph, generator, saved_generator, device, pool)
                 raise
             try:
                 graph.capture_end()
@@ -191,16 +190,33 @@ def _sync_errors() -> Iterator[None]:
         torch.cuda.set_sync_debug_mode(previous)
 
 
-def _abandon(graph: torch.cuda.CUDAGraph, generator: torch.Generator, saved: torch.Generator) -> None:
+def _abandon(
+    graph: torch.cuda.CUDAGraph, generator: torch.Generator, saved: torch.Generator, device: torch.device, pool: Any
+) -> None:
     """End a capture the function broke; the error it raised is the one worth reporting.
 
-    If CUDA invalidated the capture, ending it fails before PyTorch takes the default generator out
-    of capture mode; restoring its saved state makes later random ops work again.
+    If CUDA invalidated the capture, `capture_end` fails at `cudaStreamEndCapture`, before PyTorch
+    takes the default generator out of capture mode and stops routing allocations to the pool: the
+    generator gets its saved state back and the pool is released here, or every later capture into
+    it would fail ("already recording to mempool").
     """
     try:
         graph.capture_end()
     except RuntimeError:
         generator.graphsafe_set_state(saved)
+        _release_pool(device, pool)
+
+
+def _release_pool(device: torch.device, pool: Any) -> None:
+    """Undo what `capture_begin` did to the allocator when `capture_end` failed: stop routing allocations to
+    `pool` (unless PyTorch got that far) and drop the capture's reference to it, which a graph whose capture
+    never ended does not drop when it is destroyed. The pool's blocks return once their tensors are freed."""
+    try:
+        torch._C._cuda_endAllocateToPool(device.index, pool)
+    except RuntimeError as error:
+        if "not currently recording" not in str(error):
+            raise
+    torch._C._cuda_releasePool(device.index, pool)
 
 
 class _PinHostCopies(TorchFunctionMode):
