@@ -194,3 +194,29 @@ def test_inductor_itself_on_a_tiny_function(tmp_path):
         torch.testing.assert_close(fast(x), fn(x))
     assert fast.stats.compile.state == "ready" and fast.stats.compile.compiles == 1
     assert any((tmp_path / "inductor").iterdir())
+
+
+class Scaled(torch.nn.Module):
+    """Python floats a compiled model reads: a scale, LayerNorm's eps and Dropout's p."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mix = torch.nn.Linear(8, 8)
+        self.norm = torch.nn.LayerNorm(8)
+        self.drop = torch.nn.Dropout(0.1)
+        self.scale = 0.125
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.drop(self.norm(self.mix(ids.float().unsqueeze(-1).expand(-1, -1, 8)) * self.scale))
+
+
+def test_a_model_with_float_attributes_compiles_once(tmp_path):
+    """Under dynamic shapes dynamo would trace such floats as symbols, then restart its analysis when the compiler
+    turns them back into constants, and the backend would compile the frame twice (the first time for nothing)."""
+    model = Scaled().eval()
+    fast = make(model, tmp_path)
+    with torch.inference_mode():
+        for length in (5, 9):
+            x = ids(length)
+            torch.testing.assert_close(fast(x), model(x))
+    assert fast.stats.compile.compiles == 1, fast.stats.table()

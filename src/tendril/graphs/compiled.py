@@ -7,6 +7,8 @@
   a new frame after a graph break, a guard that fails), which is what the recompile tests bound.
 - **Capture after a warm-up.** A capture is preceded by at least one eager run (`GraphOptions.warmup` >= 1 with
   compile), so a recompile for a new shape happens there, never inside the capture.
+- **Floats as constants.** Dynamo specialises the Python floats the function reads (`_with_static_floats`), so a
+  frame is traced once rather than traced, compiled and restarted.
 - **Persistent caches.** Inductor's FX graph cache and the AOTAutograd cache are turned on and, unless
   TORCHINDUCTOR_CACHE_DIR is set, kept under tendril's cache dir (`inductor_cache_dir`), so a second process loads
   the generated kernels instead of generating them again.
@@ -112,7 +114,7 @@ class Compiler:
         self.options = options
         self.name = name
         self.stats = CompileStats()
-        self.compiled = torch.compile(fn, dynamic=True, backend=self._counted_backend())
+        self.compiled = _with_static_floats(torch.compile(fn, dynamic=True, backend=self._counted_backend()))
         self._thread: threading.Thread | None = None
         self._warned = False
 
@@ -217,6 +219,20 @@ class Compiler:
             CompileFallbackWarning,
             stacklevel=5,
         )
+
+
+def _with_static_floats(compiled: Callable[..., Any]) -> Callable[..., Any]:
+    """`compiled`, run with dynamo specialising Python floats. Under `dynamic=True` dynamo would trace the floats a
+    model reads (a scale, LayerNorm's eps, Dropout's p) as symbols; the compiler's pass that turns symbolic floats
+    into tensors restarts dynamo's analysis with those it cannot turn as constants, so every frame would be traced
+    twice and compiled once for nothing. A float that changes between calls recompiles instead (a guard on its
+    value)."""
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        with torch._dynamo.config.patch(specialize_float=True):
+            return compiled(*args, **kwargs)
+
+    return call
 
 
 def _normal_copies(flat: Flattened) -> tuple[tuple[Any, ...], dict[str, Any]]:
