@@ -216,11 +216,15 @@ def build(quick: bool) -> tuple[SparseNetwork, torch.Tensor, dict[str, list[torc
 def representative_layers(net: SparseNetwork) -> dict[str, list[str]]:
     """Step name → its roles (in network order): among stride-1 convolutions, the first 3×3 and the first 1×1 at
     the largest output plane, the 1×1 with the most input and the one with the most output channels at the
-    smallest; and the last FC layer. On ResNet-50: layers.0.0.conv2, layers.0.0.conv1, layers.3.1.conv1,
-    layers.3.0.conv3, fc."""
-    convs = [s for s in net.steps if isinstance(s, SparseConvStep) and s.weights.geometry.stride == (1, 1)]
+    smallest; the first strided 3×3 and 1×1, where the network has them; and the last FC layer. On ResNet-50:
+    layers.0.0.conv2, layers.0.0.conv1, layers.3.1.conv1, layers.3.0.conv3, layers.1.0.conv2,
+    layers.1.0.downsample.0, fc."""
+    all_convs = [s for s in net.steps if isinstance(s, SparseConvStep)]
+    convs = [s for s in all_convs if s.weights.geometry.stride == (1, 1)]
     three = [s for s in convs if s.weights.geometry.kernel == (3, 3)]
     one = [s for s in convs if s.weights.geometry.kernel == (1, 1)]
+    strided = {kernel: [s for s in all_convs if s.weights.geometry.kernel == kernel and s not in convs]
+               for kernel in ((3, 3), (1, 1))}  # fmt: skip
     fcs = [s for s in net.steps if isinstance(s, SparseLinearStep)]
     if not three or not one or not fcs:
         raise ValueError("the network needs stride-1 3×3 and 1×1 convolutions and an FC layer")
@@ -236,6 +240,7 @@ def representative_layers(net: SparseNetwork) -> dict[str, list[str]]:
             smallest, key=lambda s: s.weights.geometry.in_channels).name,
         "1×1 at the smallest plane, most output channels": max(
             smallest, key=lambda s: s.weights.geometry.out_channels).name,
+        **{f"the first strided {k[0]}×{k[1]}": steps[0].name for k, steps in strided.items() if steps},
         "the FC layer": fcs[-1].name,
     }
     roles: dict[str, list[str]] = {s.name: [] for s in net.steps}

@@ -34,7 +34,7 @@ def test_a_quick_run_reports_regions_layers_and_forwards(tmp_path):
             assert per["kernels"] and all(k["us"]["median"] > 0 for k in per["kernels"])
             assert per["call_us"]["median"] > 0 and per["call_torch_at_threads_us"]["median"] > 0
     roles = [role for layer in report["layers"] for role in layer["roles"]]
-    assert len(roles) == 5 and report["layers"][-1]["shape"].startswith("FC")
+    assert len(roles) == 7 and "the first strided 1×1" in roles and report["layers"][-1]["shape"].startswith("FC")
 
     markdown = (tmp_path / "profile_sparse_cpu.md").read_text()
     assert "## Whole forward" in markdown and all(f"`{layer['layer']}`" in markdown for layer in report["layers"])
