@@ -72,51 +72,41 @@ def _private_pools() -> set[tuple[int, int]]:
     return {tuple(s["segment_pool_id"]) for s in segments if tuple(s.get("segment_pool_id", (0, 0))) != (0, 0)}
 
 
-def test_a_failed_capture_returns_its_memory_and_leaves_the_callable_usable():
-    def syncs_when_long(x):
-        y = (x @ x.T).relu()
-        if x.shape[0] > 1000:
-            y = y * y.sum().item()
-        return y
+def _syncs_when_long(x):
+    y = (x @ x.T).relu()
+    if x.shape[0] > 1000:
+        y = y * y.sum().item()
+    return y
 
-    graphed_fn = fast(syncs_when_long)
+
+def _queries_when_long(x):
+    y = (x @ x.T).relu()
+    if x.shape[0] > 1000:
+        torch.cuda.current_stream().query()
+    return y
+
+
+@pytest.mark.parametrize(
+    "fn", [_syncs_when_long, _queries_when_long], ids=["sync raised before CUDA", "capture invalidated by CUDA"]
+)
+def test_a_failed_capture_returns_its_memory_and_leaves_the_callable_usable(fn):
+    """`.item()` raises under the sync debug mode before it reaches CUDA; a stream query, which that mode does not
+    see, reaches CUDA and invalidates the capture, which PyTorch then cannot end normally: it leaves the generator
+    in capture mode and the pool taking allocations, so later captures into the pool would fail."""
+    graphed_fn = fast(fn)
     with torch.inference_mode():
         pools_before = _private_pools()
         big = torch.randn(2048, 2048, device="cuda")
         with pytest.warns(UserWarning, match="synchronises"):
             out = graphed_fn(big)
-        torch.testing.assert_close(out, syncs_when_long(big))
+        torch.testing.assert_close(out, fn(big))
         del out
         assert _private_pools() <= pools_before, "the failed capture's pool still holds device memory"
         small = torch.randn(64, 64, device="cuda")
-        torch.testing.assert_close(graphed_fn(small), syncs_when_long(small))
-        assert graphed_fn.stats.captures == 1 and graphed_fn.stats.replays == 1
-        assert graphed_fn.stats.fallbacks[Fallback.HOST_SYNC] == 1
-
-
-def test_a_capture_cuda_invalidated_returns_its_memory_and_the_pool_takes_later_captures():
-    """A stream query while capturing is a call CUDA forbids that the sync debug mode does not see: CUDA
-    invalidates the capture, so PyTorch cannot end it normally and leaves the pool taking allocations."""
-
-    def queries_when_long(x):
-        y = (x @ x.T).relu()
-        if x.shape[0] > 1000:
-            torch.cuda.current_stream().query()
-        return y
-
-    graphed_fn = fast(queries_when_long)
-    with torch.inference_mode():
-        pools_before = _private_pools()
-        big = torch.randn(2048, 2048, device="cuda")
-        with pytest.warns(UserWarning, match="synchronises"):
-            out = graphed_fn(big)
-        torch.testing.assert_close(out, queries_when_long(big))
-        del out
-        assert _private_pools() <= pools_before, "the invalidated capture's pool still holds device memory"
-        small = torch.randn(64, 64, device="cuda")
-        torch.testing.assert_close(graphed_fn(small), queries_when_long(small))
+        torch.testing.assert_close(graphed_fn(small), fn(small))
         assert graphed_fn.stats.captures == 1 and graphed_fn.stats.replays == 1, graphed_fn.stats.table()
-        torch.rand(4, device="cuda")  # the default generator left capture mode
+        assert graphed_fn.stats.fallbacks[Fallback.HOST_SYNC] == 1
+        torch.rand(4, device="cuda")  # the default generator is out of capture mode
 
 
 def test_callables_share_one_capture_stream_so_a_deleted_callable_leaves_nothing_behind():
