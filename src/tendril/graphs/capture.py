@@ -144,8 +144,9 @@ def capture(
                 raise
             try:
                 graph.capture_end()
-            except BaseException:
+            except BaseException:  # invalidated by a call that did not raise (another thread's, say)
                 generator.graphsafe_set_state(saved_generator)
+                _release_pool(device, pool)
                 raise
     current.wait_stream(stream)
     recorded = time.perf_counter()

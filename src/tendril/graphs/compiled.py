@@ -226,7 +226,8 @@ def _with_static_floats(compiled: Callable[..., Any]) -> Callable[..., Any]:
     model reads (a scale, LayerNorm's eps, Dropout's p) as symbols; the compiler's pass that turns symbolic floats
     into tensors restarts dynamo's analysis with those it cannot turn as constants, so every frame would be traced
     twice and compiled once for nothing. A float that changes between calls recompiles instead (a guard on its
-    value)."""
+    value). Dynamo's config is process-wide: other compiles running meanwhile (a background compile's thread, say)
+    see the setting too."""
 
     def call(*args: Any, **kwargs: Any) -> Any:
         with torch._dynamo.config.patch(specialize_float=True):
