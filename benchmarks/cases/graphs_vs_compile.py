@@ -170,6 +170,7 @@ def run(ctx: Context) -> None:
         compile_stats = both["variant"].stats.compile
         ctx.extra["compile_stats"] = repr(compile_stats)
         ctx.extra["tendril_compile_memory_mib"] = memory_mib(both["variant"].stats)
+        ctx.extra["tendril_compile_capture_phases_ms"] = capture_phases_ms(both["variant"].stats)
         ctx.add_value("tendril.graphed compile=True", "recompiles_after_first_call", compile_stats.recompiles)
         ctx.extra["first_process_cache_files"] = sum(path.is_file() for path in cache_dir.rglob("*"))
         _release(both)
@@ -205,7 +206,7 @@ def _warm_start(cache_dir: Path, quick: bool) -> dict[str, Any]:
     """What a second process, given `cache_dir`, reports (`warm_start_main`): `ready_s`, the seconds from
     `graphed(model, compile=True)` to all lengths ready, with its compile time, cache hits and misses, and where
     the compile's time went (`compile_phases_s`: seconds per phase of dynamo's, AOTAutograd's and Inductor's
-    timed functions, summed over calls; nested phases overlap)."""
+    timed functions, summed over calls; nested phases overlap) and the captures' (`capture_phases_ms`)."""
     root = Path(__file__).resolve().parents[2]
     env = {key: value for key, value in os.environ.items() if key != "TORCHINDUCTOR_CACHE_DIR"}
     env["TENDRIL_CACHE_DIR"] = str(cache_dir)
@@ -242,6 +243,7 @@ def warm_start_main(quick: bool) -> None:
     print(json.dumps({
         "ready_s": ready_s, "compile_s": stats.compile_s if stats else None,
         "compiles": stats.compiles if stats else None, "graphs": len(fast.keys()), "caches": caches,
+        "capture_phases_ms": capture_phases_ms(fast.stats),
         "compile_phases_s": dict(sorted(phases.items(), key=lambda item: -item[1])),
     }))  # fmt: skip
 
