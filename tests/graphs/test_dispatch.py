@@ -341,3 +341,26 @@ def test_random_call_sequences_match_eager(calls):
     distinct = len(set(calls))
     assert backend.captures == min(distinct, 4)
     assert fast.stats.replays + fast.stats.eager_calls == len(calls)
+
+
+def _synchronize() -> None:
+    raise RuntimeError("CUDA error: operation not permitted when stream is capturing")
+
+
+def _benchmark_kernel() -> None:
+    _synchronize()
+
+
+def test_a_capture_error_names_where_it_was_raised_and_who_called():
+    """A CUDA error raised by a library's helper (a synchronize) names the code that called it too."""
+    from tendril.graphs.backend import classify_capture_error
+
+    try:
+        _benchmark_kernel()
+    except RuntimeError as error:
+        failure = classify_capture_error(error)
+    assert failure.reason is Fallback.HOST_SYNC
+    message = "RuntimeError: CUDA error: operation not permitted when stream is capturing"
+    assert failure.detail.startswith(f"{message} (raised at ")
+    where = failure.detail.split("(raised at ", 1)[1]
+    assert where.index("test_dispatch.py:") < where.index(" _synchronize from ") < where.index(" _benchmark_kernel)")

@@ -8,6 +8,7 @@ fallback reasons, statistics and output lifetime rules are tested in CI without 
 
 from __future__ import annotations
 
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -80,14 +81,33 @@ _HOST_SYNC_MARKERS = (
 
 
 def classify_capture_error(error: BaseException) -> CaptureFailed:
-    """Name what went wrong while capturing: a host synchronisation, or another capture error."""
+    """Name what went wrong while capturing, a host synchronisation or another capture error, and where it was
+    raised (`raised_at`)."""
     if isinstance(error, CaptureFailed):
         return error
     text = f"{type(error).__name__}: {error}".strip()
     first_line = text.splitlines()[0] if text else type(error).__name__
+    where = raised_at(error)
+    detail = f"{first_line} (raised at {where})" if where else first_line
     if any(marker.lower() in text.lower() for marker in _HOST_SYNC_MARKERS):
-        return CaptureFailed(Fallback.HOST_SYNC, first_line)
-    return CaptureFailed(Fallback.CAPTURE_ERROR, first_line)
+        return CaptureFailed(Fallback.HOST_SYNC, detail)
+    return CaptureFailed(Fallback.CAPTURE_ERROR, detail)
+
+
+def raised_at(error: BaseException, frames: int = 2) -> str | None:
+    """The innermost `frames` Python frames that `error` was raised through, innermost first, as
+    `file:line function` joined by " from ", each file from its package's folder on: a CUDA error raised by a
+    library's helper (a synchronize) names the code that called it too. None without a traceback."""
+    stack = traceback.extract_tb(error.__traceback__)[-frames:]
+    return " from ".join(f"{_short(frame.filename)}:{frame.lineno} {frame.name}" for frame in reversed(stack)) or None
+
+
+def _short(filename: str) -> str:
+    """`filename` from its top package's folder on (after `site-packages/` or `src/`), else its last two parts."""
+    for marker in ("site-packages/", "src/"):
+        if marker in filename:
+            return filename.rsplit(marker, 1)[1]
+    return "/".join(filename.replace("\\", "/").split("/")[-2:])
 
 
 class NullBackend:
