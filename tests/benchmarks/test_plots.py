@@ -26,7 +26,7 @@ def test_each_plot_draws_its_committed_results(name, tmp_path):
 
 def test_a_variant_run_is_drawn_by_its_case(tmp_path):
     json_path = tmp_path / "sparse-cnn-resnet50.json"
-    shutil.copy(RESULTS / "sparse-cnn-resnet50.json", json_path)
+    shutil.copy(RESULTS / "archive" / "sparse-cnn-resnet50.json", json_path)
     assert plots.plot_file(json_path) == tmp_path / "sparse-cnn-resnet50.png"
 
 
