@@ -104,6 +104,7 @@ def _measure(
     _warm_up(fn, inputs, device)
     warmup_s = time.perf_counter() - start
     memory = device_memory_in_use(device) - base
+    ctx.extra[f"{name} pool segments MiB"] = pool_segments_mib()
     timing = time_callable(fn, [(inputs[n],) for n in order], device=device, warmup=0, reps=len(order))
     errors = [(fn(ids).float() - model(ids).logits.float()).abs().max().item() for ids in inputs.values()]
     ctx.add_timing(name, timing)
@@ -122,6 +123,16 @@ def capture_phases_ms(stats: Any) -> dict[str, float]:
         for phase, ms in record.phases_ms.items():
             totals[phase] = totals.get(phase, 0.0) + ms
     return totals
+
+
+def pool_segments_mib(snapshot: list[dict[str, Any]] | None = None) -> list[tuple[float, float]]:
+    """The segments of every CUDA-graph memory pool (the allocator's own pool, id (0, 0), left out), largest first,
+    as (reserved, allocated) MiB: how a variant's graph memory is split, so that a pool grown by blocks too small
+    for later, longer lengths shows as several large segments. `snapshot`: `torch.cuda.memory_snapshot()`."""
+    segments = torch.cuda.memory_snapshot() if snapshot is None else snapshot
+    pooled = [s for s in segments if tuple(s.get("segment_pool_id", (0, 0))) != (0, 0)]
+    sizes = [(round(s["total_size"] / MIB, 2), round(s["allocated_size"] / MIB, 2)) for s in pooled]
+    return sorted(sizes, reverse=True)
 
 
 def memory_mib(stats: Any) -> dict[str, float]:

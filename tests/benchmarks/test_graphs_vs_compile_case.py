@@ -52,3 +52,14 @@ def test_memory_is_split_into_pool_placeholders_and_driver():
     stats = GraphStats()
     stats.pool_bytes, stats.placeholder_bytes = 3 * 2**20, 2**19
     assert case.memory_mib(stats) == {"pool": 3.0, "placeholders": 0.5, "driver": 0.0}
+
+
+def test_pool_segments_leave_out_the_allocators_own_pool_largest_first():
+    mib = 2**20
+    snapshot = [
+        {"segment_pool_id": (0, 0), "total_size": 64 * mib, "allocated_size": 64 * mib},
+        {"segment_pool_id": (0, 3), "total_size": 20 * mib, "allocated_size": 0},
+        {"segment_pool_id": (0, 3), "total_size": 26 * mib, "allocated_size": 25 * mib},
+        {"segment_pool_id": (5, 0), "total_size": 2 * mib, "allocated_size": mib},
+    ]
+    assert case.pool_segments_mib(snapshot) == [(26.0, 25.0), (20.0, 0.0), (2.0, 1.0)]
