@@ -3,6 +3,7 @@ step; fp32 within 1e-5 relative after 20 steps, AMP within 1e-3, dropout drawing
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import inspect
 from typing import Any, NamedTuple
@@ -340,3 +341,26 @@ def _twins(make):
     torch.manual_seed(0)
     model = make()
     return model, copy.deepcopy(model)
+
+
+@pytest.mark.parametrize("on_device", [True, False], ids=["layerdrop_on_device", "host LayerDrop"])
+def test_layerdrop_drawn_on_the_device_drops_other_layers_at_every_replay(on_device):
+    """At learning rate 0 and dropout 0 one batch's loss changes between steps only through LayerDrop. Drawn on the
+    device, the replays of one graph drop other layers from step to step; drawn on the host (HF's way), each
+    replay repeats what was drawn while capturing, which `graphed_step` warns of."""
+    from tendril.graphs.training import HostLayerDropWarning, layerdrop_on_device
+
+    torch.manual_seed(0)
+    model = wav2vec2_model()
+    model.config.layerdrop = 0.5
+    if on_device:
+        layerdrop_on_device(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.0, fused=True, capturable=True)
+    with pytest.warns(HostLayerDropWarning) if not on_device else contextlib.nullcontext():
+        step = tendril.graphed_step(wav2vec2_step(model, optimizer), model=model, optimizer=optimizer,
+                                    buckets=wav2vec2_buckets((8000,)))  # fmt: skip
+    batch = wav2vec2_batch(8000, 2, 8, 32, torch.Generator().manual_seed(0))
+    losses = [float(step(*batch)) for _ in range(14)]
+    assert step.stats.eager_calls == 0 and step.stats.replays >= 10, step.stats.table()
+    replayed = set(losses[len(losses) - step.stats.replays :])
+    assert len(replayed) > 1 if on_device else len(replayed) == 1, losses

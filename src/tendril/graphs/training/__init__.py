@@ -21,7 +21,9 @@ total offset increment; every `replay()` first writes the generator's current se
 tensors and advances the generator's offset by that total. So each replay continues the generator's stream where the
 previous step left it, as eager steps do, and later eager random ops continue after it. Only generators registered
 with the graph are handled: dropout on the default generator is; a `torch.Generator` of the user's own would repeat
-its numbers at every replay unless registered (`CUDAGraph.register_generator_state`).
+its numbers at every replay unless registered (`CUDAGraph.register_generator_state`). LayerDrop as HF's models do
+it draws on the host, which a graph freezes: `layerdrop_on_device(model)` draws it on the device (`layerdrop`), and
+`graphed_step` warns of a model that still draws it on the host (`HostLayerDropWarning`).
 """
 
 from __future__ import annotations
@@ -34,6 +36,10 @@ _LAZY: dict[str, str] = {
     "StepStats": "tendril.graphs.training.step",
     "DeviceGradScaler": "tendril.graphs.training.scaler",
     "check_optimizer": "tendril.graphs.training.invariants",
+    "HostLayerDropWarning": "tendril.graphs.training.step",
+    "layerdrop_on_device": "tendril.graphs.training.layerdrop",
+    "host_layerdrop": "tendril.graphs.training.layerdrop",
+    "DeviceLayerDrop": "tendril.graphs.training.layerdrop",
 }
 
 __all__ = list(_LAZY)

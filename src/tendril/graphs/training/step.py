@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import warnings
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -61,6 +62,7 @@ from tendril.graphs.outputs import clone_outputs
 from tendril.graphs.stats import Fallback, GraphRecord, GraphStats
 from tendril.graphs.syncs import find_host_syncs
 from tendril.graphs.training import invariants
+from tendril.graphs.training.layerdrop import host_layerdrop
 from tendril.graphs.training.scaler import check_scaler, reset_after_failed_capture
 from tendril.graphs.training.simulated import Recording, runs_on_capture
 
@@ -79,6 +81,12 @@ class StepStats(GraphStats):
     """Optimizer updates made by `accumulate` (every Nth call)."""
     host_syncs: dict[GraphKey, str] = dataclasses.field(default_factory=dict)
     """Per key, what `find_host_syncs` reported on its checked warm-up step, where it found any."""
+    host_layerdrop: list[str] = dataclasses.field(default_factory=list)
+    """The model's modules whose LayerDrop draws on the host, which graphs freeze (`layerdrop.host_layerdrop`)."""
+
+
+class HostLayerDropWarning(UserWarning):
+    """The trained model decides LayerDrop on the host: each graph would skip the same layers at every replay."""
 
 
 @dataclass
@@ -152,6 +160,15 @@ class GraphedStep:
         self._warnings = FallbackWarnings(f"tendril.graphed_step({self.name})")
         self._pending = 0
         self._unavailable = graphs_unavailable(backend, config)
+        self.stats.host_layerdrop = host_layerdrop(model)
+        if self.stats.host_layerdrop:
+            warnings.warn(
+                f"tendril.graphed_step({self.name}): {', '.join(self.stats.host_layerdrop)} decide LayerDrop on the "
+                "host, so each graph would skip the layers skipped while it was captured, at every step; call "
+                "tendril.graphs.training.layerdrop_on_device(model) first, which draws on the device",
+                HostLayerDropWarning,
+                stacklevel=3,
+            )
 
     def __repr__(self) -> str:
         return f"GraphedStep({self.name}, graphs={len(self._graphs)}/{self.max_graphs})"
