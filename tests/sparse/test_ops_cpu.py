@@ -339,3 +339,15 @@ def test_cpu_adaptive_avg_pool_to_other_sizes_runs_the_module(output_size) -> No
     x = torch.randn(1, 4, 6, 6)
     module = torch.nn.AdaptiveAvgPool2d(output_size)
     assert torch.equal(cpu_pool.pooling(module)(x), module(x))
+
+
+def test_direct_bands_split_the_rows_as_evenly_as_their_count_allows():
+    """The threads split the direct kernel's units statically: a short last band would idle the threads given it."""
+    from tendril.sparse.ops.conv.cpu.kernel import _even_band_rows
+
+    assert _even_band_rows(56, 17) == _even_band_rows(56, 18) == 14  # 4 bands of 14, not 17, 17, 17, 5
+    for rows in range(1, 80):
+        for most in range(1, 40):
+            band = _even_band_rows(rows, most)
+            bands = -(-rows // most)
+            assert band <= most and -(-rows // band) == bands and rows - (bands - 1) * band >= band - bands + 1

@@ -92,6 +92,8 @@ class CpuConvPlan:
     """Output channel k's weights are `direct_*[k_ptr[k] : k_ptr[k + 1]]`, padded with zero weights (at the
     channel's first slice) to a multiple of `DIRECT_PASS`, the direct loop's weights per pass."""
     band_rows: int
+    """Output rows per band of the direct dataflow: as many as fit `BAND_FLOATS`, then evened out over the bands
+    that takes (`_even_band_rows`)."""
     acc_hw: tuple[int, int]
     k_block: int
     cartesian_values: torch.Tensor
@@ -142,7 +144,7 @@ class CpuConvPlan:
             direct_values,
             direct_base,
             k_ptr,
-            max(1, min(oh, BAND_FLOATS // row)),
+            _even_band_rows(oh, max(1, min(oh, BAND_FLOATS // row))),
             (acc_h, acc_w),
             k_block,
             weights.values[cartesian].contiguous(),
@@ -398,6 +400,14 @@ def _direct(
 
 NOT_COUNTED = np.empty((0, 0), dtype=np.int32)
 """The direct kernel's `band_counts` where its output's nonzeros are not kept."""
+
+
+def _even_band_rows(rows: int, most: int) -> int:
+    """Rows per band for `rows` output rows in bands of at most `most` rows, as even as the bands allow: the threads
+    split the direct kernel's units statically, so a short last band (17, 17, 17, 5 for 56 rows) leaves the threads
+    that get it idle while the others work (14, 14, 14, 14)."""
+    bands = -(-rows // most)
+    return -(-rows // bands)
 
 
 @dataclass(frozen=True)
