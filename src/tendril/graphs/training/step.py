@@ -163,8 +163,8 @@ class GraphedStep:
         self.stats.host_layerdrop = host_layerdrop(model)
         if self.stats.host_layerdrop:
             warnings.warn(
-                f"tendril.graphed_step({self.name}): {', '.join(self.stats.host_layerdrop)} decide LayerDrop on the "
-                "host, so each graph would skip the layers skipped while it was captured, at every step; call "
+                f"tendril.graphed_step({self.name}): LayerDrop in {', '.join(self.stats.host_layerdrop)} is decided "
+                "on the host, so each graph would skip the layers skipped while it was captured, at every step; call "
                 "tendril.graphs.training.layerdrop_on_device(model) first, which draws on the device",
                 HostLayerDropWarning,
                 stacklevel=3,
