@@ -8,7 +8,10 @@ ResNet-50 at weight density 0.1, batch 1, built as the `sparse-cpu` case builds 
    directly on the same arguments, and the layer's whole call (torch on one thread, and at the thread count as
    `sparse-cpu` times layers);
 3. the whole forward, and traced forwards with every kernel call timed: calls, parallel regions (`regions_per_call`),
-   time inside kernels and between them, the gaps between calls; compared with regions × the wake-up cost.
+   time inside kernels and between them, the gaps between calls; compared with regions × the wake-up cost, and with
+   the glue alone (`stubbed_kernels`: no kernel runs, so none leaves the caches cold).
+
+The markdown report is written by `sparse_cpu_report`.
 
     PYTHONPATH=src:. python3 -m benchmarks.tools.profile_sparse_cpu --out OUT [--threads 1,2,4,8,16] [--quick]
 
@@ -20,7 +23,6 @@ listed). Writes OUT/profile_sparse_cpu.json and .md.
 from __future__ import annotations
 
 import argparse
-import collections
 import contextlib
 import datetime
 import functools
@@ -47,6 +49,7 @@ from numba.core.dispatcher import Dispatcher
 from torch import nn
 
 from benchmarks.cases import sparse_cpu as case
+from benchmarks.tools.sparse_cpu_report import markdown
 from tendril.sparse import SparseNetwork, convert, prune
 from tendril.sparse.ops import cpu_threads
 from tendril.sparse.steps import RunState, SparseConvStep, SparseLinearStep
@@ -274,9 +277,30 @@ def profile_layer(step: Any, args: list[torch.Tensor], threads: int, reps: int) 
     return {"kernels": kernels, "kernels_us": total, "call_us": call, "call_torch_at_threads_us": alone}
 
 
+STUB_PRODUCTS = 1 << 60
+"""What a stubbed kernel returns: as a counting kernel's cartesian products, so many that layers take the direct
+dataflow, whose (stubbed) call they then make."""
+
+
+@contextlib.contextmanager
+def stubbed_kernels() -> Iterator[None]:
+    """Every compiled kernel replaced by a call that returns `STUB_PRODUCTS` at once, outputs unwritten: a forward
+    then runs its glue alone, on caches no kernel has made cold (torch's products still run, on one thread)."""
+    module = cpu_threads.kernels()
+    originals = compiled_kernels(module)
+    for name in originals:
+        setattr(module, name, lambda *args: STUB_PRODUCTS)
+    try:
+        yield
+    finally:
+        for name, kernel in originals.items():
+            setattr(module, name, kernel)
+
+
 def profile_forward(net: SparseNetwork, x: torch.Tensor, threads: int, reps: int, traced: int) -> dict[str, Any]:
-    """Part 3 at one thread count: the whole forward untraced (wall and process CPU), then `traced` forwards
-    with every kernel call timed (`summarize_traces` reduces them once the regions per call are known)."""
+    """Part 3 at one thread count: the whole forward untraced (wall and process CPU), `traced` forwards with every
+    kernel call timed (`summarize_traces` reduces them once the regions per call are known), and forwards with the
+    kernels stubbed (`glue_alone_ms`: the time outside kernels when they leave the caches warm)."""
     net.set_backend("cpu", threads)
     wall, cpu = [], []
     with torch.no_grad():
@@ -293,9 +317,12 @@ def profile_forward(net: SparseNetwork, x: torch.Tensor, threads: int, reps: int
                 start = time.perf_counter()
                 net(x)
                 traces.append((trace, time.perf_counter() - start))
+        with stubbed_kernels():
+            glue = _samples(lambda: net(x), reps)
     wall_s, cpu_s = statistics.median(wall), statistics.median(cpu)
     busy = round(cpu_s / wall_s, 2)
-    return {"ms": _us(wall, 1e3, 4), "process_cpu_ms": round(cpu_s * 1e3, 4), "busy_threads": busy, "traces": traces}
+    return {"ms": _us(wall, 1e3, 4), "process_cpu_ms": round(cpu_s * 1e3, 4), "busy_threads": busy,
+            "glue_alone_ms": _us(glue, 1e3, 4), "traces": traces}  # fmt: skip
 
 
 def summarize_traces(forward: dict[str, Any], regions: dict[str, int | None]) -> None:
@@ -356,95 +383,6 @@ def host() -> dict[str, Any]:
     runtimes = sorted(p for p in paths if re.match(r"lib(gomp|iomp5|omp|tbb)", Path(p).name))
     return {**case.host_cpus(), "affinity": affinity, "load_average": load, "platform": platform.platform(),
             "runtimes": runtimes}
-
-
-def _cell(stats: dict[str, float] | None) -> str:
-    return "-" if stats is None else f"{stats['median']:.1f} [{stats['p90']:.1f}]"
-
-
-def _markdown(r: dict[str, Any]) -> str:
-    threads, left_out = [str(n) for n in r["threads"]], r["threads_left_out"]
-    lines = [
-        "# Fixed costs of the sparse CPU engine (`benchmarks.tools.profile_sparse_cpu`)", "",
-        f"- command: `{r['command']}`; {r['date']}",
-        f"- {r['model']} at weight density {r['density']}, input {r['input']}; threads {r['threads']}"
-        + (f" (left out: {left_out}, above numba's pool or --quick's two)" if left_out else ""),
-        f"- host: {r['host']}",
-        f"- torch {r['torch']}, numba {r['numba']} on the `{r['numba_threading_layer']}` threading layer; "
-        f"environment: {r['environment'] or 'no OMP_, GOMP_, KMP_, MKL_ or NUMBA_ variables'}",
-        *[f"- {note}" for note in r["notes"]], "",
-        "## Whole forward", "",
-        "Forward: median wall time untraced; busy threads: process CPU time over wall time (spinning workers count). "
-        "The rest is from traced forwards (every kernel call timed): time inside the compiled kernels and outside them "
-        "(Python glue, torch ops), the gap between consecutive kernel calls (µs, median [p90]), and the empty "
-        "region's wake-up cost after the measured gap nearest that gap, times the forward's parallel regions.", "",
-        "| threads | forward ms | scaling | busy threads | traced ms | kernel calls | regions | in kernels ms "
-        "| outside kernels ms | gap between calls | wake-up per region µs (after gap µs) | regions × wake-up ms |",
-        "|---:" * 12 + "|",
-    ]
-    first_ms = r["forward"][threads[0]]["ms"]["median"]
-    for n in threads:
-        f, w = r["forward"][n], r["forward"][n]["wake_estimate"]
-        wake = f"{w['wake_us']} ({w['gap_us']}) | {w['ms']:.3f}" if w else "- | -"
-        lines.append(f"| {n} | {f['ms']['median']:.3f} | {first_ms / f['ms']['median']:.2f}× | {f['busy_threads']} "
-                     f"| {f['traced_ms']:.3f} | {f['kernel_calls']} | {'-' if f['regions'] is None else f['regions']} "
-                     f"| {f['kernel_ms']:.3f} | {f['glue_ms']:.3f} | {_cell(f['gap_us'])} | {wake} |")
-    lines += ["", "## Empty parallel region, µs: median [p90]", "",
-              "| threads | serial compiled call | "
-              + " | ".join(f"region after {g} µs of Python" if g else "region back to back" for g in GAPS_US)
-              + " |", "|---:" * (len(GAPS_US) + 2) + "|"]
-    for n in threads:
-        e = r["empty_region"][n]
-        regions = " | ".join(_cell(e["region_us"][str(g)]) for g in GAPS_US)
-        lines.append(f"| {n} | {_cell(e['serial_call_us'])} | {regions} |")
-    return "\n".join([*lines, *_layer_section(r, threads), *_kernel_section(r, threads)]) + "\n"
-
-
-def _layer_section(r: dict[str, Any], threads: list[str]) -> list[str]:
-    lines = ["", "## Representative layers, µs (median)", "",
-              "Each compiled kernel the layer's call runs, called again directly back to back on the same arguments; "
-              "the layer's call inside `kernel_threads` (torch on one thread, as in a forward) and alone with torch at "
-              "N threads (as `sparse-cpu` times layers); the step and its kernels inside the traced forwards. Scaling: "
-              "the first thread count's time over the last's."]
-    for layer in r["layers"]:
-        rows: dict[str, list[float | None]] = {}
-        for i, n in enumerate(threads):
-            for label, value in _layer_rows(layer["threads"][n], r["forward"][n], layer["layer"]):
-                rows.setdefault(label, [None] * len(threads))[i] = value
-        lines += ["", f"### `{layer['layer']}`: {layer['shape']} ({'; '.join(layer['roles'])})", "",
-                  "| µs | " + " | ".join(f"{n} threads" for n in threads) + " | scaling |",
-                  "|---" + "|---:" * (len(threads) + 1) + "|"]
-        for label in sorted(rows, key=lambda label: not label.endswith(" direct")):  # the kernels first
-            v = rows[label]
-            scaling = f"{v[0] / v[-1]:.2f}×" if v[0] and v[-1] and len(v) > 1 else "-"
-            lines.append(f"| {label} | " + " | ".join("-" if x is None else f"{x:.1f}" for x in v) + f" | {scaling} |")
-    return lines
-
-
-def _kernel_section(r: dict[str, Any], threads: list[str]) -> list[str]:
-    lines = ["", "## Kernels per traced forward: calls, ms inside", "",
-              "| kernel | regions per call | " + " | ".join(f"{n} threads" for n in threads) + " |",
-              "|---|---:" + "|---:" * len(threads) + "|"]
-    for kernel, regions in r["regions_per_call"].items():
-        cells = [r["forward"][n]["by_kernel"].get(kernel) for n in threads]
-        if any(cells):
-            counts = " | ".join("-" if c is None else f"{c['calls']}, {c['ms']:.3f}" for c in cells)
-            lines.append(f"| `{kernel}` | {'-' if regions is None else regions} | {counts} |")
-    return lines
-
-
-def _layer_rows(per: dict[str, Any], forward: dict[str, Any], name: str) -> list[tuple[str, float]]:
-    rows, seen = [], collections.Counter[str]()
-    for k in per["kernels"]:
-        seen[k["kernel"]] += 1
-        label = f"`{k['kernel']}`" + (f" #{seen[k['kernel']]}" if seen[k["kernel"]] > 1 else "")
-        rows.append((f"{label} direct", k["us"]["median"]))
-    step = next(s for s in forward["steps"] if s["step"] == name)
-    return [*rows, ("kernels called directly, sum", per["kernels_us"]),
-            ("layer call, torch on 1 thread", per["call_us"]["median"]),
-            ("layer call, torch at N threads", per["call_torch_at_threads_us"]["median"]),
-            ("in a forward: the step", step["us"]),
-            ("in a forward: its kernels", round(sum(k["us"] for k in step["kernels"]), 2))]
 
 
 def _thread_counts(text: str) -> list[int]:
@@ -511,7 +449,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     report["host"]["load_average_after"] = host()["load_average"]
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "profile_sparse_cpu.json").write_text(json.dumps(report, indent=1))
-    (args.out / "profile_sparse_cpu.md").write_text(_markdown(report))
+    (args.out / "profile_sparse_cpu.md").write_text(markdown(report))
     return report
 
 

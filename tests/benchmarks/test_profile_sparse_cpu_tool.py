@@ -24,7 +24,7 @@ def test_a_quick_run_reports_regions_layers_and_forwards(tmp_path):
 
         forward = report["forward"][n]
         assert forward["ms"]["median"] > 0 and forward["traced_ms"] > 0 and forward["kernel_ms"] > 0
-        assert forward["glue_ms"] >= 0 and forward["gap_us"]["median"] > 0
+        assert forward["glue_ms"] >= 0 and forward["gap_us"]["median"] > 0 and forward["glue_alone_ms"]["median"] > 0
         assert forward["regions"] is None and forward["wake_estimate"] is None  # not counted under --quick
         assert sum(k["calls"] for k in forward["by_kernel"].values()) == forward["kernel_calls"] > 0
         traced_steps = {s["step"] for s in forward["steps"]}
