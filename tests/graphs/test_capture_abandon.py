@@ -1,12 +1,12 @@
-"""What `capture` undoes when a capture cannot end (CUDA invalidated it), on stand-ins for the graph, the
-generator and the allocator's pool calls; `test_graphed_memory_gpu.py` has the same on a GPU."""
+"""What `capture` undoes when a capture cannot end (CUDA invalidated it; `_end_capture`), on stand-ins for the graph,
+the generator and the allocator's pool calls; `test_graphed_memory_gpu.py` has the same on a GPU."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from tendril.graphs.capture import _abandon
+from tendril.graphs.capture import _end_capture
 
 DEVICE = torch.device("cuda", 1)
 POOL = (0, 7)
@@ -42,15 +42,17 @@ def allocator(monkeypatch, calls: list[tuple], end_error: str | None = None) -> 
 def test_an_invalidated_capture_restores_the_generator_and_releases_the_pool(monkeypatch):
     calls: list[tuple] = []
     allocator(monkeypatch, calls)
-    _abandon(Graph("CUDA error: operation not permitted when stream is capturing"), Generator(calls), "saved",
-             DEVICE, POOL)  # fmt: skip
+    with pytest.raises(RuntimeError, match="not permitted"):
+        _end_capture(Graph("CUDA error: operation not permitted when stream is capturing"), Generator(calls),
+                     "saved", DEVICE, POOL)  # fmt: skip
     assert calls == [("generator", "saved"), ("end", 1, POOL), ("release", 1, POOL)]
 
 
 def test_a_pool_pytorch_stopped_routing_to_is_still_released(monkeypatch):
     calls: list[tuple] = []
     allocator(monkeypatch, calls, end_error="endAllocatePool: not currently recording to mempool_id")
-    _abandon(Graph("Invalid capture."), Generator(calls), "saved", DEVICE, POOL)
+    with pytest.raises(RuntimeError, match="Invalid capture"):
+        _end_capture(Graph("Invalid capture."), Generator(calls), "saved", DEVICE, POOL)
     assert calls == [("generator", "saved"), ("end", 1, POOL), ("release", 1, POOL)]
 
 
@@ -58,11 +60,11 @@ def test_an_unexpected_allocator_error_is_raised(monkeypatch):
     calls: list[tuple] = []
     allocator(monkeypatch, calls, end_error="some other failure")
     with pytest.raises(RuntimeError, match="some other failure"):
-        _abandon(Graph("Invalid capture."), Generator(calls), "saved", DEVICE, POOL)
+        _end_capture(Graph("Invalid capture."), Generator(calls), "saved", DEVICE, POOL)
 
 
 def test_a_capture_that_ends_leaves_the_pool_to_pytorch(monkeypatch):
     calls: list[tuple] = []
     allocator(monkeypatch, calls)
-    _abandon(Graph(None), Generator(calls), "saved", DEVICE, POOL)
+    _end_capture(Graph(None), Generator(calls), "saved", DEVICE, POOL)
     assert calls == []

@@ -140,14 +140,10 @@ def capture(
                 with _sync_errors(), stager if stager is not None else contextlib.nullcontext():
                     outputs = fn(*args, **kwargs)
             except BaseException:
-                _abandon(graph, generator, saved_generator, device, pool)
+                with contextlib.suppress(RuntimeError):  # the function's error is the one worth reporting
+                    _end_capture(graph, generator, saved_generator, device, pool)
                 raise
-            try:
-                graph.capture_end()
-            except BaseException:  # invalidated by a call that did not raise (another thread's, say)
-                generator.graphsafe_set_state(saved_generator)
-                _release_pool(device, pool)
-                raise
+            _end_capture(graph, generator, saved_generator, device, pool)
     current.wait_stream(stream)
     recorded = time.perf_counter()
     pool_growth = pool_reserved_bytes(device) - reserved_before
@@ -191,21 +187,19 @@ def _sync_errors() -> Iterator[None]:
         torch.cuda.set_sync_debug_mode(previous)
 
 
-def _abandon(
+def _end_capture(
     graph: torch.cuda.CUDAGraph, generator: torch.Generator, saved: torch.Generator, device: torch.device, pool: Any
 ) -> None:
-    """End a capture the function broke; the error it raised is the one worth reporting.
-
-    If CUDA invalidated the capture, `capture_end` fails at `cudaStreamEndCapture`, before PyTorch
-    takes the default generator out of capture mode and stops routing allocations to the pool: the
-    generator gets its saved state back and the pool is released here, or every later capture into
-    it would fail ("already recording to mempool").
-    """
+    """End the capture. If CUDA invalidated it (a call the function made, or another thread's), `capture_end` fails
+    at `cudaStreamEndCapture`, before PyTorch takes the default generator out of capture mode and stops routing
+    allocations to the pool: the generator gets its saved state back and the pool is released here, or every later
+    capture into it would fail ("already recording to mempool"); then the error is raised."""
     try:
         graph.capture_end()
     except RuntimeError:
         generator.graphsafe_set_state(saved)
         _release_pool(device, pool)
+        raise
 
 
 def _release_pool(device: torch.device, pool: Any) -> None:

@@ -36,7 +36,7 @@ _LAZY: dict[str, str] = {
     "StepStats": "tendril.graphs.training.step",
     "DeviceGradScaler": "tendril.graphs.training.scaler",
     "check_optimizer": "tendril.graphs.training.invariants",
-    "HostLayerDropWarning": "tendril.graphs.training.step",
+    "HostLayerDropWarning": "tendril.graphs.training.layerdrop",
     "layerdrop_on_device": "tendril.graphs.training.layerdrop",
     "host_layerdrop": "tendril.graphs.training.layerdrop",
     "DeviceLayerDrop": "tendril.graphs.training.layerdrop",

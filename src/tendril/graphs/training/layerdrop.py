@@ -29,6 +29,10 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 
+class HostLayerDropWarning(UserWarning):
+    """The trained model decides LayerDrop on the host: each graph would skip the same layers at every replay."""
+
+
 def _probability(module: nn.Module) -> tuple[str, float] | None:
     """Where `module` keeps its host-side LayerDrop probability ("attribute" or "config") and its value, for a
     module with a `layers` list and a positive probability; else None."""

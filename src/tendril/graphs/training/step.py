@@ -62,7 +62,7 @@ from tendril.graphs.outputs import clone_outputs
 from tendril.graphs.stats import Fallback, GraphRecord, GraphStats
 from tendril.graphs.syncs import find_host_syncs
 from tendril.graphs.training import invariants
-from tendril.graphs.training.layerdrop import host_layerdrop
+from tendril.graphs.training.layerdrop import HostLayerDropWarning, host_layerdrop
 from tendril.graphs.training.scaler import check_scaler, reset_after_failed_capture
 from tendril.graphs.training.simulated import Recording, runs_on_capture
 
@@ -83,10 +83,6 @@ class StepStats(GraphStats):
     """Per key, what `find_host_syncs` reported on its checked warm-up step, where it found any."""
     host_layerdrop: list[str] = dataclasses.field(default_factory=list)
     """The model's modules whose LayerDrop draws on the host, which graphs freeze (`layerdrop.host_layerdrop`)."""
-
-
-class HostLayerDropWarning(UserWarning):
-    """The trained model decides LayerDrop on the host: each graph would skip the same layers at every replay."""
 
 
 @dataclass
