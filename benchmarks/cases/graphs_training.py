@@ -221,16 +221,15 @@ def _tendril(ctx: Context, setup: Setup, data: list, passes: int) -> tuple[Timin
 
 def _tendril_compiled(ctx: Context, setup: Setup, data: list, passes: int) -> Timing | None:
     """tendril's graphs of the step on `torch.compile(model)` (Inductor's fused kernels, no CUDA graphs of its
-    own; default shape handling): one launch per step as `tendril`, with the kernels `compile` runs. Host syncs are
-    not checked on a warm-up step (the check's dispatch mode would recompile the model), so a sync shows as a failed
-    capture in the stats. None, with the error in the notes, where it fails."""
+    own; default shape handling): one launch per step as `tendril`, with the kernels `compile` runs. None, with the
+    error in the notes, where it fails."""
     import torch._dynamo
 
     _raise_recompile_limit(setup)
     model, optimizer, scaler = _fresh(setup, 0.1)
     step = tendril.graphed_step(
         setup.make_step(torch.compile(model), optimizer, scaler, amp=True), model=model, optimizer=optimizer,
-        scaler=scaler, buckets=setup.buckets, check_syncs=False,
+        scaler=scaler, buckets=setup.buckets,
     )  # fmt: skip
     try:
         return _warm_and_time(ctx, f"{setup.name} tendril+compile", setup, step, data, passes)
@@ -243,7 +242,7 @@ def _tendril_compiled(ctx: Context, setup: Setup, data: list, passes: int) -> Ti
 
 
 def _warm_and_time(ctx: Context, label: str, setup: Setup, step: Any, data: list, passes: int) -> Timing:
-    """Every bucket's warm-up, checked warm-up and capture, then the timed passes; warm-up, graphs and pool
+    """Every bucket's warm-up and capture, then the timed passes; warm-up, graphs and pool
     reported under `label`."""
     generator = torch.Generator().manual_seed(7)
     start = time.perf_counter()
@@ -343,9 +342,7 @@ def _tendril_pool_bytes(setup: Setup, device: torch.device) -> int:
     examples = [setup.batch(size, generator) for size in setup.lengths]
     plain(*examples[0])  # the optimizer state and gradients, as the separate pools' measurement has them
     before = device_memory_in_use(device)
-    step = tendril.graphed_step(
-        plain, model=model, optimizer=optimizer, scaler=scaler, buckets=setup.buckets, check_syncs=False
-    )  # the timed variant checked the same step for host syncs
+    step = tendril.graphed_step(plain, model=model, optimizer=optimizer, scaler=scaler, buckets=setup.buckets)
     captured = step.capture(examples)
     used = device_memory_in_use(device) - before
     assert captured == len(examples), step.stats.table()

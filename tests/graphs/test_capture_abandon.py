@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tendril.graphs.capture import _end_capture
+from tendril.graphs import capture as capture_module
+from tendril.graphs.capture import _end_capture, accepts_captures, capture
 
 DEVICE = torch.device("cuda", 1)
 POOL = (0, 7)
@@ -29,6 +30,11 @@ class Generator:
         self.calls.append(("generator", state))
 
 
+@pytest.fixture(autouse=True)
+def no_abandoned_pools(monkeypatch):
+    monkeypatch.setattr(capture_module, "_abandoned_pools", set())
+
+
 def allocator(monkeypatch, calls: list[tuple], end_error: str | None = None) -> None:
     def end(device: int, pool: tuple[int, int]) -> None:
         calls.append(("end", device, pool))
@@ -45,7 +51,8 @@ def test_an_invalidated_capture_restores_the_generator_and_releases_the_pool(mon
     with pytest.raises(RuntimeError, match="not permitted"):
         _end_capture(Graph("CUDA error: operation not permitted when stream is capturing"), Generator(calls),
                      "saved", DEVICE, POOL)  # fmt: skip
-    assert calls == [("generator", "saved"), ("end", 1, POOL), ("release", 1, POOL)]
+    assert calls == [("end", 1, POOL), ("release", 1, POOL), ("generator", "saved")]
+    assert not accepts_captures(POOL) and accepts_captures((0, 8))
 
 
 def test_a_pool_pytorch_stopped_routing_to_is_still_released(monkeypatch):
@@ -53,7 +60,7 @@ def test_a_pool_pytorch_stopped_routing_to_is_still_released(monkeypatch):
     allocator(monkeypatch, calls, end_error="endAllocatePool: not currently recording to mempool_id")
     with pytest.raises(RuntimeError, match="Invalid capture"):
         _end_capture(Graph("Invalid capture."), Generator(calls), "saved", DEVICE, POOL)
-    assert calls == [("generator", "saved"), ("end", 1, POOL), ("release", 1, POOL)]
+    assert calls == [("end", 1, POOL), ("release", 1, POOL), ("generator", "saved")]
 
 
 def test_an_unexpected_allocator_error_is_raised(monkeypatch):
@@ -61,10 +68,19 @@ def test_an_unexpected_allocator_error_is_raised(monkeypatch):
     allocator(monkeypatch, calls, end_error="some other failure")
     with pytest.raises(RuntimeError, match="some other failure"):
         _end_capture(Graph("Invalid capture."), Generator(calls), "saved", DEVICE, POOL)
+    assert calls[-1] == ("generator", "saved"), "the generator is restored whatever the allocator raised"
 
 
 def test_a_capture_that_ends_leaves_the_pool_to_pytorch(monkeypatch):
     calls: list[tuple] = []
     allocator(monkeypatch, calls)
     _end_capture(Graph(None), Generator(calls), "saved", DEVICE, POOL)
-    assert calls == []
+    assert calls == [] and accepts_captures(POOL)
+
+
+def test_capturing_into_an_abandoned_pool_is_refused_before_it_begins():
+    """PyTorch's pinned-host allocator still routes to an abandoned pool: a capture into it would fail at
+    `capture_begin` with "already recording to mempool_id"; `capture` names the cause instead."""
+    capture_module._abandoned_pools.add(POOL)
+    with pytest.raises(ValueError, match="abandoned"):
+        capture(lambda: None, pool=POOL)

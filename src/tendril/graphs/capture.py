@@ -15,7 +15,9 @@ synchronisation (`.item()`, `.cpu()`, data-dependent shapes) raises at the offen
 it reaches CUDA: the capture is still valid, ends normally and is discarded, which returns its pool
 and leaves the random-number generator consistent. A capture CUDA itself invalidated cannot end
 normally; PyTorch then leaves the default CUDA generator in capture mode and the pool taking the
-allocations, so `capture` restores the one and releases the other.
+allocations, so `capture` restores the one and releases the other. PyTorch's pinned-host allocator keeps
+routing to that pool too, and nothing public ends that: such a pool is never captured into again
+(`accepts_captures`), and callers sharing a pool take a fresh handle.
 
 Garbage collection is paused while recording. A collection during a capture may destroy an unreachable
 graph executable of some earlier `CUDAGraph` (`cudaGraphExecDestroy`), which CUDA forbids while a stream is
@@ -77,6 +79,14 @@ class CapturedGraph:
 
 
 _capture_streams = threading.local()
+_abandoned_pools: set[Any] = set()
+"""Pools a capture CUDA invalidated was recording to: beginning another capture into one fails ("already recording
+to mempool_id") because the pinned-host allocator's routing to it was never ended."""
+
+
+def accepts_captures(pool: Any) -> bool:
+    """Whether a capture may begin into `pool` (False once a capture into it was invalidated by CUDA)."""
+    return pool not in _abandoned_pools
 
 
 def capture_stream(device: torch.device) -> torch.cuda.Stream:
@@ -113,6 +123,8 @@ def capture(
     graph uninstantiated (`graph.raw_cuda_graph()`) for the caller to make executables from; `driver_bytes`
     is then 0.
     """
+    if pool is not None and not accepts_captures(pool):
+        raise ValueError(f"pool {pool} was abandoned by a capture CUDA invalidated: capture into a fresh one")
     device = torch.device("cuda", torch.cuda.current_device())
     start = time.perf_counter()
     stream = capture_stream(device) if stream is None else stream
@@ -192,13 +204,16 @@ def _end_capture(
 ) -> None:
     """End the capture. If CUDA invalidated it (a call the function made, or another thread's), `capture_end` fails
     at `cudaStreamEndCapture`, before PyTorch takes the default generator out of capture mode and stops routing
-    allocations to the pool: the generator gets its saved state back and the pool is released here, or every later
-    capture into it would fail ("already recording to mempool"); then the error is raised."""
+    allocations to the pool: the generator gets its saved state back and the pool is released here, and marked
+    abandoned (see `accepts_captures`); then the error is raised."""
     try:
         graph.capture_end()
     except RuntimeError:
-        generator.graphsafe_set_state(saved)
-        _release_pool(device, pool)
+        _abandoned_pools.add(pool)
+        try:
+            _release_pool(device, pool)
+        finally:
+            generator.graphsafe_set_state(saved)
         raise
 
 

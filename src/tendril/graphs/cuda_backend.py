@@ -33,7 +33,14 @@ from torch.nn.attention import SDPBackend
 from tendril import config
 from tendril.cuda import graph_exec
 from tendril.graphs.backend import Captured, CaptureFailed, classify_capture_error
-from tendril.graphs.capture import GRAPH_SDPA_BACKENDS, HOST_COPY_ERROR, CapturedGraph, capture, capture_stream
+from tendril.graphs.capture import (
+    GRAPH_SDPA_BACKENDS,
+    HOST_COPY_ERROR,
+    CapturedGraph,
+    accepts_captures,
+    capture,
+    capture_stream,
+)
 from tendril.graphs.executables import PREFETCH_AHEAD, ExecutableCache
 from tendril.graphs.executables.cuda import CudaExecutables, ManagedGraph, ManagedReplay, segment_sizes
 from tendril.graphs.key import GraphKey, next_in_step
@@ -93,7 +100,8 @@ class CudaBackend:
             graph = None
             failure = None
             for pin_host_copies in (False, True):
-                if device not in self._pools:  # a fresh handle: a pool no graph holds any more is not reused
+                if device not in self._pools or not accepts_captures(self._pools[device]):
+                    # fresh when no graph holds the pool (`_after_failure`) or a capture abandoned it
                     self._pools[device] = torch.cuda.graph_pool_handle()
                 try:
                     graph = capture(

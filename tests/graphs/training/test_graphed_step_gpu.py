@@ -314,9 +314,28 @@ def test_a_step_that_syncs_runs_eagerly_with_the_place_in_stats():
     with pytest.warns(tendril.GraphFallbackWarning):
         for batch in batches([4] * 5, "cuda"):
             step(*batch)
-    assert len(logged) == 5 and not step.keys()
-    assert step.stats.fallbacks[Fallback.HOST_SYNC] == 3
+    assert len(logged) == 5 and not step.keys() and step.stats.warmup_steps == 1
+    assert step.stats.fallbacks[Fallback.HOST_SYNC] == 4
     assert "test_graphed_step_gpu.py" in step.stats.fallback_details[Fallback.HOST_SYNC]
+
+
+def test_a_key_warms_with_the_attention_kernels_its_capture_uses():
+    """cuDNN attention, PyTorch's choice outside `GRAPH_SDPA_BACKENDS`, would warm kernels (or, in a compiled model,
+    compile a graph) that the capture does not use."""
+    model = TokenMLP().cuda()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, capturable=True)
+    plain = full_step(model, optimizer)
+    cudnn_attention = []
+
+    def noted(x, y):
+        cudnn_attention.append(torch.backends.cuda.cudnn_sdp_enabled())
+        return plain(x, y)
+
+    step = tendril.graphed_step(noted, model=model, optimizer=optimizer, config=Config())
+    for batch in batches([4] * 3, "cuda"):
+        step(*batch)
+    assert torch.backends.cuda.cudnn_sdp_enabled()
+    assert cudnn_attention == [False, False] and step.stats.replays == 2, step.stats.table()
 
 
 def _tiny_gpt2_amp_twice(repeats: int, init_scale: float) -> Both:

@@ -8,8 +8,9 @@ all keys and replays it, one optimizer step per call. What it relies on and chec
   (`invariants`);
 - fp16 loss scaling with inf/NaN checks and step skipping on the device (`scaler`: torch's GradScaler with a fused
   optimizer, or `DeviceGradScaler`);
-- host syncs: found on a warm-up step by `find_host_syncs` (`stats.host_syncs`) and judged by the capture; a capture
-  that fails runs its key eagerly from then on, with the reason and the syncs' places in `stats`. Splitting a step
+- host syncs: judged by the capture; a capture that fails runs its key eagerly from then on, with the reason in
+  `stats`, and the syncs `find_host_syncs` found on the first of those eager steps, with their places
+  (`stats.host_syncs`). Splitting a step
   around a sync that cannot be removed is left to the user (two graphed steps, e.g. `accumulate`'s two parts);
 - on CPU test backends, a capture that records without running (`simulated`).
 

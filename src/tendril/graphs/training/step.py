@@ -11,15 +11,16 @@ scaler under AMP) and `optimizer.zero_grad(set_to_none=False)`, and returns the 
 
 Exactly one step per call. At a key without a graph:
 
-1. the first call runs the step eagerly on the capture stream (a real step that also makes the optimizer state, on
-   the very first step, and warms the shapes' kernels and workspaces), checked by `find_host_syncs` once the
-   optimizer has its state: the syncs it finds, with their places, go to `stats.host_syncs`. They do not decide
-   alone: some code reads a value only when no capture is running (HF's attention-mask checks skip `mask.all()`
-   while a CUDA stream captures), so the capture is the judge;
+1. the first call runs the step eagerly as the graph will record it (its stream, its attention kernels): a real step
+   that also makes the optimizer state, on the very first step, warms the shapes' kernels and workspaces, and
+   compiles what `torch.compile` wraps (no mode is active, so that nothing compiled is left for the capture);
 2. the next call captures the step into the key's graph, which records the step without running it, then replays
    the graph once: that replay is the call's step. A capture that fails (`Fallback.HOST_SYNC`, or another error,
-   `CAPTURE_ERROR`) runs the call's step eagerly, and the key from then on, with the syncs step 1 found in the
-   reason's detail;
+   `CAPTURE_ERROR`) runs the call's step eagerly, and the key from then on. With `check_syncs`, the first of
+   those eager steps runs under `find_host_syncs`: the syncs it finds, with their places, go to
+   `stats.host_syncs` and the reason's detail. They are a diagnosis, not a verdict: some code reads a value only
+   when no capture is running (HF's attention-mask checks skip `mask.all()` while a CUDA stream captures), so
+   the capture is the judge;
 3. later calls copy their tensors into the key's placeholders and replay.
 
 `capture(examples)` takes keys through rules 1 and 2 ahead of time, largest first so that smaller graphs reuse the
@@ -49,6 +50,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.nn.attention import sdpa_kernel
 
 from tendril.config import Config
 from tendril.graphs.admission import FallbackWarnings, graphs_unavailable, placement_refusal
@@ -80,7 +82,7 @@ class StepStats(GraphStats):
     optimizer_updates: int = 0
     """Optimizer updates made by `accumulate` (every Nth call)."""
     host_syncs: dict[GraphKey, str] = dataclasses.field(default_factory=dict)
-    """Per key, what `find_host_syncs` reported on its checked warm-up step, where it found any."""
+    """Per key whose capture failed, what `find_host_syncs` reported on its first eager step, where it found any."""
     host_layerdrop: list[str] = dataclasses.field(default_factory=list)
     """The model's modules whose LayerDrop draws on the host, which graphs freeze (`layerdrop.host_layerdrop`)."""
 
@@ -148,11 +150,13 @@ class GraphedStep:
         from tendril.graphs.cuda_backend import CudaBackend
 
         self._on_cuda = isinstance(backend, CudaBackend)
+        self._attention = backend.sdpa_backends if isinstance(backend, CudaBackend) else None
         self._backend: Backend = Recording(backend, self._training_state) if runs_on_capture(backend) else backend
         self._positions = parameter_positions(fn) if buckets is not None else {}
         self._arena = PlaceholderArena()
         self._graphs: dict[GraphKey, _Graph] = {}
         self._warmed: set[GraphKey] = set()
+        self._diagnosed: set[GraphKey] = set()
         self._warnings = FallbackWarnings(f"tendril.graphed_step({self.name})")
         self._pending = 0
         self._unavailable = graphs_unavailable(backend, config)
@@ -273,7 +277,7 @@ class GraphedStep:
             return self._replay(graph, flat)
         refusal = self._refusal(key)
         if refusal is not None:
-            return self._eager(fn, args, kwargs, *refusal)
+            return self._eager(fn, args, kwargs, *refusal, failed_key=key if key in self.stats.failed_keys else None)
         if key not in self._warmed:
             return self._warm(fn, call_args, call_kwargs, key)
         if padded is not None:
@@ -284,28 +288,17 @@ class GraphedStep:
         """Why a key without a graph runs eagerly, or None if it may be warmed and captured."""
         failed = self.stats.failed_keys.get(key)
         if failed is not None:
-            detail = self.stats.fallback_details.get(failed, "")
-            return failed, f"the key {key} failed before: {detail}"
+            return failed, f"the key {key} failed before: {self.stats.fallback_details.get(failed, '')}"
         return placement_refusal(key, self._backend, len(self._graphs), self.max_graphs)
 
     def _warm(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], key: GraphKey) -> Any:
-        """Rule 1: the call's step, eagerly, on the capture stream; checked for host syncs once the optimizer has
-        its state (the key is captured at its next call, after a checked run)."""
+        """Rule 1: the call's step, eagerly, on the capture stream (the key is captured at its next call)."""
         self.stats.warmup_steps += 1
-        check = self.check_syncs and invariants.optimizer_ready(self.optimizer)
-        results: list[Any] = []
-        report = None
         with self._capture_stream(key):
-            if check:
-                report = find_host_syncs(lambda *a, **k: results.append(fn(*a, **k)), *args, **kwargs)
-            else:
-                results.append(fn(*args, **kwargs))
+            result = fn(*args, **kwargs)
         self._after_eager()
-        if report:
-            self.stats.host_syncs[key] = str(report)
-        if check or not self.check_syncs:
-            self._warmed.add(key)
-        return results[0]
+        self._warmed.add(key)
+        return result
 
     def _capture_and_replay(
         self, fn: Callable[..., Any], flat: Flattened, key: GraphKey, call: tuple[tuple[Any, ...], dict[str, Any]]
@@ -314,9 +307,7 @@ class GraphedStep:
         call's step eagerly, with the reason."""
         graph = self._capture(fn, flat, key)
         if isinstance(graph, CaptureFailed):
-            found = self.stats.host_syncs.get(key)
-            detail = graph.detail if found is None else f"{graph.detail}; its eager step found {found}"
-            return self._eager(fn, *call, graph.reason, detail)
+            return self._eager(fn, *call, graph.reason, graph.detail, failed_key=key)
         return self._replay(graph, flat)
 
     def _capture(self, fn: Callable[..., Any], flat: Flattened, key: GraphKey) -> _Graph | CaptureFailed:
@@ -369,11 +360,28 @@ class GraphedStep:
         return clone_outputs(captured.outputs) if self.clone_loss else captured.outputs
 
     def _eager(
-        self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], reason: Fallback, detail: str
+        self,
+        fn: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        reason: Fallback,
+        detail: str,
+        failed_key: GraphKey | None = None,
     ) -> Any:
+        """The call's step, eagerly, recorded as a fallback. The first one at a `failed_key` (a key whose capture
+        failed) runs under `find_host_syncs` when `check_syncs`, and its findings join the detail (rule 2)."""
+        if failed_key is not None and self.check_syncs and failed_key not in self._diagnosed:
+            self._diagnosed.add(failed_key)
+            results: list[Any] = []
+            report = find_host_syncs(lambda *a, **k: results.append(fn(*a, **k)), *args, **kwargs)
+            result = results[0]
+            if report:
+                self.stats.host_syncs[failed_key] = str(report)
+                detail = f"{detail}; its eager step found {report}"
+        else:
+            result = fn(*args, **kwargs)
         self.stats.record_fallback(reason, detail)
         self._warnings.warn(reason, detail)
-        result = fn(*args, **kwargs)
         self._after_eager()
         return result
 
@@ -392,7 +400,8 @@ class GraphedStep:
 
     @contextlib.contextmanager
     def _capture_stream(self, key: GraphKey) -> Iterator[None]:
-        """On CUDA, run the block on the stream captures use (warming its workspaces), ordered with the current one."""
+        """On CUDA, run the block as captures run: on their stream (warming its workspaces), ordered with the current
+        one, with their attention kernels."""
         if not self._on_cuda:
             yield
             return
@@ -402,7 +411,8 @@ class GraphedStep:
         stream = capture_stream(device)
         current = torch.cuda.current_stream(device)
         stream.wait_stream(current)
-        with torch.cuda.stream(stream):
+        attention = sdpa_kernel(list(self._attention)) if self._attention is not None else contextlib.nullcontext()
+        with torch.cuda.stream(stream), attention:
             yield
         current.wait_stream(stream)
 
@@ -431,8 +441,8 @@ def graphed_step(
     `torch.amp.GradScaler` with a fused optimizer, or a `tendril.DeviceGradScaler`. `buckets`: pad the batch up to
     declared lengths (the step must ignore padded positions: labels -100, a zero attention mask). `accumulate=N`:
     `fn` only accumulates and every Nth call runs the optimizer update. `memory`: the graph-memory policy of the
-    default CUDA backend (as `tendril.graphed`). `check_syncs`: check a warm-up step per key with
-    `find_host_syncs` before capturing. `clone_loss`: return a copy of the loss (False: a view of graph memory,
+    default CUDA backend (as `tendril.graphed`). `check_syncs`: run the first eager step at a key whose capture
+    failed under `find_host_syncs`, which names the host syncs and their lines. `clone_loss`: return a copy of the loss (False: a view of graph memory,
     overwritten by the next call).
     """
     if config is None:
