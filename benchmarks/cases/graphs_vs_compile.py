@@ -9,6 +9,11 @@ process, each measured on its own (the previous one deleted and dynamo reset):
 - `tendril.graphed(model, compile=True)`: Inductor's kernels (its cudagraphs off) captured into tendril's graphs,
   with a cold cache under a fresh tendril cache dir.
 
+Beside them, not in the targets: the same `compile=True` callable with every length captured ahead of time, largest
+first (`capture`, Inductor's caches warm from the variant before). Growing lengths make the shared pool grow by a
+segment each time a longer capture needs more than its free blocks hold; largest first reuses the first segment, so
+the two memories show how much of the pool that growth costs.
+
 Warm-up: wall time from making the variant until every length has been called three times (enough for the CUDA-graph
 trees to record and replay each length; tendril captures at the first). Per call: CUDA-event medians over the
 144-call random order after warm-up. Memory: device memory in use after warm-up, over what was in use before the
@@ -185,6 +190,16 @@ def run(ctx: Context) -> None:
         ctx.add_value("tendril.graphed compile=True", "recompiles_after_first_call", compile_stats.recompiles)
         ctx.extra["first_process_cache_files"] = sum(path.is_file() for path in cache_dir.rglob("*"))
         _release(both)
+
+        def captured_ahead() -> Any:
+            fast = graphed(model, max_graphs=count, compile=True, config=Config(cache_dir=cache_dir))
+            fast.capture(list(inputs.values()), progress=False)
+            return fast
+
+        ahead_name = "tendril.graphed compile=True, captured largest first"
+        ahead = _measure(ctx, ahead_name, captured_ahead, model, inputs, order)
+        ctx.extra["tendril_compile_ahead_memory_mib"] = memory_mib(ahead["variant"].stats)
+        _release(ahead)
         with fresh_inductor_cache(), cudagraph_skips.watch() as skips:
             compiled = _measure(
                 ctx,

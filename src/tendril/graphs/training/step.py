@@ -442,8 +442,8 @@ def graphed_step(
     declared lengths (the step must ignore padded positions: labels -100, a zero attention mask). `accumulate=N`:
     `fn` only accumulates and every Nth call runs the optimizer update. `memory`: the graph-memory policy of the
     default CUDA backend (as `tendril.graphed`). `check_syncs`: run the first eager step at a key whose capture
-    failed under `find_host_syncs`, which names the host syncs and their lines. `clone_loss`: return a copy of the loss (False: a view of graph memory,
-    overwritten by the next call).
+    failed under `find_host_syncs`, which names the host syncs and their lines. `clone_loss`: return a copy of the
+    loss (False: a view of graph memory, overwritten by the next call).
     """
     if config is None:
         from tendril.config import settings
