@@ -242,8 +242,8 @@ def _tendril_compiled(ctx: Context, setup: Setup, data: list, passes: int) -> Ti
 
 
 def _warm_and_time(ctx: Context, label: str, setup: Setup, step: Any, data: list, passes: int) -> Timing:
-    """Every bucket's warm-up and capture, then the timed passes; warm-up, graphs and pool
-    reported under `label`."""
+    """Every bucket's warm-up and capture, then the timed passes; warm-up, graphs and pool reported under
+    `label`."""
     generator = torch.Generator().manual_seed(7)
     start = time.perf_counter()
     for size in setup.lengths:

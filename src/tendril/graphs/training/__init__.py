@@ -10,8 +10,8 @@ all keys and replays it, one optimizer step per call. What it relies on and chec
   optimizer, or `DeviceGradScaler`);
 - host syncs: judged by the capture; a capture that fails runs its key eagerly from then on, with the reason in
   `stats`, and the syncs `find_host_syncs` found on the first of those eager steps, with their places
-  (`stats.host_syncs`). Splitting a step
-  around a sync that cannot be removed is left to the user (two graphed steps, e.g. `accumulate`'s two parts);
+  (`stats.host_syncs`). Splitting a step around a sync that cannot be removed is left to the user (two graphed
+  steps, e.g. `accumulate`'s two parts);
 - on CPU test backends, a capture that records without running (`simulated`).
 
 Random numbers. Dropout stays on and draws new masks at every replay. PyTorch's `CUDAGraph.capture_begin`
