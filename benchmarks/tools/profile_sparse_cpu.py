@@ -385,7 +385,7 @@ def host() -> dict[str, Any]:
             "runtimes": runtimes}
 
 
-def _thread_counts(text: str) -> list[int]:
+def thread_counts(text: str) -> list[int]:
     values = [v.strip() for v in text.split(",") if v.strip()]
     if not values or not all(v.isdigit() and int(v) >= 1 for v in values):
         raise ValueError(f"--threads {text!r}: expected thread counts of at least 1, separated by commas, e.g. 1,2,4")
@@ -398,7 +398,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--threads", default="1,2,4,8,16", help="thread counts, e.g. 1,2,4,8,16")
     parser.add_argument("--quick", action="store_true", help="a small network, few repetitions, 1 and 2 threads")
     args = parser.parse_args(argv)
-    requested = _thread_counts(args.threads)
+    requested = thread_counts(args.threads)
     module = cpu_threads.kernels()  # numba's pool on the engine's threading layer, before anything parallel runs
     pool = numba.config.NUMBA_NUM_THREADS
     usable = [n for n in requested if n <= pool and (not args.quick or n <= 2)]

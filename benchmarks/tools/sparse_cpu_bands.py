@@ -37,6 +37,7 @@ from benchmarks.tools.profile_sparse_cpu import (
     representative_layers,
     samples,
     shape_of,
+    thread_counts,
     us_stats,
 )
 from tendril.sparse.ops import cpu_threads
@@ -118,9 +119,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--threads", default="2,16", help="thread counts above 1, e.g. 2,4,8,16")
     parser.add_argument("--quick", action="store_true", help="a small network, few repetitions, 2 threads")
     args = parser.parse_args(argv)
+    requested = thread_counts(args.threads)
     cpu_threads.kernels()  # numba's pool on the engine's threading layer, before anything parallel runs
     pool = numba.config.NUMBA_NUM_THREADS
-    requested = sorted({int(t) for t in args.threads.split(",")})
     usable = [n for n in requested if 1 < n <= pool and (not args.quick or n <= 2)]
     if not usable:
         raise ValueError(f"--threads {args.threads}: none above 1 fits numba's pool of {pool} threads")

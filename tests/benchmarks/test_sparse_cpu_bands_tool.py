@@ -26,8 +26,10 @@ def test_a_quick_run_times_the_plans_split_and_more_bands_for_each_direct_layer(
     assert all(f"`{layer['layer']}`" in markdown for layer in report["layers"])
 
 
-def test_thread_counts_of_one_alone_are_refused(tmp_path):
+def test_thread_counts_of_one_alone_and_malformed_ones_are_refused(tmp_path):
     from benchmarks.tools import sparse_cpu_bands as tool
 
     with pytest.raises(ValueError, match="none above 1"):
         tool.main(["--out", str(tmp_path), "--quick", "--threads", "1"])
+    with pytest.raises(ValueError, match="at least 1"):
+        tool.main(["--out", str(tmp_path), "--quick", "--threads", "2,x"])
