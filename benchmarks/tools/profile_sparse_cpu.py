@@ -155,7 +155,7 @@ def regions_per_call(kernel: Dispatcher) -> int | None:
     return max(counts) if counts else None
 
 
-def samples(fn: Callable[[], Any], reps: int, gap_s: float = 0.0) -> list[float]:
+def _samples(fn: Callable[[], Any], reps: int, gap_s: float = 0.0) -> list[float]:
     """Seconds per call of `fn` (after one untimed call), each call after `gap_s` of busy Python work."""
     fn()
     samples = []
@@ -169,7 +169,7 @@ def samples(fn: Callable[[], Any], reps: int, gap_s: float = 0.0) -> list[float]
     return samples
 
 
-def us_stats(samples_s: Sequence[float], scale: float = 1e6, digits: int = 2) -> dict[str, float]:
+def _us(samples_s: Sequence[float], scale: float = 1e6, digits: int = 2) -> dict[str, float]:
     """Median, p10 and p90 of the samples (seconds) in microseconds (or in the unit `scale` says)."""
     t = summarize([s * scale for s in samples_s])
     return {**{k: round(getattr(t, f"{k}_ms"), digits) for k in ("median", "p10", "p90")}, "n": t.n}
@@ -179,8 +179,8 @@ def region_costs(threads: int, reps: dict[int, int]) -> dict[str, Any]:
     """Part 1 at one thread count: the empty region by gap, and numba's dispatch alone (a serial compiled call)."""
     out = np.zeros(1024, dtype=np.float32)
     with cpu_threads.kernel_threads(threads):
-        serial = us_stats(samples(lambda: serial_call(out), reps[0]))
-        regions = {str(gap): us_stats(samples(lambda: empty_region(out), reps[gap], gap * 1e-6)) for gap in GAPS_US}
+        serial = _us(_samples(lambda: serial_call(out), reps[0]))
+        regions = {str(gap): _us(_samples(lambda: empty_region(out), reps[gap], gap * 1e-6)) for gap in GAPS_US}
     wake = {gap: round(r["median"] - serial["median"], 2) for gap, r in regions.items()}
     return {"serial_call_us": serial, "region_us": regions, "wake_us": wake}
 
@@ -252,7 +252,7 @@ def representative_layers(net: SparseNetwork) -> dict[str, list[str]]:
     return {name: r for name, r in roles.items() if r}
 
 
-def shape_of(step: Any) -> str:
+def _shape(step: Any) -> str:
     if isinstance(step, SparseLinearStep):
         return f"FC {step.weights.in_features}→{step.weights.out_features}"
     g = step.weights.geometry
@@ -269,10 +269,10 @@ def profile_layer(step: Any, args: list[torch.Tensor], threads: int, reps: int) 
         step.run(args, state)
         with trace.installed():
             step.run(args, state)
-        kernels = [{"kernel": c.kernel, "us": us_stats(samples(c.run, reps))} for c in trace.calls]
-        call = us_stats(samples(lambda: step.run(args, state), reps))
+        kernels = [{"kernel": c.kernel, "us": _us(_samples(c.run, reps))} for c in trace.calls]
+        call = _us(_samples(lambda: step.run(args, state), reps))
     with torch.no_grad(), torch_threads(threads):
-        alone = us_stats(samples(lambda: step.run(args, state), reps))
+        alone = _us(_samples(lambda: step.run(args, state), reps))
     total = round(sum(k["us"]["median"] for k in kernels), 2)
     return {"kernels": kernels, "kernels_us": total, "call_us": call, "call_torch_at_threads_us": alone}
 
@@ -318,11 +318,11 @@ def profile_forward(net: SparseNetwork, x: torch.Tensor, threads: int, reps: int
                 net(x)
                 traces.append((trace, time.perf_counter() - start))
         with stubbed_kernels():
-            glue = samples(lambda: net(x), reps)
+            glue = _samples(lambda: net(x), reps)
     wall_s, cpu_s = statistics.median(wall), statistics.median(cpu)
     busy = round(cpu_s / wall_s, 2)
-    return {"ms": us_stats(wall, 1e3, 4), "process_cpu_ms": round(cpu_s * 1e3, 4), "busy_threads": busy,
-            "glue_alone_ms": us_stats(glue, 1e3, 4), "traces": traces}  # fmt: skip
+    return {"ms": _us(wall, 1e3, 4), "process_cpu_ms": round(cpu_s * 1e3, 4), "busy_threads": busy,
+            "glue_alone_ms": _us(glue, 1e3, 4), "traces": traces}  # fmt: skip
 
 
 def summarize_traces(forward: dict[str, Any], regions: dict[str, int | None]) -> None:
@@ -356,7 +356,7 @@ def summarize_traces(forward: dict[str, Any], regions: dict[str, int | None]) ->
         regions=sum(e["calls"] * e["regions_per_call"] for e in by_kernel.values()) if counted else None,
         kernel_ms=round(statistics.median(inside) * 1e3, 4),
         glue_ms=round(statistics.median(outside) * 1e3, 4),
-        gap_us=us_stats(gaps) if gaps else None,
+        gap_us=_us(gaps) if gaps else None,
         by_kernel={k: {**v, "ms": round(v["ms"], 4)} for k, v in by_kernel.items()},
         steps=steps,
     )
@@ -385,7 +385,7 @@ def host() -> dict[str, Any]:
             "runtimes": runtimes}
 
 
-def thread_counts(text: str) -> list[int]:
+def _thread_counts(text: str) -> list[int]:
     values = [v.strip() for v in text.split(",") if v.strip()]
     if not values or not all(v.isdigit() and int(v) >= 1 for v in values):
         raise ValueError(f"--threads {text!r}: expected thread counts of at least 1, separated by commas, e.g. 1,2,4")
@@ -398,7 +398,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--threads", default="1,2,4,8,16", help="thread counts, e.g. 1,2,4,8,16")
     parser.add_argument("--quick", action="store_true", help="a small network, few repetitions, 1 and 2 threads")
     args = parser.parse_args(argv)
-    requested = thread_counts(args.threads)
+    requested = _thread_counts(args.threads)
     module = cpu_threads.kernels()  # numba's pool on the engine's threading layer, before anything parallel runs
     pool = numba.config.NUMBA_NUM_THREADS
     usable = [n for n in requested if n <= pool and (not args.quick or n <= 2)]
@@ -442,7 +442,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         forward["wake_estimate"] = wake_estimate(forward, report["empty_region"][n])
     report.update(
         regions_per_call=regions,
-        layers=[{"layer": name, "shape": shape_of(steps[name]), "roles": roles, "threads": layers[name]}
+        layers=[{"layer": name, "shape": _shape(steps[name]), "roles": roles, "threads": layers[name]}
                 for name, roles in roles.items()],
         numba_threading_layer=cpu_threads.threading_layer(),
     )

@@ -61,10 +61,10 @@ def test_the_trace_covers_the_serial_kernels_and_leaves_the_inlined_helpers_out(
 def test_thread_counts_must_be_positive_integers():
     from benchmarks.tools import profile_sparse_cpu as tool
 
-    assert tool.thread_counts("4,1,2,1") == [1, 2, 4]
+    assert tool._thread_counts("4,1,2,1") == [1, 2, 4]
     for bad in ("0,1", "one", ""):
         with pytest.raises(ValueError, match="--threads"):
-            tool.thread_counts(bad)
+            tool._thread_counts(bad)
 
 
 def test_the_forward_summary_counts_regions_and_prices_their_wake_ups():

@@ -220,3 +220,30 @@ def test_a_model_with_float_attributes_compiles_once(tmp_path):
             x = ids(length)
             torch.testing.assert_close(fast(x), model(x))
     assert fast.stats.compile.compiles == 1, fast.stats.table()
+
+
+def test_the_compile_traces_under_the_backends_attention_restriction_and_restores_the_flags(tmp_path, monkeypatch):
+    from tendril.graphs.capture import GRAPH_SDPA_BACKENDS
+
+    seen = []
+
+    def recording(options):
+        def backend(graph, example_inputs):
+            seen.append(torch.backends.cuda.cudnn_sdp_enabled())
+            return graph.forward
+
+        return backend
+
+    monkeypatch.setattr(compiled_module, "_backend", recording)
+    restricted = NullBackend()
+    restricted.sdpa_backends = GRAPH_SDPA_BACKENDS  # as CudaBackend's default: cuDNN attention left out
+    model = Tiny().eval()
+    for backend, cudnn_while_tracing in ((restricted, False), (NullBackend(), True)):
+        torch._dynamo.reset()
+        seen.clear()
+        fast = graphed(model, compile=CompileOptions(), backend=backend, config=Config(cache_dir=tmp_path))
+        with torch.no_grad():
+            x = ids(7)
+            torch.testing.assert_close(fast(x), model(x))
+        assert seen == [cudnn_while_tracing]
+        assert torch.backends.cuda.cudnn_sdp_enabled()

@@ -1,6 +1,5 @@
 """The CPU implementations of compression, convolution and the FC layer against their references."""
 
-import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -248,31 +247,6 @@ def test_direct_conv_splits_work_into_balanced_units_on_a_tall_layer():
     computed exactly once."""
     _check_dense_input_conv(ConvCase(3, 17, (150, 6), 3, 1, 1, 1, 0.5, 0.5, seed=7), "direct", 7, fused=True)
     _check_dense_input_conv(ConvCase(3, 17, (3, 3), 3, 1, 1, 1, 0.5, 0.5, seed=8), "direct", 7, fused=False)
-
-
-@pytest.mark.parametrize("case", [ConvCase(3, 17, (30, 6), 3, 1, 1, 1, 0.5, 0.5, seed=5),
-                                  ConvCase(4, 9, (29, 13), 3, 2, 1, 1, 0.4, 0.6, seed=6)])  # fmt: skip
-def test_direct_conv_gives_the_same_bits_for_every_split_into_bands(case):
-    """Bands and output-channel blocks only share out the work: each output value sums the same products in the
-    same order, so every split gives the plan's own split's bits."""
-    weights, x, init, _ = conv_operands(case, CPU)
-    g = weights.geometry
-    bias = init[:, 0, 0].contiguous().numpy()
-    plan = conv_cpu.CpuConvPlan.prepare(weights)
-    out = torch.empty(g.out_channels, *g.out_hw)
-    conv_cpu.conv_dense_input(x, plan, init[:, 0, 0].clone(), out=out, layout=ActivationLayout.for_conv(g),
-                              method="direct", threads=3, relu=True)  # fmt: skip
-    planes = plan.planes.reshape(-1).numpy()
-    residual = np.empty((0, 0, 0), dtype=np.float32)
-    for bands in (1, 2, 3, 7, g.out_hw[0], 4 * g.out_hw[0]):
-        for threads in (1, 3, 16):
-            call = conv_cpu.DirectCall.of(plan, threads, bias, True, bands=bands)
-            assert 1 <= call.bands <= g.out_hw[0] and (call.bands == g.out_hw[0]) == (bands >= g.out_hw[0])
-            split = torch.full_like(out, float("nan"))
-            call.run(split.view(g.out_channels, -1).numpy(), residual, planes)
-            assert torch.equal(split, out), (bands, threads)
-    with pytest.raises(ValueError, match="at least one band"):
-        conv_cpu.DirectCall.of(plan, 3, bias, True, bands=0)
 
 
 @pytest.mark.parametrize("threads", [1, 4])

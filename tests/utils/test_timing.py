@@ -2,7 +2,7 @@ import time
 
 import pytest
 
-from tendril.utils.timing import summarize, time_callable
+from tendril.utils.timing import summarize, time_callable, time_interleaved
 
 
 def test_summarize_orders_percentiles():
@@ -28,3 +28,25 @@ def test_time_callable_rotates_inputs_and_measures_host_time():
 def test_time_callable_rejects_bad_arguments(kwargs):
     with pytest.raises(ValueError):
         time_callable(lambda: None, **kwargs)
+
+
+def test_time_interleaved_takes_turns_per_argument_and_times_each_callable_apart():
+    seen = []
+
+    def slow(i):
+        seen.append(("slow", i))
+        time.sleep(0.004)
+
+    def fast(i):
+        seen.append(("fast", i))
+
+    timings = time_interleaved({"slow": slow, "fast": fast}, [(0,), (1,), (2,)])
+    assert seen == [("slow", 0), ("fast", 0), ("slow", 1), ("fast", 1), ("slow", 2), ("fast", 2)]
+    assert list(timings) == ["slow", "fast"] and timings["slow"].n == timings["fast"].n == 3
+    assert timings["slow"].median_ms >= 4.0 > timings["fast"].median_ms
+
+
+@pytest.mark.parametrize("fns, inputs", [({}, [(0,)]), ({"f": print}, [])])
+def test_time_interleaved_needs_a_callable_and_an_argument_tuple(fns, inputs):
+    with pytest.raises(ValueError, match="at least one"):
+        time_interleaved(fns, inputs)

@@ -132,7 +132,8 @@ class GraphedCallable:
         if options.compile is not None:
             from tendril.graphs.compiled import Compiler
 
-            self._compiler = Compiler(fn, options.compile, config, self.name)
+            attention = getattr(backend, "sdpa_backends", None)
+            self._compiler = Compiler(fn, options.compile, config, self.name, attention)
             self.stats.compile = self._compiler.stats
 
     def __repr__(self) -> str:

@@ -132,7 +132,7 @@ def capture(
     stream.wait_stream(current)
     graph = torch.cuda.CUDAGraph(keep_graph=True)
     stager = _PinHostCopies() if pin_host_copies else None
-    attention = sdpa_kernel(list(sdpa_backends)) if sdpa_backends is not None else contextlib.nullcontext()
+    attention = attention_restricted(sdpa_backends)
     with torch.cuda.stream(stream), attention:
         for _ in range(warmup):
             fn(*args, **kwargs)
@@ -172,6 +172,11 @@ def capture(
     }
     buffers = stager.buffers if stager is not None else []
     return CapturedGraph(graph, outputs, (done - start) * 1e3, pool_growth, max(driver, 0), phases, buffers)
+
+
+def attention_restricted(backends: Sequence[SDPBackend] | None) -> contextlib.AbstractContextManager[Any]:
+    """`scaled_dot_product_attention` restricted to `backends` inside the block (None: PyTorch's choice)."""
+    return sdpa_kernel(list(backends)) if backends is not None else contextlib.nullcontext()
 
 
 @contextlib.contextmanager

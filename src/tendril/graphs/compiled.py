@@ -12,6 +12,11 @@
 - **Persistent caches.** Inductor's FX graph cache and the AOTAutograd cache are turned on and, unless
   TORCHINDUCTOR_CACHE_DIR is set, kept under tendril's cache dir (`inductor_cache_dir`), so a second process loads
   the generated kernels instead of generating them again.
+- **Attention kernels fixed at the compile.** Inductor bakes the attention kernel PyTorch picks while tracing into
+  the compiled code, so the compile runs under the backend's capture restriction (`CudaBackend.sdpa_backends`,
+  cuDNN attention left out): compiled code would otherwise call cuDNN attention, whose per-shape host planning
+  every new length would pay. The restriction sets PyTorch's process-wide attention flags; a background compile's
+  thread sets them for the whole process while it traces.
 - **Foreground (default).** The first call that needs a capture compiles, by running the compiled function once
   on its arguments, then captures; every graph comes from compiled code.
 - **Background (`CompileOptions(background=True)`).** The first call starts the compile on a side thread, on copies
@@ -31,15 +36,17 @@ import os
 import threading
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+from torch.nn.attention import SDPBackend
 from torch.utils import _pytree as pytree
 
 from tendril.config import Config
+from tendril.graphs.capture import attention_restricted
 from tendril.graphs.key import Flattened
 from tendril.graphs.options import CompileOptions
 from tendril.graphs.stats import Fallback
@@ -108,11 +115,21 @@ def enable_persistent_caches(config: Config) -> Path:
 class Compiler:
     """The compiled version of one graphed callable's function, and which function its next capture uses."""
 
-    def __init__(self, fn: Callable[..., Any], options: CompileOptions, config: Config, name: str) -> None:
+    def __init__(
+        self,
+        fn: Callable[..., Any],
+        options: CompileOptions,
+        config: Config,
+        name: str,
+        sdpa_backends: Sequence[SDPBackend] | None = None,
+    ) -> None:
+        """`sdpa_backends`: the attention kernels the compile may pick from, those the graphs are captured with
+        (None: PyTorch's choice)."""
         enable_persistent_caches(config)
         self.plain = fn
         self.options = options
         self.name = name
+        self.sdpa_backends = sdpa_backends
         self.stats = CompileStats()
         self.compiled = _with_static_floats(torch.compile(fn, dynamic=True, backend=self._counted_backend()))
         self._thread: threading.Thread | None = None
@@ -172,7 +189,7 @@ class Compiler:
         self.stats.state = "compiling"
         start = time.perf_counter()
         try:
-            with torch.no_grad():
+            with torch.no_grad(), attention_restricted(self.sdpa_backends):
                 self.compiled(*args, **kwargs)
         except Exception as error:  # any compiler error: the callable stays on the plain function, reason kept
             self.stats.failure = _reason(error)

@@ -5,13 +5,15 @@ one final synchronisation, so the host is never blocked between calls: the time 
 device time between its events, which includes any gaps while the device waits for the host to
 launch work (what launch overhead costs). On the CPU each call is timed with `perf_counter`.
 Warm-up calls come first; the statistics are medians and percentiles over the timed calls.
+`time_interleaved` times several callables in turns, call by call, so that whatever drifts during a
+run touches each of them alike.
 """
 
 from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -61,6 +63,33 @@ def time_callable(
     if device.type == "cuda":
         return summarize(_time_cuda(fn, inputs, device, reps))
     return summarize(_time_host(fn, inputs, reps))
+
+
+def time_interleaved(
+    fns: Mapping[str, Callable[..., Any]],
+    inputs: Sequence[tuple[Any, ...]],
+    *,
+    device: torch.device | str = "cpu",
+) -> dict[str, Timing]:
+    """Time each of `fns` once per argument tuple of `inputs`, in turns: the first tuple through every callable
+    (in the mapping's order), then the second, and so on. Callables timed one after another meet different
+    clocks, host load and allocator states; in turns, whatever drifts over the run touches each of them alike.
+    No warm-up: warm the callables first."""
+    if not fns or not inputs:
+        raise ValueError("time_interleaved needs at least one callable and one argument tuple")
+    calls = [(name, fn, args) for args in inputs for name, fn in fns.items()]
+    device = torch.device(device)
+    if device.type == "cuda":
+        samples = _time_cuda(_call_named, calls, device, len(calls))
+    else:
+        samples = _time_host(_call_named, calls, len(calls))
+    return {
+        name: summarize([ms for (call, _, _), ms in zip(calls, samples, strict=True) if call == name]) for name in fns
+    }
+
+
+def _call_named(_: str, fn: Callable[..., Any], args: tuple[Any, ...]) -> Any:
+    return fn(*args)
 
 
 def _time_cuda(

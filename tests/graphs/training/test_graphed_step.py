@@ -94,6 +94,28 @@ def test_capture_ahead_of_time_needs_the_optimizer_state():
         step.capture(batches([4]))
 
 
+def test_a_first_step_the_scaler_skips_warms_again_and_the_key_is_captured_once_the_optimizer_has_state():
+    def scaler():  # the first scaled loss overflows; the backoff brings the scale to 3e8 for the second step
+        return tendril.DeviceGradScaler("cpu", init_scale=3e38, backoff_factor=1e-30)
+
+    model, reference = twins(TokenMLP)
+
+    def sgd(module):  # momentum: the optimizer has state only after its first step
+        return torch.optim.SGD(module.parameters(), lr=1e-2, momentum=0.9)
+
+    optimizer, reference_optimizer = sgd(model), sgd(reference)
+    data = batches([4] * 6)
+    reference_scaler, step_scaler = scaler(), scaler()
+    for batch in data:
+        full_step(reference, reference_optimizer, reference_scaler)(*batch)
+    step = graphed(full_step(model, optimizer, step_scaler), model, optimizer, scaler=step_scaler)
+    for batch in data:
+        step(*batch)
+    assert step.stats.warmup_steps == 2 and step.stats.eager_calls == 0 and step.stats.replays == 4
+    assert_identical(state_of(model, optimizer), state_of(reference, reference_optimizer))
+    assert step_scaler.get_scale() == reference_scaler.get_scale() < 1e9
+
+
 def test_the_eager_reference_pads_the_arguments_the_buckets_name():
     buckets = wav2vec2_buckets((8, 16))
     audio, mask, labels = torch.randn(2, 5), torch.ones(2, 5, dtype=torch.long), torch.tensor([[3, -100], [4, 5]])
@@ -136,8 +158,24 @@ def test_a_failed_capture_runs_the_step_eagerly_once_with_the_reason_in_stats():
         for batch in data:
             step(*batch)
     assert_identical(state_of(model, optimizer), state_of(reference, reference_optimizer))
-    assert step.stats.fallbacks[Fallback.HOST_SYNC] == 5  # the capture's call and every later one
+    assert step.stats.fallbacks[Fallback.HOST_SYNC] == 5  # the two captures' calls and every later one
     assert step.stats.warmup_steps == 1 and not step.keys()
+
+
+def test_a_capture_that_fails_once_is_captured_at_the_keys_next_call_without_a_warning(recwarn):
+    model, reference = twins(TokenMLP)
+    optimizer, reference_optimizer = adamw(model), adamw(reference)
+    data = batches([4] * 6)
+    eager_loop(reference, reference_optimizer, data)
+    failures = [CaptureFailed(Fallback.HOST_SYNC, "a compiler benchmarked its new kernels")]
+    backend = NullBackend(fail=lambda key: failures.pop() if failures else None)
+    step = graphed(full_step(model, optimizer), model, optimizer, backend=backend)
+    for batch in data:
+        step(*batch)
+    assert_identical(state_of(model, optimizer), state_of(reference, reference_optimizer))
+    assert step.stats.fallbacks[Fallback.HOST_SYNC] == 1 and len(step.keys()) == 1 and step.stats.replays == 4
+    assert not step.stats.failed_keys and not step.stats.host_syncs
+    assert not [w for w in recwarn if issubclass(w.category, GraphFallbackWarning)]
 
 
 def test_host_syncs_are_looked_for_only_after_a_capture_failed_and_then_once_naming_their_place(monkeypatch):

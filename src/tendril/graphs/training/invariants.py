@@ -83,11 +83,13 @@ def allocate_grads(parameters: Iterable[torch.Tensor]) -> None:
 
 
 def optimizer_ready(optimizer: torch.optim.Optimizer | None) -> bool:
-    """Whether the optimizer has made its state for every parameter (its first effective step has run)."""
+    """Whether the optimizer has made its state for every parameter a step trains (those with a gradient; at least
+    one): its first effective step has run. A step a grad scaler skipped (inf/NaN gradients) makes no state for a
+    non-fused optimizer, so this stays False after it."""
     if optimizer is None:
         return True
-    parameters = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
-    return all(len(optimizer.state.get(p, {})) > 0 for p in parameters)
+    trained = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+    return bool(trained) and all(len(optimizer.state.get(p, {})) > 0 for p in trained)
 
 
 def state_tensors(optimizer: torch.optim.Optimizer | None, scaler: Any = None) -> dict[str, torch.Tensor]:

@@ -13,14 +13,17 @@ Exactly one step per call. At a key without a graph:
 
 1. the first call runs the step eagerly as the graph will record it (its stream, its attention kernels): a real step
    that also makes the optimizer state, on the very first step, warms the shapes' kernels and workspaces, and
-   compiles what `torch.compile` wraps (no mode is active, so that nothing compiled is left for the capture);
+   compiles what `torch.compile` wraps (no mode is active, so that nothing compiled is left for the capture).
+   Until the optimizer has its state (a first step the grad scaler skipped makes none), the next call warms again;
 2. the next call captures the step into the key's graph, which records the step without running it, then replays
    the graph once: that replay is the call's step. A capture that fails (`Fallback.HOST_SYNC`, or another error,
-   `CAPTURE_ERROR`) runs the call's step eagerly, and the key from then on. With `check_syncs`, the first of
-   those eager steps runs under `find_host_syncs`: the syncs it finds, with their places, go to
-   `stats.host_syncs` and the reason's detail. They are a diagnosis, not a verdict: some code reads a value only
-   when no capture is running (HF's attention-mask checks skip `mask.all()` while a CUDA stream captures), so
-   the capture is the judge;
+   `CAPTURE_ERROR`) runs the call's step eagerly. The key's next call captures once more, since that eager step
+   may have finished a one-time setup the capture tripped over (`torch.compile` recompiling for the capture and
+   benchmarking the new kernels, which synchronises); a second failure runs the key eagerly from then on. With
+   `check_syncs`, the first eager step after the second failure runs under `find_host_syncs`: the syncs it finds,
+   with their places, go to `stats.host_syncs` and the reason's detail. They are a diagnosis, not a verdict: some
+   code reads a value only when no capture is running (HF's attention-mask checks skip `mask.all()` while a CUDA
+   stream captures), so the capture is the judge;
 3. later calls copy their tensors into the key's placeholders and replay.
 
 `capture(examples)` takes keys through rules 1 and 2 ahead of time, largest first so that smaller graphs reuse the
@@ -157,6 +160,7 @@ class GraphedStep:
         self._graphs: dict[GraphKey, _Graph] = {}
         self._warmed: set[GraphKey] = set()
         self._diagnosed: set[GraphKey] = set()
+        self._failed_once: set[GraphKey] = set()
         self._warnings = FallbackWarnings(f"tendril.graphed_step({self.name})")
         self._pending = 0
         self._unavailable = graphs_unavailable(backend, config)
@@ -292,12 +296,14 @@ class GraphedStep:
         return placement_refusal(key, self._backend, len(self._graphs), self.max_graphs)
 
     def _warm(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], key: GraphKey) -> Any:
-        """Rule 1: the call's step, eagerly, on the capture stream (the key is captured at its next call)."""
+        """Rule 1: the call's step, eagerly, on the capture stream. The key is captured at its next call once the
+        optimizer has its state (a first step that the scaler skipped made none, and the next warms again)."""
         self.stats.warmup_steps += 1
         with self._capture_stream(key):
             result = fn(*args, **kwargs)
         self._after_eager()
-        self._warmed.add(key)
+        if invariants.optimizer_ready(self.optimizer):
+            self._warmed.add(key)
         return result
 
     def _capture_and_replay(
@@ -307,6 +313,8 @@ class GraphedStep:
         call's step eagerly, with the reason."""
         graph = self._capture(fn, flat, key)
         if isinstance(graph, CaptureFailed):
+            if key not in self.stats.failed_keys:
+                return self._eager(fn, *call, graph.reason, graph.detail, retried=True)
             return self._eager(fn, *call, graph.reason, graph.detail, failed_key=key)
         return self._replay(graph, flat)
 
@@ -325,7 +333,9 @@ class GraphedStep:
             captured = self._backend.capture(fn, args, kwargs, key, 0)
         except CaptureFailed as failure:
             reset_after_failed_capture(self.scaler)
-            self.stats.failed_keys[key] = failure.reason
+            if key in self._failed_once:
+                self.stats.failed_keys[key] = failure.reason
+            self._failed_once.add(key)
             self.stats.pool_bytes = self._backend.pool_bytes()
             return failure
         self._addresses.verify(self.optimizer, self.scaler)
@@ -367,21 +377,26 @@ class GraphedStep:
         reason: Fallback,
         detail: str,
         failed_key: GraphKey | None = None,
+        retried: bool = False,
     ) -> Any:
-        """The call's step, eagerly, recorded as a fallback. The first one at a `failed_key` (a key whose capture
-        failed) runs under `find_host_syncs` when `check_syncs`, and its findings join the detail (rule 2)."""
+        """The call's step, eagerly, recorded as a fallback and warned once per reason. After a key's first failed
+        capture (`retried`: its next call captures again) there is no warning yet. The first eager step at a
+        `failed_key` (a key whose capture failed twice) runs under `find_host_syncs` when `check_syncs`, and its
+        findings join the reason's detail (rule 2)."""
+        report = None
         if failed_key is not None and self.check_syncs and failed_key not in self._diagnosed:
             self._diagnosed.add(failed_key)
             results: list[Any] = []
             report = find_host_syncs(lambda *a, **k: results.append(fn(*a, **k)), *args, **kwargs)
             result = results[0]
-            if report:
-                self.stats.host_syncs[failed_key] = str(report)
-                detail = f"{detail}; its eager step found {report}"
         else:
             result = fn(*args, **kwargs)
         self.stats.record_fallback(reason, detail)
-        self._warnings.warn(reason, detail)
+        if report and failed_key is not None:
+            self.stats.host_syncs[failed_key] = str(report)
+            detail = self.stats.fallback_details[reason] = f"{detail}; its eager step found {report}"
+        if not retried:
+            self._warnings.warn(reason, detail)
         self._after_eager()
         return result
 

@@ -425,30 +425,19 @@ class DirectCall:
 
     @classmethod
     def of(
-        cls,
-        plan: CpuConvPlan,
-        threads: int,
-        bias: np.ndarray,
-        relu: bool,
-        grid: tuple[int, int] | None = None,
-        bands: int | None = None,
+        cls, plan: CpuConvPlan, threads: int, bias: np.ndarray, relu: bool, grid: tuple[int, int] | None = None
     ) -> DirectCall:
         """The call for `plan`; `grid` is `(out_at, out_row)`, where output row `y` of a channel starts in that
-        channel's row of the `[K, ·]` output (None: a contiguous `[K, OH, OW]` output, `(0, OW)`). `bands`: split
-        the output rows into about this many bands, none taller than the plan's (None: the plan's bands). Each
-        output value sums the same products in the same order whatever the split."""
-        if bands is not None and bands < 1:
-            raise ValueError(f"bands={bands}: at least one band")
+        channel's row of the `[K, ·]` output (None: a contiguous `[K, OH, OW]` output, `(0, OW)`)."""
         g = plan.weights.geometry
         (oh, ow) = g.out_hw
-        band_rows = plan.band_rows if bands is None else _even_band_rows(oh, min(plan.band_rows, -(-oh // bands)))
-        bands = -(-oh // band_rows)
+        bands = -(-oh // plan.band_rows)
         k_blocks = min(g.out_channels, -(-UNITS_PER_THREAD * threads // bands)) if threads > 1 else 1
         weights = (plan.direct_values.numpy(), plan.direct_base.numpy(), plan.k_ptr.numpy())
         k_block = -(-g.out_channels // k_blocks)
         out_at, out_row = (0, ow) if grid is None else grid
         layout = (out_at, out_row, oh, ow)
-        return cls((*layout, bias, relu, *weights, plan.row, band_rows, k_block, VECTOR_FLOATS), bands)
+        return cls((*layout, bias, relu, *weights, plan.row, plan.band_rows, k_block, VECTOR_FLOATS), bands)
 
     def run(
         self, out: np.ndarray, residual: np.ndarray, planes: np.ndarray, band_counts: np.ndarray = NOT_COUNTED
