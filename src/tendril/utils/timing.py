@@ -77,18 +77,17 @@ def time_interleaved(
     No warm-up: warm the callables first."""
     if not fns or not inputs:
         raise ValueError("time_interleaved needs at least one callable and one argument tuple")
-    calls = [(name, fn, args) for args in inputs for name, fn in fns.items()]
+    names = [name for _ in inputs for name in fns]
+    calls = [(fn, args) for args in inputs for fn in fns.values()]
     device = torch.device(device)
     if device.type == "cuda":
-        samples = _time_cuda(_call_named, calls, device, len(calls))
+        samples = _time_cuda(_apply, calls, device, len(calls))
     else:
-        samples = _time_host(_call_named, calls, len(calls))
-    return {
-        name: summarize([ms for (call, _, _), ms in zip(calls, samples, strict=True) if call == name]) for name in fns
-    }
+        samples = _time_host(_apply, calls, len(calls))
+    return {name: summarize([ms for call, ms in zip(names, samples, strict=True) if call == name]) for name in fns}
 
 
-def _call_named(_: str, fn: Callable[..., Any], args: tuple[Any, ...]) -> Any:
+def _apply(fn: Callable[..., Any], args: tuple[Any, ...]) -> Any:
     return fn(*args)
 
 

@@ -394,7 +394,8 @@ class GraphedStep:
         self.stats.record_fallback(reason, detail)
         if report and failed_key is not None:
             self.stats.host_syncs[failed_key] = str(report)
-            detail = self.stats.fallback_details[reason] = f"{detail}; its eager step found {report}"
+            detail = f"{detail}; its eager step found {report}"
+            self.stats.fallback_details[reason] = detail  # replaces the detail the retried step recorded first
         if not retried:
             self._warnings.warn(reason, detail)
         self._after_eager()
