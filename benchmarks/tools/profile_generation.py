@@ -185,7 +185,8 @@ def run_variant(variant: str, model: nn.Module, prompts: list[torch.Tensor], ref
 # ------------------------------------------------------------------------------------ linear sweep
 
 SWEEP_SHAPES = {
-    # (label, out, in, weight layout, norm ("layer", "rms" or None), activation, residual)
+    # (label, out, in, weight layout, norm ("layer", "rms" or None), activation, residual[, gated: two weights of
+    # `out` columns, the activation of the first times the second])
     "gpt2": [
         ("ln_1+c_attn", 2304, 768, "conv1d", "layer", "none", False),
         ("attn.c_proj+res", 768, 768, "conv1d", None, "none", True),
@@ -193,10 +194,10 @@ SWEEP_SHAPES = {
         ("mlp.c_proj+res", 768, 3072, "conv1d", None, "none", True),
         ("ln_f+lm_head", 50257, 768, "linear", "layer", "none", False),
     ],
-    "llama1b": [  # gate_up as one ungated projection: the launch and the bytes are the gated one's
+    "llama1b": [
         ("norm+qkv", 3072, 2048, "linear", "rms", "none", False),
         ("o_proj+res", 2048, 2048, "linear", None, "none", True),
-        ("norm+gate_up", 16384, 2048, "linear", "rms", "none", False),
+        ("norm+gate_up", 8192, 2048, "linear", "rms", "silu", False, True),
         ("down_proj+res", 2048, 8192, "linear", None, "none", True),
         ("norm+lm_head", 128256, 2048, "linear", "rms", "none", False),
     ],
@@ -228,49 +229,54 @@ SWEEP_SIZE = 16
 """Launches timed per shape by `--sweep` besides the default (a Triton compilation each: about 2 minutes in all)."""
 
 
-def sweep_configs(out_f: int, in_f: int, k_contiguous: bool, rows: int = 1) -> list[tuple[int, int, int, int, bool]]:
+def sweep_configs(out_f: int, in_f: int, k_contiguous: bool, rows: int = 1, size: int = SWEEP_SIZE,
+                  normed: bool = False, segments: int = 1) -> list[tuple[int, int, int, int, bool]]:
     """(BLOCK_N, BLOCK_K, SPLIT_K, num_warps, dot) tried by `--sweep` for one shape and row count, the default first,
     for several rows the other path's default (CUDA cores or tensor cores, `launch.launch_config`) second, then
-    `SWEEP_SIZE` others drawn (with a fixed seed) from the plausible ones: tiles of 2-16K elements, at least 64
-    programs, at most 4 tiles a program, K split into whole non-empty shares, on either path for several rows."""
+    `size` others drawn (with a fixed seed) from the plausible ones (all of them when `size` is larger): tiles of
+    2-16K elements, at least 64 programs, at most 8 tiles a program, K split into whole non-empty shares, on
+    either path for several rows."""
     import random
 
     from tendril.generation.kernels import launch
 
     sm_count = torch.cuda.get_device_properties(0).multi_processor_count
-    defaults = [launch.launch_config(out_f, in_f, rows, k_contiguous=k_contiguous, sm_count=sm_count)]
+    columns = segments * out_f
+    defaults = [launch.launch_config(columns, in_f, rows, k_contiguous=k_contiguous, sm_count=sm_count, normed=normed)]
     if rows > 1:
-        defaults.append(launch.launch_config(out_f, in_f, rows, k_contiguous=k_contiguous, sm_count=sm_count,
-                                             dot=not defaults[0].dot))
+        defaults.append(launch.launch_config(columns, in_f, rows, k_contiguous=k_contiguous, sm_count=sm_count,
+                                             normed=normed, dot=not defaults[0].dot))
     chosen = [(d.block_n, d.block_k, d.split_k, d.num_warps, d.dot) for d in defaults]
     pool = []
     for block_n, block_k, split_k, warps, dot in itertools.product((8, 16, 32, 64, 256), (64, 128, 256, 512),
-                                                                  (1, 2, 3, 4, 6, 12), (4, 8), (False, True)):
+                                                                  (1, 2, 3, 4, 6, 8, 12, 16), (4, 8), (False, True)):
         k_tiles = -(-in_f // block_k)
         programs = -(-out_f // block_n) * split_k
         if (2048 <= block_n * block_k <= 16384 and programs >= 64 and split_k <= k_tiles
-                and -(-k_tiles // split_k) <= 4 and k_tiles % split_k == 0
+                and -(-k_tiles // split_k) <= 8 and k_tiles % split_k == 0
                 and (split_k == 1 or -(-out_f // block_n) <= 1024)
                 and (not dot or (rows > 1 and block_n >= launch.DOT_MIN))):
             pool.append((block_n, block_k, split_k, warps, dot))
     random.Random(0).shuffle(pool)
-    return [*chosen, *[c for c in pool if c not in chosen][:SWEEP_SIZE]]
+    return [*chosen, *[c for c in pool if c not in chosen][:size]]
 
 
 def _sweep_shape(label: str, out_f: int, in_f: int, layout: str, norm_kind: str | None, activation: str,
-                 residual: bool, rows: int, dtype: torch.dtype) -> dict[str, Any]:
+                 residual: bool, gated: bool = False, *, rows: int, dtype: torch.dtype, size: int) -> dict[str, Any]:
     from tendril.generation.kernels import linear
     from tendril.generation.kernels.layers import Norm, Projection
 
     device = torch.device("cuda")
-    copies = max(2, min(64, -(-160 * 2**20 // (out_f * in_f * 2))))
-    projections = []
+    segments = 2 if gated else 1
+    copies = max(2, min(64, -(-160 * 2**20 // (segments * out_f * in_f * 2))))
+    projections, stacked = [], []  # cuBLAS multiplies a gated projection's two weights as one matrix
     for _ in range(copies):
-        w = torch.randn(out_f, in_f, device=device, dtype=dtype) * 0.02
+        w = torch.randn(segments * out_f, in_f, device=device, dtype=dtype) * 0.02
         if layout == "conv1d":
             w = w.t().contiguous().t()  # an [out, in] view of an [in, out] tensor, like Conv1D's
-        bias = None if layout == "linear" else torch.randn(out_f, device=device, dtype=dtype) * 0.02
-        projections.append(Projection((w,), (bias,)))
+        bias = None if layout == "linear" else torch.randn(segments * out_f, device=device, dtype=dtype) * 0.02
+        stacked.append((w, bias))
+        projections.append(Projection(w.split(out_f), (None,) * segments if bias is None else bias.split(out_f)))
     x = torch.randn(rows, in_f, device=device, dtype=dtype)
     norm_bias = torch.zeros(in_f, device=device, dtype=dtype) if norm_kind == "layer" else None
     norm = None if norm_kind is None else Norm(norm_kind, torch.ones(in_f, device=device, dtype=dtype), norm_bias, 1e-5)
@@ -278,16 +284,19 @@ def _sweep_shape(label: str, out_f: int, in_f: int, layout: str, norm_kind: str 
     out = torch.empty(rows, out_f, device=device, dtype=dtype)
 
     def cublas(i: int) -> torch.Tensor:
-        return torch.nn.functional.linear(x, projections[i].weights[0], projections[i].biases[0])
+        return torch.nn.functional.linear(x, *stacked[i])
 
-    expected = linear.fused_linear(x, projections[0], norm=norm, activation=activation, addends=addends)
-    entry: dict[str, Any] = {"shape": label, "rows": rows, "cublas_us": _graph_time_us(cublas, copies), "configs": []}
-    configs = sweep_configs(out_f, in_f, layout == "linear", rows)
+    expected = linear.fused_linear(x, projections[0], norm=norm, activation=activation, addends=addends, gated=gated)
+    element = torch.finfo(dtype).bits // 8
+    moved = element * (segments * out_f * in_f + rows * in_f + rows * out_f * (1 + len(addends)))
+    entry: dict[str, Any] = {"shape": label, "rows": rows, "bytes_per_launch": moved,
+                             "cublas_us": _graph_time_us(cublas, copies), "configs": []}
+    configs = sweep_configs(out_f, in_f, layout == "linear", rows, size, normed=norm is not None, segments=segments)
     for index, (block_n, block_k, split_k, warps, dot) in enumerate(configs):
         def fused(i: int, bn: int = block_n, bk: int = block_k, sk: int = split_k, nw: int = warps,
                   dt: bool = dot) -> torch.Tensor:
             return linear.fused_linear(x, projections[i], norm=norm, activation=activation, addends=addends,
-                                       out=out, block_n=bn, block_k=bk, split_k=sk, num_warps=nw, dot=dt)
+                                       gated=gated, out=out, block_n=bn, block_k=bk, split_k=sk, num_warps=nw, dot=dt)
 
         config: dict[str, Any] = {"block_n": block_n, "block_k": block_k, "split_k": split_k, "warps": warps,
                                   "dot": dot, "default": index == 0, "other_path_default": rows > 1 and index == 1}
@@ -303,11 +312,11 @@ def _sweep_shape(label: str, out_f: int, in_f: int, layout: str, norm_kind: str 
     return entry
 
 
-def sweep_linear(model: str = "gpt2", rows: int = 1) -> list[dict[str, Any]]:
+def sweep_linear(model: str = "gpt2", rows: int = 1, size: int = SWEEP_SIZE) -> list[dict[str, Any]]:
     dtype = torch.float16 if model == "gpt2" else torch.bfloat16
     results = []
     for shape in SWEEP_SHAPES[model]:
-        entry = _sweep_shape(*shape, rows=rows, dtype=dtype)
+        entry = _sweep_shape(*shape, rows=rows, dtype=dtype, size=size)
         results.append(entry)
         defaults = {("dot" if c["dot"] else "fma"): c.get("us") for c in entry["configs"]
                     if c["default"] or c["other_path_default"]}
@@ -325,10 +334,10 @@ def markdown(report: dict[str, Any]) -> str:
              f"- device: {report['device']}; torch {report['torch']}; {report['new_tokens']} new tokens, "
              f"prompt {report['prompt_len']}; fused kernels with programmatic dependent launch: "
              f"{'yes' if report.get('programmatic_launch') else 'no'} (then a kernel's traced time includes its wait "
-             "for the one before, so busy and mean times overlap)", "",
-             "| variant | tok/s | ms/token | warm-up s | = HF | step graph ms | ops/step | busy us/step | "
-             "gaps us/step | loop ops/call |",
-             "|---|---:|---:|---:|---|---:|---:|---:|---:|---:|"]
+             "for the one before, so busy and mean times overlap)"]
+    if report["variants"]:
+        lines += ["", "| variant | tok/s | ms/token | warm-up s | = HF | step graph ms | ops/step | busy us/step | "
+                  "gaps us/step | loop ops/call |", "|---|---:|---:|---:|---|---:|---:|---:|---:|---:|"]
     for r in report["variants"]:
         if "error" in r:
             lines.append(f"| {r['variant']} | failed: {r['error'][:120]} |||||||||")
@@ -347,13 +356,17 @@ def markdown(report: dict[str, Any]) -> str:
             lines.append(f"| `{name}` | {k['per_step']:.2f} | {k['mean_us']:.2f} | {k['total_us']:.2f} |")
     if report.get("sweep"):
         lines += ["", "## Fused linear kernel: block-size sweep (us per launch inside a CUDA graph)", "",
-                  "| shape | cuBLAS | default | best | best config |", "|---|---:|---:|---:|---|"]
+                  "GB/s: the bytes a launch must move (weights, input, output, residual) over its time.", "",
+                  "| shape | MB | cuBLAS | default | default GB/s | best | best GB/s | best config |",
+                  "|---|---:|---:|---:|---:|---:|---:|---|"]
         for e in report["sweep"]:
             default = next((c["us"] for c in e["configs"] if c.get("default")), float("nan"))
             best = e["best"] or {}
             best_us = best.get("us", float("nan"))
+            moved = e.get("bytes_per_launch", float("nan"))
             shape = e["shape"] if e.get("rows", 1) == 1 else f"{e['shape']} ({e['rows']} rows)"
-            lines.append(f"| {shape} | {e['cublas_us']:.2f} | {default:.2f} | {best_us:.2f} | "
+            lines.append(f"| {shape} | {moved / 1e6:.2f} | {e['cublas_us']:.2f} | {default:.2f} | "
+                         f"{moved / default / 1e3:.0f} | {best_us:.2f} | {moved / best_us / 1e3:.0f} | "
                          f"n={best.get('block_n')} k={best.get('block_k')} split={best.get('split_k')} "
                          f"warps={best.get('warps')}{' dot' if best.get('dot') else ''} |")
     return "\n".join(lines) + "\n"
@@ -363,11 +376,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, type=Path)
     parser.add_argument("--variants", default="eager,compiled,fused",
-                        help="comma-separated: eager, compiled, compiled-cdt, compiled-autotune, fused")
+                        help="comma-separated: eager, compiled, compiled-cdt, compiled-autotune, fused (none: "
+                             "only the sweep)")
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--prompt-len", type=int, default=16)
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--sweep", action="store_true", help="also sweep the fused linear kernel's block sizes")
+    parser.add_argument("--sweep-size", type=int, default=SWEEP_SIZE,
+                        help="launch configurations drawn per shape besides the defaults")
     parser.add_argument("--model", choices=sorted(MODELS), default="gpt2")
     parser.add_argument("--beams", type=int, default=1, help="beam search with this many beams (1: greedy)")
     args = parser.parse_args()
@@ -384,7 +400,7 @@ def main() -> None:
                               "model": args.model, "beams": args.beams,
                               "new_tokens": args.new_tokens, "prompt_len": args.prompt_len,
                               "programmatic_launch": pdl.enabled(device), "variants": []}
-    for variant in args.variants.split(","):
+    for variant in filter(None, args.variants.split(",")):
         print(f"variant {variant} ...", flush=True)
         try:
             result = run_variant(variant, model, prompts, reference, args.new_tokens, args.reps, args.beams)
@@ -395,7 +411,7 @@ def main() -> None:
         print(json.dumps({k: v for k, v in result.items() if k != "step"}), flush=True)
         (args.out / "profile_generation.json").write_text(json.dumps(report, indent=1))
     if args.sweep:
-        report["sweep"] = sweep_linear(args.model, args.beams)
+        report["sweep"] = sweep_linear(args.model, args.beams, args.sweep_size)
     (args.out / "profile_generation.json").write_text(json.dumps(report, indent=1))
     (args.out / "profile_generation.md").write_text(markdown(report))
     print(markdown(report))

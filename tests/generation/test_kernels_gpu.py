@@ -92,32 +92,32 @@ def compiled_spills(kernel) -> dict[str, int]:
     return spills
 
 
-SHAPES = SWEEP_SHAPES["gpt2"] + SWEEP_SHAPES["llama1b"]
+SHAPES = [(*shape, False)[:8] for shape in SWEEP_SHAPES["gpt2"] + SWEEP_SHAPES["llama1b"]]  # gated: False unless set
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("label, out_f, in_f, layout, norm_kind, activation, residual", SHAPES,
+@pytest.mark.parametrize("label, out_f, in_f, layout, norm_kind, activation, residual, gated", SHAPES,
                          ids=[shape[0] for shape in SHAPES])
 def test_linear_tensor_core_and_cuda_core_paths_at_model_sizes(label, out_f, in_f, layout, norm_kind, activation,
-                                                                 residual, dtype):
+                                                                 residual, gated, dtype):
     """A 4-beam step's projections of GPT-2 and Llama-3.2-1B: the tensor-core path (the default at 4 rows) and
-    the CUDA-core path each match the reference, so each other up to the order of their float32 sums, and no
-    launch spills registers."""
+    the CUDA-core path each match the reference, so each other up to the order of their float32 sums, as does
+    the greedy step's default launch (one row), and no launch spills registers."""
     torch.manual_seed(0)
-    rows = 4
-    w = (torch.randn(out_f, in_f, device="cuda") * 0.02).to(dtype)
+    rows, segments = 4, 2 if gated else 1
+    w = (torch.randn(segments * out_f, in_f, device="cuda") * 0.02).to(dtype)
     if layout == "conv1d":
         w = w.t().contiguous().t()
-    bias = (torch.randn(out_f, device="cuda") * 0.02).to(dtype) if layout == "conv1d" else None
-    projection = Projection((w,), (bias,))
+    bias = (torch.randn(segments * out_f, device="cuda") * 0.02).to(dtype) if layout == "conv1d" else None
+    projection = Projection(w.split(out_f), (None,) * segments if bias is None else bias.split(out_f))
     norm = None if norm_kind is None else Norm(
         norm_kind, (torch.rand(in_f, device="cuda") + 0.5).to(dtype),
         torch.randn(in_f, device="cuda").to(dtype) if norm_kind == "layer" else None, 1e-5)
     x = torch.randn(rows, in_f, device="cuda").to(dtype)
-    options = dict(norm=norm, activation=activation,
+    options = dict(norm=norm, activation=activation, gated=gated,
                    addends=(torch.randn(rows, out_f, device="cuda").to(dtype),) if residual else ())
     expected = reference.fused_linear(x, projection, **options)
-    assert launch.launch_config(out_f, in_f, rows, k_contiguous=layout == "linear").dot
+    assert launch.launch_config(segments * out_f, in_f, rows, k_contiguous=layout == "linear").dot
     tolerance = dict(rtol=4e-3, atol=4e-3) if dtype == torch.float16 else dict(rtol=3e-2, atol=3e-2)
     results = []
     forget_compiled(linear._fused_linear_kernel)  # other tests' launches (other dtypes, tiles) are not checked here
@@ -130,6 +130,9 @@ def test_linear_tensor_core_and_cuda_core_paths_at_model_sizes(label, out_f, in_
         results.append(got)
     assert torch.equal(results[0], results[1])  # the default is the tensor-core path
     torch.testing.assert_close(results[1], results[2], **tolerance)
+    one_row = {**options, "addends": tuple(addend[:1] for addend in options["addends"])}
+    out = torch.full((1, out_f), float("nan"), device="cuda", dtype=dtype)
+    torch.testing.assert_close(linear.fused_linear(x[:1], projection, out=out, **one_row), expected[:1], **tolerance)
     spilled = {key: spills for key, spills in compiled_spills(linear._fused_linear_kernel).items() if spills}
     assert not spilled, spilled
 

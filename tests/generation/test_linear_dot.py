@@ -9,7 +9,7 @@ import torch
 import triton
 
 from tendril.generation.kernels import launch, linear
-from tendril.generation.kernels.layers import Norm, Projection
+from tendril.generation.kernels.layers import SPLIT_K_LOCKS, Norm, Projection
 
 GPT2 = [(2304, 768, False), (768, 768, False), (3072, 768, False), (768, 3072, False), (50257, 768, True)]
 LLAMA_1B = [(3072, 2048, True), (2048, 2048, True), (16384, 2048, True), (2048, 8192, True), (128256, 2048, True)]
@@ -20,16 +20,37 @@ LLAMA_1B = [(3072, 2048, True), (2048, 2048, True), (16384, 2048, True), (2048, 
 def test_several_half_rows_take_tensor_cores_with_one_launch_for_up_to_16_rows(columns, in_features, k_contiguous):
     one = launch.launch_config(columns, in_features, 1, k_contiguous=k_contiguous)
     assert not one.dot and one.block_m == 1
-    beams = [launch.launch_config(columns, in_features, rows, k_contiguous=k_contiguous) for rows in (2, 4, 16)]
-    assert len(set(beams)) == 1  # the rows share every weight tile: the launch does not depend on them
-    dot = beams[0]
-    assert dot.dot and dot.block_m == launch.DOT_ROWS
-    assert dot.block_n * dot.block_k <= launch.DOT_TILE and dot.block_k <= launch.DOT_TILE_K
-    assert triton.next_power_of_2(dot.split_k) * dot.block_m * dot.block_n <= launch.DOT_PARTIALS
+    for normed, tile, depth in ((True, launch.DOT_TILE, launch.DOT_TILE_K),
+                                (False, launch.PLAIN_DOT_TILE, launch.PLAIN_DOT_TILE_K)):
+        beams = [launch.launch_config(columns, in_features, rows, k_contiguous=k_contiguous, normed=normed)
+                 for rows in (2, 4, 16)]
+        assert len(set(beams)) == 1  # the rows share every weight tile: the launch does not depend on them
+        dot = beams[0]
+        assert dot.dot and dot.block_m == launch.DOT_ROWS
+        assert dot.block_n * dot.block_k <= tile and dot.block_k <= depth
+        assert triton.next_power_of_2(dot.split_k) * dot.block_m * dot.block_n <= launch.DOT_PARTIALS
     fma = launch.launch_config(columns, in_features, 4, k_contiguous=k_contiguous, dot=False)
     assert not fma.dot and fma.block_m == 4 and fma.block_n * fma.block_k <= launch.TILE_BYTES // 2 // 4  # per row
     wide = launch.launch_config(columns, in_features, 4, k_contiguous=k_contiguous, element_size=4, half_inputs=False)
     assert not wide.dot and wide.block_m == 4  # float32 products stay on CUDA cores (tl.dot would round to TF32)
+
+
+@pytest.mark.parametrize("columns, in_features, k_contiguous", GPT2 + LLAMA_1B)
+def test_tensor_core_launches_split_k_to_half_the_sms_and_take_8_warps_in_one_wave(columns, in_features,
+                                                                                    k_contiguous):
+    sm_count = 132
+    for normed in (False, True):
+        config = launch.launch_config(columns, in_features, 4, k_contiguous=k_contiguous, normed=normed)
+        column_blocks = -(-columns // config.block_n)
+        programs = column_blocks * config.split_k
+        k_tiles = -(-in_features // config.block_k)
+        prefetched = -(-k_tiles // launch.PREFETCHED_TILES)  # the split that leaves no tile unprefetched
+        if column_blocks <= SPLIT_K_LOCKS and config.split_k > prefetched:  # split further only to fill half the SMs
+            assert column_blocks * prefetched < sm_count // launch.DOT_FILL, config
+        assert config.num_warps == (launch.DOT_WIDE_WARPS if programs <= 2 * sm_count else 4), config
+    plain = launch.launch_config(768, 768, 4, k_contiguous=False)
+    normed = launch.launch_config(768, 768, 4, k_contiguous=False, normed=True)
+    assert (plain.block_n, plain.block_k, normed.block_n, normed.block_k) == (32, 256, 32, 128)
 
 
 def test_tensor_core_blocks_are_at_least_16_each_way():

@@ -26,15 +26,15 @@ def test_markdown_reports_variants_failures_and_sweep():
              "step": {"operations": 5.0, "busy_us": 3.0, "gap_us": 1.0, "kernels": [kernel]}},
             {"variant": "compiled", "error": "RuntimeError: boom"},
         ],
-        "sweep": [{"shape": "ln_1+c_attn", "cublas_us": 5.0, "best": {"us": 4.0, "block_n": 16, "block_k": 256,
-                                                                       "split_k": 3, "warps": 4},
+        "sweep": [{"shape": "ln_1+c_attn", "bytes_per_launch": 9e6, "cublas_us": 5.0,
+                   "best": {"us": 4.0, "block_n": 16, "block_k": 256, "split_k": 3, "warps": 4},
                    "configs": [{"us": 4.5, "default": True}]}],
     }
     text = markdown(report)
     assert "| fused | 1000 | 1.0000 | 0.50 | yes | 0.9000 |" in text
     assert "| compiled | failed: RuntimeError: boom |" in text
     assert "`triton_\\|fused`" in text
-    assert "| ln_1+c_attn | 5.00 | 4.50 | 4.00 | n=16 k=256 split=3 warps=4 |" in text
+    assert "| ln_1+c_attn | 9.00 | 5.00 | 4.50 | 2000 | 4.00 | 2250 | n=16 k=256 split=3 warps=4 |" in text
 
 
 def test_markdown_titles_name_the_model_and_the_search():
@@ -43,4 +43,5 @@ def test_markdown_titles_name_the_model_and_the_search():
     sweep = [{"shape": "norm+qkv", "rows": 4, "cublas_us": 5.0, "best": None, "configs": []}]
     text = markdown({**report, "model": "llama1b", "beams": 4, "sweep": sweep})
     assert text.startswith("# Profile of the 4-beam decode step (Llama-3.2-1B's shape, bf16, batch 1)")
-    assert "| norm+qkv (4 rows) | 5.00 | nan | nan |" in text
+    assert "| norm+qkv (4 rows) | nan | 5.00 | nan | nan | nan | nan |" in text
+    assert "| variant |" not in text  # a sweep-only run has no variant table

@@ -23,6 +23,28 @@ float32 over all `DOT_ROWS` rows of the block and fed to the MMA beside the weig
 would not fit the registers (ptxas spills it)."""
 DOT_TILE_K = 128
 """The deepest default tile of the tensor-core path (the depth sets the input tile's registers)."""
+PLAIN_DOT_TILE = 8192
+PLAIN_DOT_TILE_K = 256
+"""The tensor-core tile and its deepest extent when the input needs no norm: its tile is loaded as it is, in
+the 16-bit dtype, so a tile twice as large and as deep fits the registers (fewer, longer loads a program)."""
+DOT_FILL = 2
+"""A tensor-core launch splits K until it has 1/`DOT_FILL` as many programs as SMs, not one per SM: every split
+adds float32 partials that the column block's last program reads back (a round trip through L2 on the critical
+path), which costs more than the SMs left idle read."""
+DOT_WAVE_TILE = 8192
+"""Weight elements of the tiles an SM holds at once in `DOT_WIDE_WARPS`-warp tensor-core programs (two
+`DOT_TILE` programs, one `PLAIN_DOT_TILE` program): a launch of more such programs than one wave of SMs holds
+runs a second, nearly empty wave, so its split is lowered to fit one wave when that still fills `DOT_FILL`."""
+DOT_WIDE_WARPS = 8
+"""Warps of a tensor-core program when the launch fits one wave (`DOT_WAVE_TILE`): four warps leave its
+loads' latency uncovered; larger launches keep four, which an SM holds more of."""
+CONTIGUOUS_K_DEPTH = 512
+"""The deepest CUDA-core tile when the inputs are contiguous in memory (nn.Linear) and this many divide them
+(no masked tail tile) and the tile stays at least 16 columns wide: longer contiguous runs per weight row."""
+UNSPLIT_PROGRAMS_PER_SM = 4
+"""A launch with this many programs per SM without splitting K is not split: the tiles prefetched before a
+programmatic dependent launch's wait only help the programs of the first wave, and the split's reduction costs
+every column block."""
 DOT_PARTIALS = 8192
 """Float32 partial sums the split-K reduction of a tensor-core launch reads at once (splits x `DOT_ROWS` x
 `BLOCK_N`, the padding rows included): the split is capped to keep them in registers."""
@@ -63,11 +85,13 @@ def launch_config(
     element_size: int = 2,
     sm_count: int = 132,
     half_inputs: bool = True,
+    normed: bool = False,
     dot: bool | None = None,
 ) -> LaunchConfig:
-    """The default launch of a projection with `columns` output columns (per segment block count as one
-    matrix of that many columns), `in_features` inputs and `rows` rows; `half_inputs`: x and the weights are
-    both fp16 or both bf16; `dot` forces a path (None: the default below).
+    """The default launch of a projection with `columns` weight columns (all segments counted as one matrix:
+    a gated program reads a tile of each of its two), `in_features` inputs and `rows` rows; `half_inputs`: x and
+    the weights are both fp16 or both bf16; `normed`: the kernel norms x first; `dot` forces a path (None: the
+    default below).
 
     Two paths. The CUDA-core path multiplies a `[rows, BLOCK_K]` input tile by a `[BLOCK_K, BLOCK_N]` weight tile
     as a broadcast product summed over K: right for one row (a matrix-vector product has nothing for tensor
@@ -76,21 +100,23 @@ def launch_config(
     one row of half inputs) pads the rows to a `DOT_ROWS` block and accumulates `tl.dot` products in float32:
     an MMA instruction takes 16 rows at once and the padding is never loaded, so up to 16 rows share each
     weight tile, read once, and the launch is the same for any of them: tiles of `DOT_TILE` elements, at most
-    `DOT_TILE_K` deep, K split no further than `DOT_PARTIALS` allows. Its products are exact (DTYPE x DTYPE in
-    float32; the normed input is rounded to DTYPE before them either way), so only the summation order differs
-    between the paths. float32 inputs keep the CUDA-core path: `tl.dot` on float32 rounds its inputs to TF32.
+    `DOT_TILE_K` deep (`PLAIN_DOT_TILE`, `PLAIN_DOT_TILE_K` without a norm), K split no further than
+    `DOT_PARTIALS` allows and than 1/`DOT_FILL` of the SMs needs, lowered to fit one wave (`DOT_WAVE_TILE`), and
+    `DOT_WIDE_WARPS` for a launch of one wave. Its products are exact (DTYPE x DTYPE in float32; the normed
+    input is rounded to DTYPE before them either way), so only the summation order differs between the paths.
+    float32 inputs keep the CUDA-core path: `tl.dot` on float32 rounds its inputs to TF32.
 
     Under programmatic dependent launch (`pdl.py`) a program's weight loads overlap the previous kernel
     only for the tiles it loads before its wait, `PREFETCHED_TILES`; so K is split until no program has
-    more, and a split-K reduction (a round trip through L2 on the critical path) is avoided when it can be.
-    CUDA-core tiles of `TILE_BYTES`, shaped for coalesced reads: up to 256 deep when the inputs are contiguous
-    in memory (nn.Linear), `CONTIGUOUS_ROW_COLUMNS` wide when the columns are (Conv1D). If that leaves fewer
-    programs than SMs, K is split down to one tile per program, then tiles get shallower (down to 32).
-    Splitting needs a counter per column block and row group, so launches with more than
-    `layers.SPLIT_K_LOCKS` of those (which fill the GPU anyway) do not split. A CUDA-core launch of Conv1D
-    weights that splits anyway takes one tile per program, twice as wide and half as deep. The profile tool's
-    `--sweep` times this choice against other launch configurations, on both paths for several rows, for a
-    model's batch-1 projections
+    more (unless the launch has `UNSPLIT_PROGRAMS_PER_SM` without splitting), and a split-K reduction (a round
+    trip through L2 on the critical path) is avoided when it can be. CUDA-core tiles of `TILE_BYTES`, shaped for
+    coalesced reads: 256 (or `CONTIGUOUS_K_DEPTH`) deep when the inputs are contiguous in memory (nn.Linear),
+    `CONTIGUOUS_ROW_COLUMNS` wide when the columns are (Conv1D). If that leaves fewer programs than SMs, K is
+    split down to one tile per program, then tiles get shallower (down to 32). Splitting needs a counter per
+    column block and row group, so launches with more than `layers.SPLIT_K_LOCKS` of those (which fill the GPU
+    anyway) do not split. A CUDA-core launch of Conv1D weights that splits anyway takes one tile per program,
+    twice as wide and half as deep. The profile tool's `--sweep` times this choice against other launch
+    configurations, on both paths for several rows, for a model's batch-1 projections
     (`benchmarks/tools/profile_generation.py`)."""
     if dot and not half_inputs:
         raise ValueError("dot=True needs x and weights of one 16-bit float dtype (fp16 or bf16): tl.dot on float32 "
@@ -99,30 +125,39 @@ def launch_config(
     block_m = DOT_ROWS if dot else min(triton.next_power_of_2(max(rows, 1)), MAX_ROWS_PER_PROGRAM)
     tile = TILE_BYTES // element_size // block_m
     if dot:
-        block_k = max(min(triton.next_power_of_2(in_features), DOT_TILE_K), DOT_MIN)
-        block_n = max(_pow2_at_most(DOT_TILE // block_k), DOT_MIN)
+        dot_tile, depth = (DOT_TILE, DOT_TILE_K) if normed else (PLAIN_DOT_TILE, PLAIN_DOT_TILE_K)
+        block_k = max(min(triton.next_power_of_2(in_features), depth), DOT_MIN)
+        block_n = max(_pow2_at_most(dot_tile // block_k), DOT_MIN)
     elif k_contiguous:
-        block_k = min(triton.next_power_of_2(in_features), 256)
+        deep = in_features % CONTIGUOUS_K_DEPTH == 0 and tile >= 16 * CONTIGUOUS_K_DEPTH
+        block_k = CONTIGUOUS_K_DEPTH if deep else min(triton.next_power_of_2(in_features), 256)
         block_n = max(_pow2_at_most(tile // block_k), 8)
     else:
         block_n = min(triton.next_power_of_2(columns), CONTIGUOUS_ROW_COLUMNS)
         block_k = min(max(_pow2_at_most(tile // block_n), 16), triton.next_power_of_2(in_features))
     programs_per_split = triton.cdiv(columns, block_n) * triton.cdiv(rows, block_m)
+    enough = sm_count // DOT_FILL if dot else sm_count
+    many = programs_per_split >= UNSPLIT_PROGRAMS_PER_SM * sm_count
     while True:
         k_tiles = triton.cdiv(in_features, block_k)
-        split_k = triton.cdiv(k_tiles, PREFETCHED_TILES)
-        if programs_per_split * split_k < sm_count:
+        split_k = 1 if many else triton.cdiv(k_tiles, PREFETCHED_TILES)
+        if programs_per_split * split_k < enough:
             split_k = k_tiles
-        if programs_per_split * split_k >= sm_count or block_k <= 32:
+        if programs_per_split * split_k >= enough or block_k <= 32:
             break
         block_k //= 2
     if programs_per_split > SPLIT_K_LOCKS:
         split_k = 1
     elif dot:  # the last program reads every split's partials of its block at once: they must fit the registers
         split_k = min(split_k, max(_pow2_at_most(DOT_PARTIALS // (block_m * block_n)), 1))
+        in_one_wave = sm_count * DOT_WAVE_TILE // (block_n * block_k) // programs_per_split
+        if in_one_wave < split_k and programs_per_split * in_one_wave >= enough:
+            split_k = in_one_wave
     elif 1 < split_k < k_tiles and not k_contiguous and block_k >= 64:
         # the reduction is paid anyway: one tile per program, twice as wide (longer contiguous reads)
         block_n, block_k = block_n * 2, block_k // 2
         k_tiles = split_k = triton.cdiv(in_features, block_k)
     split_k = triton.cdiv(k_tiles, triton.cdiv(k_tiles, split_k))  # no empty shares
-    return LaunchConfig(block_m, block_n, block_k, split_k, dot=dot)
+    one_wave = programs_per_split * split_k * block_n * block_k <= sm_count * DOT_WAVE_TILE
+    return LaunchConfig(block_m, block_n, block_k, split_k, num_warps=DOT_WIDE_WARPS if dot and one_wave else 4,
+                        dot=dot)
