@@ -36,8 +36,8 @@ def test_several_half_rows_take_tensor_cores_with_one_launch_for_up_to_16_rows(c
 
 
 @pytest.mark.parametrize("columns, in_features, k_contiguous", GPT2 + LLAMA_1B)
-def test_tensor_core_launches_split_k_to_half_the_sms_and_take_8_warps_in_one_wave(columns, in_features,
-                                                                                    k_contiguous):
+def test_tensor_core_launches_split_k_to_half_the_sms_and_fit_one_wave_of_8_warp_programs(columns, in_features,
+                                                                                           k_contiguous):
     sm_count = 132
     for normed in (False, True):
         config = launch.launch_config(columns, in_features, 4, k_contiguous=k_contiguous, normed=normed)
@@ -47,10 +47,25 @@ def test_tensor_core_launches_split_k_to_half_the_sms_and_take_8_warps_in_one_wa
         prefetched = -(-k_tiles // launch.PREFETCHED_TILES)  # the split that leaves no tile unprefetched
         if column_blocks <= SPLIT_K_LOCKS and config.split_k > prefetched:  # split further only to fill half the SMs
             assert column_blocks * prefetched < sm_count // launch.DOT_FILL, config
-        assert config.num_warps == (launch.DOT_WIDE_WARPS if programs <= 2 * sm_count else 4), config
+        tile = config.block_n * config.block_k
+        one_wave = programs * tile <= sm_count * launch.DOT_WAVE_TILE
+        if not one_wave and column_blocks <= SPLIT_K_LOCKS:  # no split that fits one wave still fills half the SMs
+            fitting = sm_count * launch.DOT_WAVE_TILE // tile // column_blocks
+            assert column_blocks * fitting < sm_count // launch.DOT_FILL, config
+        assert config.num_warps == (launch.DOT_WIDE_WARPS if one_wave else 4), config
     plain = launch.launch_config(768, 768, 4, k_contiguous=False)
     normed = launch.launch_config(768, 768, 4, k_contiguous=False, normed=True)
     assert (plain.block_n, plain.block_k, normed.block_n, normed.block_k) == (32, 256, 32, 128)
+
+
+def test_gpt2_4_row_launches_are_the_fastest_of_the_committed_sweep():
+    """benchmarks/results/profile_generation-beam4-sweep.md: each default was the fastest launch timed for its shape
+    (fused norm for c_attn and c_fc; a residual, no norm, for the two c_proj)."""
+    expected = {(2304, 768, True): (32, 128, 3, 8), (768, 768, False): (32, 256, 3, 8),
+                (3072, 768, True): (32, 128, 2, 8), (768, 3072, False): (32, 256, 4, 8)}
+    for (columns, in_features, normed), launch_shape in expected.items():
+        config = launch.launch_config(columns, in_features, 4, k_contiguous=False, normed=normed)
+        assert config.dot and (config.block_n, config.block_k, config.split_k, config.num_warps) == launch_shape
 
 
 def test_tensor_core_blocks_are_at_least_16_each_way():
