@@ -1,13 +1,15 @@
 """`beam.bookkeep` through Inductor (`compiled_bookkeep`, what beam search runs with the compiled and fused steps on
 CUDA) equals the plain function bit for bit, step after step, on the CPU: eos hits, the length limit, the
-scoreboard merge and every early-stopping mode, over two prompt lengths (one compile per set of rules)."""
+scoreboard merge and every early-stopping mode, over two prompt lengths (one compile per set of rules); its top-k
+orders as the beam top-k does."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from tendril.generation.beam import _NEG, BeamRules, bookkeep, compiled_bookkeep
+from tendril.generation.beam import _NEG, BeamRules, _largest, bookkeep, compiled_bookkeep
+from tendril.generation.kernels import reference
 
 B, K, VOCAB, NEW = 2, 3, 7, 6
 EOS = torch.tensor([1, 2])
@@ -60,3 +62,17 @@ def test_compiled_bookkeeping_equals_the_plain_function_bit_for_bit(rules, monke
     finished_any = any(bool(out[5].any()) for out in expected)
     assert finished_any, "no hypothesis finished: the scoreboard was not exercised"
     torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_largest_orders_as_the_beam_top_k_with_ties_zeros_and_nan(seed):
+    """Bookkeeping's pairwise-rank top-k keeps `kernels.beam_top_k`'s order: ties (and -0.0 with +0.0) by the lower
+    index, NaN above every number; rows drawn from few values, so that ties are the rule."""
+    generator = torch.Generator().manual_seed(seed)
+    n = int(torch.randint(1, 24, (), generator=generator))
+    k = int(torch.randint(1, n + 1, (), generator=generator))
+    scores = torch.randint(-3, 4, (3, n), generator=generator).float()
+    scores[torch.rand(3, n, generator=generator) < 0.15] = float("nan")
+    scores[torch.rand(3, n, generator=generator) < 0.15] = -0.0
+    scores[0, : n // 2] = _NEG  # the scoreboard's empty entries, all equal
+    assert torch.equal(_largest(scores, k), reference.beam_top_k(scores, k)[1])

@@ -45,6 +45,23 @@ def _gather_beams(tensor: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
     return tensor.gather(1, index)
 
 
+def _largest(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices [B, k] of the k largest of each row of `scores` [B, n], largest first, as `kernels.beam_top_k` orders
+    them: equal scores in index order, NaN above every number. A rank by comparing every pair of a row, for the
+    rows of a few beams that bookkeeping sorts: Inductor fuses it with the operations around it, where
+    `torch.topk` would launch a radix select and a sort of its own."""
+    positions = torch.arange(scores.shape[-1], device=scores.device)
+    nan = scores.isnan()
+    value = torch.where(nan, 0.0, scores)
+    other_nan, own_nan = nan[..., None, :], nan[..., :, None]
+    same_class = other_nan == own_nan
+    greater = (other_nan & ~own_nan) | (same_class & (value[..., None, :] > value[..., :, None]))
+    equal_before = same_class & (value[..., None, :] == value[..., :, None]) & (positions[None, :] < positions[:, None])
+    rank = (greater | equal_before).sum(-1)  # [B, n]: the entries ahead of each, a permutation of 0..n-1
+    chosen = rank[..., None, :] == torch.arange(k, device=scores.device)[:, None]  # [B, k, n], one entry a row
+    return (chosen * positions).sum(-1)
+
+
 def _write_column(tensor: torch.Tensor, column: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     """Copy of tensor [B, K, N] with column `column` (0-d) set to `values` [B, K]."""
     index = column.expand(*tensor.shape[:2], 1)
@@ -103,7 +120,7 @@ def bookkeep(
 
     # d. the best `num_beams` unfinished continuations keep running
     top_running = top_log_probs + hits.to(torch.float32) * _NEG
-    keep = torch.topk(top_running, k)[1]
+    keep = _largest(top_running, k)
     running_sequences = _gather_beams(top_sequences, keep)
     running_scores = _gather_beams(top_running, keep)
     running_beam_indices = _gather_beams(top_beam_indices, keep)
@@ -115,7 +132,7 @@ def bookkeep(
         candidate = candidate + finished.all(-1, keepdim=True).to(torch.float32) * _NEG
     candidate = candidate + (~improvable).to(torch.float32) * _NEG
     candidate = candidate + (~just_finished).to(torch.float32) * _NEG
-    merged = torch.topk(torch.cat((scores, candidate), dim=1), k)[1]
+    merged = _largest(torch.cat((scores, candidate), dim=1), k)
     sequences = _gather_beams(torch.cat((sequences, top_sequences), dim=1), merged)
     scores = _gather_beams(torch.cat((scores, candidate), dim=1), merged)
     beam_indices = _gather_beams(torch.cat((beam_indices, top_beam_indices), dim=1), merged)
