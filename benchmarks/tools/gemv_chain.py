@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -31,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.cases.decode_roofline import read_bandwidth
+from benchmarks.tools.profile_generation import _graph_time_us
 from tendril.generation.kernels import linear
 from tendril.generation.kernels.chain import ProjectionChain, reference_chain
 from tendril.generation.kernels.layers import Projection
@@ -42,28 +42,6 @@ HEAD = (128256, 2048)
 
 def chain_shapes(layers: int) -> list[tuple[int, int]]:
     return LAYER * layers + [HEAD]
-
-
-def _graph_us(fn: Callable[[], Any], replays: int = 20, reps: int = 5) -> float:
-    """Median microseconds of one `fn()` replayed from a CUDA graph, over `reps` timings of `replays` replays."""
-    for _ in range(2):
-        fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(replays):
-            graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / replays)
-    return statistics.median(times)
 
 
 def measure(layers: int, programs: list[int], tiles: list[tuple[int, int]], out: Path) -> dict[str, Any]:
@@ -104,7 +82,7 @@ def measure(layers: int, programs: list[int], tiles: list[tuple[int, int]], out:
     for name, fn in variants:
         print(f"{name} ...", flush=True)
         got = fn().float()
-        us = _graph_us(fn)
+        us = _graph_time_us(lambda _, run=fn: run(), 1, launches=1, reps=20)
         report["variants"].append({
             "variant": name, "us_per_chain": us, "gb_per_s": chain.bytes_read / us / 1e3,
             "bandwidth_fraction": chain.bytes_read / (us * 1e-6) / bandwidth,
