@@ -6,14 +6,15 @@ ways in one process, each replayed from a CUDA graph:
 - `launches`: one `fused_linear` launch per projection (the decode step's kernel and default launches, with
   programmatic dependent launch where the GPU has it);
 - `cublas`: `torch.nn.functional.linear` per projection;
-- `persistent P, KxW`: `kernels.chain.ProjectionChain`, one kernel of P programs with K-deep tiles and W warps
+- `persistent P, KxWxS`: `kernels.chain.ProjectionChain`, one kernel of P programs with K-deep tiles, W warps and
+  an S-stage pipeline over each tile's K loop (P over the SM count: several programs per SM, trusted resident)
   (last: a kernel that hangs stops the run, and the others are written by then).
 Per variant: µs per chain, GB/s (weight bytes over time), that over the device's read bandwidth measured in the
 same process (`decode_roofline.read_bandwidth`), and the largest difference from `reference_chain` relative to
 its largest value.
 
     PYTHONPATH=src:. python3 -m benchmarks.tools.gemv_chain --out OUT [--layers 16] [--programs 132,66]
-        [--tiles 512x4,1024x8]
+        [--tiles 512x4x1,1024x8x3]
 
 Writes OUT/gemv_chain.json and OUT/gemv_chain.md.
 """
@@ -44,7 +45,7 @@ def chain_shapes(layers: int) -> list[tuple[int, int]]:
     return LAYER * layers + [HEAD]
 
 
-def measure(layers: int, programs: list[int], tiles: list[tuple[int, int]], out: Path) -> dict[str, Any]:
+def measure(layers: int, programs: list[int], tiles: list[tuple[int, int, int]], out: Path) -> dict[str, Any]:
     device, dtype = torch.device("cuda"), torch.bfloat16
     generator = torch.Generator(device=device).manual_seed(0)
     shapes = chain_shapes(layers)
@@ -77,8 +78,9 @@ def measure(layers: int, programs: list[int], tiles: list[tuple[int, int]], out:
                               "sm_count": torch.cuda.get_device_properties(device).multi_processor_count,
                               "variants": []}
     variants: list[tuple[str, Callable[[], torch.Tensor]]] = [("launches", launches), ("cublas", cublas)]
-    variants += [(f"persistent {p}, {k}x{w}", lambda p=p, k=k, w=w: chain.run(x, p, block_k=k, num_warps=w))
-                 for p in programs for k, w in tiles]
+    sm_count = report["sm_count"]
+    variants += [(f"persistent {p}, {k}x{w}x{s}", lambda p=p, k=k, w=w, s=s: chain.run(
+        x, p, block_k=k, num_warps=w, stages=s, per_sm=-(-p // sm_count))) for p in programs for k, w, s in tiles]
     for name, fn in variants:
         print(f"{name} ...", flush=True)
         got = fn().float()
@@ -110,13 +112,13 @@ def main() -> None:
     parser.add_argument("--out", required=True, type=Path)
     parser.add_argument("--layers", type=int, default=16)
     parser.add_argument("--programs", default="", help="comma-separated persistent grids (default: one per SM)")
-    parser.add_argument("--tiles", default="512x4,512x8,1024x8",
-                        help="comma-separated tile depths x warps of the persistent kernel")
+    parser.add_argument("--tiles", default="512x4x1,1024x8x1,2048x8x1,1024x8x3",
+                        help="comma-separated tile depth x warps x pipeline stages of the persistent kernel")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     sm_count = torch.cuda.get_device_properties(0).multi_processor_count
     programs = [int(p) for p in args.programs.split(",") if p] or [sm_count]
-    tiles = [(int(k), int(w)) for k, w in (tile.split("x") for tile in args.tiles.split(","))]
+    tiles = [(int(k), int(w), int(s)) for k, w, s in (tile.split("x") for tile in args.tiles.split(","))]
     report = measure(args.layers, programs, tiles, args.out)
     (args.out / "gemv_chain.md").write_text(markdown(report))
     print(markdown(report))

@@ -32,12 +32,13 @@ import triton.language as tl
 BLOCK_N = 16
 BLOCK_K = 512
 """Default columns and depth of a weight tile: 16 KiB of a 16-bit dtype, read as 16 runs of 1 KiB (a program has
-one tile's loads in flight at a time, so deeper tiles, with more warps, keep more bytes in flight per SM)."""
+two tiles' loads in flight, the next one's while it sums this one, so deeper tiles, with more warps, keep more bytes
+in flight per SM)."""
 
 
 @triton.jit
 def _chain_kernel(weights_ptr, acts_ptr, table_ptr, counters_ptr, phases, BLOCK_N: tl.constexpr,
-                  BLOCK_K: tl.constexpr):
+                  BLOCK_K: tl.constexpr, STAGES: tl.constexpr):
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
     cols = tl.arange(0, BLOCK_N)
@@ -67,12 +68,15 @@ def _chain_kernel(weights_ptr, acts_ptr, table_ptr, counters_ptr, phases, BLOCK_
             n_mask = n_idx < n_out
             w_rows = weights_ptr + w_off + n_idx[:, None].to(tl.int64) * n_in
             acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-            for k0 in range(0, n_in, BLOCK_K):
+            w = tl.load(w_rows + depth[None, :], mask=n_mask[:, None] & (depth < n_in)[None, :], other=0.0)
+            for k0 in tl.range(0, n_in, BLOCK_K, num_stages=STAGES):
                 k_idx = k0 + depth
                 k_mask = k_idx < n_in
-                w = tl.load(w_rows + k_idx[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+                k_next = k_idx + BLOCK_K  # the next tile's loads are in flight while this one is summed
+                w_next = tl.load(w_rows + k_next[None, :], mask=n_mask[:, None] & (k_next < n_in)[None, :], other=0.0)
                 x = tl.load(acts_ptr + x_off + k_idx, mask=k_mask, other=0.0, cache_modifier=".cg")
                 acc += tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)
+                w = w_next
             tl.store(acts_ptr + y_off + n_idx, acc.to(acts_ptr.dtype.element_ty), mask=n_mask)
             tl.debug_barrier()  # every thread's outputs stored before the release below
             tl.atomic_add(counters_ptr + phase, 1, sem="acq_rel", scope="gpu")
@@ -109,24 +113,27 @@ class ProjectionChain:
         self.counters = torch.zeros(len(weights), dtype=torch.int32, device=self.device)
         self.bytes_read = sum(w.numel() * w.element_size() for w in weights)
 
-    def run(self, x: torch.Tensor, programs: int | None = None, *, block_k: int = BLOCK_K,
-            num_warps: int = 4) -> torch.Tensor:
+    def run(self, x: torch.Tensor, programs: int | None = None, *, block_k: int = BLOCK_K, num_warps: int = 4,
+            stages: int = 1, per_sm: int = 1) -> torch.Tensor:
         """The chain's last output for input `x` ([in_features]), a view of the activation buffer (overwritten by
-        the next run). `programs`: the persistent grid, at most one per SM (all must be resident); default one
-        per SM on CUDA, and 1 elsewhere (the interpreter runs programs one after another). `block_k`: the tiles'
-        depth (a power of two, at least 16)."""
+        the next run). `programs`: the persistent grid, at most `per_sm` per SM (all must be resident at once:
+        the caller answers for `per_sm` > 1); default one per SM on CUDA, and 1 elsewhere (the interpreter runs
+        programs one after another). `block_k`: the tiles' depth (a power of two, at least 16); `stages`: the
+        software pipeline's depth over each tile's K loop (1: none)."""
         if x.shape != (self.in_features,) or x.dtype != self.dtype:
             raise ValueError(f"x must be a {self.dtype} vector of {self.in_features}, got {x.dtype} {tuple(x.shape)}")
         if block_k < 16 or block_k & (block_k - 1):
             raise ValueError(f"block_k must be a power of two of at least 16, got {block_k}")
-        limit = torch.cuda.get_device_properties(self.device).multi_processor_count if self.device.type == "cuda" else 1
+        sms = torch.cuda.get_device_properties(self.device).multi_processor_count if self.device.type == "cuda" else 1
+        limit = sms * per_sm
         programs = limit if programs is None else programs
         if not 1 <= programs <= limit:
-            raise ValueError(f"programs must be between 1 and {limit} (every program resident at once), got {programs}")
+            raise ValueError(f"programs must be between 1 and {limit} ({per_sm} per SM, every program resident at once), "
+                             f"got {programs}")
         self.acts[: self.in_features].copy_(x)
         self.counters.zero_()
         _chain_kernel[(programs,)](self.weights, self.acts, self.table, self.counters, self.table.shape[0],
-                                   BLOCK_N=BLOCK_N, BLOCK_K=block_k, num_warps=num_warps)
+                                   BLOCK_N=BLOCK_N, BLOCK_K=block_k, STAGES=stages, num_warps=num_warps)
         return self.acts[-self.out_features:]
 
 
