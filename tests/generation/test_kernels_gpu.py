@@ -14,7 +14,6 @@ from tendril.generation.api import graphed_runners, release_graphs
 from tendril.generation.kernels import launch, linear, reference
 from tendril.generation.kernels.layers import Norm, Projection
 from tendril.generation.noise import draw_key
-from tests.generation.chain_cases import check_chain
 from tests.generation.kernel_cases import (
     check_argmax,
     check_attention,
@@ -74,11 +73,6 @@ def test_linear_kernel_at_gpt2_sizes(out_f, in_f, conv1d):
     expected = reference.fused_linear(x, projection, norm=norm)
     assert not got.isnan().any()
     torch.testing.assert_close(got, expected, rtol=4e-3, atol=4e-3)
-
-
-def test_projection_chain_with_a_program_per_sm_and_with_fewer():
-    assert check_chain("cuda", dtypes=(torch.float32, torch.float16, torch.bfloat16)) == 6
-    assert check_chain("cuda", programs=3) == 4
 
 
 def forget_compiled(kernel) -> None:
