@@ -62,9 +62,9 @@ def check_one_top_k(scores: torch.Tensor, k: int) -> None:
 
 
 def check_beam_top_k(device: str, columns: tuple[int, ...] = (5, 37, 1000, 2500)) -> int:
-    """The kernels equal the reference and a stable sort exactly, on `columns` wide rows (k = 1, 2, 8) and, with
-    chunks of 16 scores and merge passes of 64 candidates, on 700 wide rows (44 chunks, the last short; k = 3 and
-    8: 3 and 6 passes a round, the last short)."""
+    """The kernels equal the reference and a stable sort exactly, on `columns` wide rows (k = 1, 2, 8; every row's
+    candidates in one merge block, held in registers) and, with chunks of 16 scores and merge passes of 64
+    candidates, on 700 wide rows (44 chunks, the last short; k = 3 and 8: 3 and 6 passes a round, the last short)."""
     torch.manual_seed(4)
     checked = 0
     for width in columns:

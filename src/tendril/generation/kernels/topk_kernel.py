@@ -9,7 +9,8 @@ two kernels whatever the sizes, with no host synchronisation and no data-depende
 1. `_chunk_top_k_kernel`, a grid of (chunk, row) programs: each loads its `CHUNK` scores of the row into registers
    and writes their k largest to a scratch tensor `[rows, chunks, k]`;
 2. `_merge_top_k_kernel`, one program per row: the k largest of the row's `chunks * k` candidates, in order,
-   as (value, index) pairs.
+   as (value, index) pairs. Candidates that fit one block (`MERGE_BLOCK`) are loaded once and every round
+   selects from registers; more are streamed from memory once a round.
 
 Both select by k rounds of a maximum. Each score becomes one int64 *order key*: its float32 bits mapped to an
 int32 whose signed order is the floats' (a NaN, any NaN, above +inf, as `torch.topk` orders it; -0.0 as +0.0, which
@@ -87,19 +88,25 @@ def _chunk_top_k_kernel(scores_ptr, stride_row, columns, k, candidates_ptr, CHUN
 
 @triton.jit
 def _merge_top_k_kernel(candidates_ptr, count, k, scores_ptr, stride_row, values_ptr, indices_ptr,
-                        BLOCK: tl.constexpr, PDL: tl.constexpr):
+                        BLOCK: tl.constexpr, ONE_PASS: tl.constexpr, PDL: tl.constexpr):
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
     row = tl.program_id(0).to(tl.int64)
     lanes = tl.arange(0, BLOCK)
     bound = tl.full([], _ABOVE_ALL, tl.int64)
+    if ONE_PASS:
+        held = tl.load(candidates_ptr + row * count + lanes, mask=lanes < count, other=_NO_KEY)
     for r in range(k):
-        best = tl.full([BLOCK], _NO_KEY, tl.int64)
-        for start in range(0, count, BLOCK):
-            keys = tl.load(candidates_ptr + row * count + start + lanes, mask=start + lanes < count, other=_NO_KEY)
-            best = tl.maximum(best, tl.where(keys < bound, keys, _NO_KEY))
-        bound = tl.max(best, axis=0)
+        if ONE_PASS:  # every candidate in registers: no round waits for memory
+            bound = tl.max(tl.where(held < bound, held, _NO_KEY), axis=0)
+        else:
+            best = tl.full([BLOCK], _NO_KEY, tl.int64)
+            for start in range(0, count, BLOCK):
+                keys = tl.load(candidates_ptr + row * count + start + lanes, mask=start + lanes < count,
+                               other=_NO_KEY)
+                best = tl.maximum(best, tl.where(keys < bound, keys, _NO_KEY))
+            bound = tl.max(best, axis=0)
         index = 2147483647 - (bound & 0x7FFFFFFF)
         tl.store(values_ptr + row * k + r, tl.load(scores_ptr + row * stride_row + index))
         tl.store(indices_ptr + row * k + r, index)
@@ -149,6 +156,7 @@ def beam_top_k(
     merge_block = min(triton.next_power_of_2(chunks * k), MERGE_BLOCK)
     _merge_top_k_kernel[(rows,)](
         candidates, chunks * k, k, scores, scores.stride(0), values, indices,
-        BLOCK=merge_block, PDL=pdl, num_warps=min(max(merge_block // 256, 1), 8), launch_pdl=pdl,
+        BLOCK=merge_block, ONE_PASS=chunks * k <= merge_block, PDL=pdl, num_warps=min(max(merge_block // 256, 1), 8),
+        launch_pdl=pdl,
     )  # fmt: skip
     return values, indices
