@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tendril.generation.beam import _NEG, BeamRules, _largest, bookkeep, compiled_bookkeep
+from tendril.generation.beam import _NEG, BeamRules, _largest, _ranked, bookkeep, compiled_bookkeep
 from tendril.generation.kernels import reference
 
 B, K, VOCAB, NEW = 2, 3, 7, 6
@@ -65,9 +65,10 @@ def test_compiled_bookkeeping_equals_the_plain_function_bit_for_bit(rules, monke
 
 
 @pytest.mark.parametrize("seed", range(20))
-def test_largest_orders_as_the_beam_top_k_with_ties_zeros_and_nan(seed):
-    """Bookkeeping's pairwise-rank top-k keeps `kernels.beam_top_k`'s order: ties (and -0.0 with +0.0) by the lower
-    index, NaN above every number; rows drawn from few values, so that ties are the rule."""
+def test_both_top_k_paths_order_as_the_beam_top_k_with_ties_zeros_and_nan(seed):
+    """Bookkeeping's top-k, eager (a stable sort) and as compiled code runs it (the pairwise rank), keeps
+    `kernels.beam_top_k`'s order: ties (and -0.0 with +0.0) by the lower index, NaN above every number; rows drawn
+    from few values, so that ties are the rule."""
     generator = torch.Generator().manual_seed(seed)
     n = int(torch.randint(1, 24, (), generator=generator))
     k = int(torch.randint(1, n + 1, (), generator=generator))
@@ -75,4 +76,6 @@ def test_largest_orders_as_the_beam_top_k_with_ties_zeros_and_nan(seed):
     scores[torch.rand(3, n, generator=generator) < 0.15] = float("nan")
     scores[torch.rand(3, n, generator=generator) < 0.15] = -0.0
     scores[0, : n // 2] = _NEG  # the scoreboard's empty entries, all equal
-    assert torch.equal(_largest(scores, k), reference.beam_top_k(scores, k)[1])
+    expected = reference.beam_top_k(scores, k)[1]
+    assert torch.equal(_largest(scores, k), expected)
+    assert torch.equal(_ranked(scores, k), expected)

@@ -47,9 +47,16 @@ def _gather_beams(tensor: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
 
 def _largest(scores: torch.Tensor, k: int) -> torch.Tensor:
     """Indices [B, k] of the k largest of each row of `scores` [B, n], largest first, as `kernels.beam_top_k` orders
-    them: equal scores in index order, NaN above every number. A rank by comparing every pair of a row, for the
-    rows of a few beams that bookkeeping sorts: Inductor fuses it with the operations around it, where
-    `torch.topk` would launch a radix select and a sort of its own."""
+    them: equal scores (-0.0 and +0.0 among them) in index order, NaN above every number. Eagerly, one stable sort;
+    under `torch.compile`, `_ranked`, which Inductor fuses with the operations around it (a sort or `torch.topk`
+    would stay a kernel of its own, and `topk` leaves the order of ties open)."""
+    if torch.compiler.is_compiling():
+        return _ranked(scores, k)
+    return torch.sort(scores, dim=-1, descending=True, stable=True)[1][..., :k]
+
+
+def _ranked(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """`_largest` by comparing every pair of a row ([B, n, n]: bookkeeping's rows hold a few beams' scores)."""
     positions = torch.arange(scores.shape[-1], device=scores.device)
     nan = scores.isnan()
     value = torch.where(nan, 0.0, scores)
