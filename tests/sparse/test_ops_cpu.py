@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 
 from tendril.sparse.activations import ActivationLayout
 from tendril.sparse.format import SparseLinearWeights
-from tendril.sparse.ops import cpu_pool, cpu_threads
+from tendril.sparse.ops import cpu_pool
 from tendril.sparse.ops.compress import cpu as compress_cpu
 from tendril.sparse.ops.compress import reference as compress_reference
 from tendril.sparse.ops.conv import reference as conv_reference
@@ -351,36 +351,3 @@ def test_direct_bands_split_the_rows_as_evenly_as_their_count_allows():
             band = _even_band_rows(rows, most)
             bands = -(-rows // most)
             assert band <= most and -(-rows // band) == bands and rows - (bands - 1) * band >= band - bands + 1
-
-
-
-@pytest.mark.parametrize(
-    ("size", "threads", "expected"),
-    [
-        (56, 16, (4, 64)),  # 14 stripes of 4 rows of every channel, one a thread
-        (56, 2, (14, 64)),  # the plan's 4 bands, two a thread
-        (112, 16, (7, 64)),  # 16 stripes
-        (28, 16, (28, 1)),  # stripes of 2 rows (60 floats) too short: one band in 64 channel blocks
-        (7, 4, (7, 4)),
-        (56, 1, (14, 64)),
-    ],
-)
-def test_direct_work_split_takes_stripes_of_rows_where_they_are_long_enough(size, threads, expected):
-    weights = conv_operands(ConvCase(4, 64, (size, size), 3, 1, 1, 1, 0.3, 1.0), CPU)[0]
-    plan = conv_cpu.CpuConvPlan.prepare(weights)
-    assert conv_cpu.work_split(plan, threads) == expected
-    band_rows, k_block = expected
-    if k_block == 64 and threads > 1:
-        assert plan.row * band_rows >= conv_cpu.STRIPE_FLOATS and band_rows <= min(plan.band_rows, -(-size // threads))
-
-
-@pytest.mark.parametrize("threads", [2, 16])
-@pytest.mark.parametrize(("kernel", "stride", "padding"), [(3, 1, 1), (3, 2, 1), (1, 2, 0), (7, 2, 3)])
-def test_direct_conv_in_stripes_matches_dense_conv(threads, kernel, stride, padding):
-    """Stripes of rows (every channel in one block, the planes filled in the same stripes) on as many threads as the
-    pool has, numba's pool capping the count: every plane row and every output row of every channel is written
-    once (the planes and output are poisoned), and the counts summed over stripes are the input's."""
-    case = ConvCase(3, 9, (80, 60), kernel, stride, padding, 1, 0.5, 0.5, seed=3)
-    plan = conv_cpu.CpuConvPlan.prepare(conv_operands(case, CPU)[0])
-    assert conv_cpu.stripe_rows(plan, cpu_threads.usable(threads)) > 0 or cpu_threads.usable(threads) == 1
-    _check_dense_input_conv(case, "direct", threads, fused=True)

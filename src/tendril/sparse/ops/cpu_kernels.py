@@ -13,9 +13,7 @@ about equal cost (never over a dimension as small as a layer's input channels).
   which only a nonzero claims.
 - `fill_planes`: a dense `[C, H, W]` activation straight into the direct dataflow's zero-padded
   phase planes (row width `row`), counting each virtual channel's nonzeros on the way; parallel over
-  virtual channels, or, with `stripe_counts` (`[stripes, V]`), over the stripes of `stripe_rows` plane rows that the
-  direct kernel's stripes read (each thread writing the rows its own stripe of `conv_direct` reads next; the counts per
-  stripe are then summed). It returns the cartesian dataflow's products for these counts (`Σ counts × weights per
+  virtual channels. It returns the cartesian dataflow's products for these counts (`Σ counts × weights per
   channel`, what the cost model compares), as do `count_channels` and `sum_band_counts`, so that choosing the
   dataflow takes no other pass.
 - `scatter_planes`: compressed activations into the same planes (the inverse of `compress_planes`).
@@ -89,56 +87,30 @@ def compress_planes(
 
 
 @njit(parallel=True, cache=True, fastmath=True)
-def fill_planes(
-    x, stride_h, stride_w, pad_h, pad_w, planes, row, plane_rows, counts, weights_per_channel, stripe_rows,
-    stripe_counts,
-):  # fmt: skip
-    channels = planes.shape[0]
-    stripes = stripe_counts.shape[0]
-    if stripes == 0:
-        for v in prange(channels):
-            counts[v] = _fill_rows(x, stride_h, stride_w, pad_h, pad_w, planes[v], v, row, 0, plane_rows, plane_rows)
-    else:
-        for s in prange(stripes):
-            first = s * stripe_rows
-            end = plane_rows if s == stripes - 1 else first + stripe_rows
-            for v in range(channels):
-                stripe_counts[s, v] = _fill_rows(
-                    x, stride_h, stride_w, pad_h, pad_w, planes[v], v, row, first, end, plane_rows
-                )  # fmt: skip
-        for v in prange(channels):
-            n = 0
-            for s in range(stripes):
-                n += stripe_counts[s, v]
-            counts[v] = n
-    return _products(counts, weights_per_channel)
-
-
-@njit(inline="always", fastmath=True)
-def _fill_rows(x, stride_h, stride_w, pad_h, pad_w, plane, v, row, first, end, plane_rows):
-    """Rows `first` to `end` of virtual channel `v`'s phase plane (and, with the last row, the plane's tail past its
-    rows) from the input; returns the nonzeros copied."""
+def fill_planes(x, stride_h, stride_w, pad_h, pad_w, planes, row, plane_rows, counts, weights_per_channel):
     height, width = x.shape[1], x.shape[2]
     phases = stride_h * stride_w
-    c, py, px = v // phases, (v % phases) // stride_w, v % stride_w
-    first_ix = min(row, max(0, -((px - pad_w) // stride_w)))
-    end_ix = max(first_ix, min(row, (width - 1 + pad_w - px) // stride_w + 1))
-    start = first_ix * stride_w + px - pad_w
-    n = 0
-    for iy in range(first, end):
-        y = iy * stride_h + py - pad_h
-        at = iy * row
-        if y < 0 or y >= height:
-            plane[at : at + row] = 0
-            continue
-        for i in range(first_ix):  # the padding's columns: loops, as a slice costs more than these few stores
-            plane[_at(at, i)] = 0
-        for i in range(end_ix, row):
-            plane[_at(at, i)] = 0
-        n += _copy_row(x[c, y], start, stride_w, plane, at + first_ix, end_ix - first_ix)
-    if end == plane_rows:
+    for v in prange(planes.shape[0]):
+        c, py, px = v // phases, (v % phases) // stride_w, v % stride_w
+        first_ix = min(row, max(0, -((px - pad_w) // stride_w)))
+        end_ix = max(first_ix, min(row, (width - 1 + pad_w - px) // stride_w + 1))
+        start = first_ix * stride_w + px - pad_w
+        plane = planes[v]
+        n = 0
+        for iy in range(plane_rows):
+            y = iy * stride_h + py - pad_h
+            at = iy * row
+            if y < 0 or y >= height:
+                plane[at : at + row] = 0
+                continue
+            for i in range(first_ix):  # the padding's columns: loops, as a slice costs more than these few stores
+                plane[_at(at, i)] = 0
+            for i in range(end_ix, row):
+                plane[_at(at, i)] = 0
+            n += _copy_row(x[c, y], start, stride_w, plane, at + first_ix, end_ix - first_ix)
         plane[plane_rows * row :] = 0
-    return n
+        counts[v] = n
+    return _products(counts, weights_per_channel)
 
 
 @njit(inline="always", fastmath=True)

@@ -12,9 +12,8 @@ planes of row width `R = max(plane_w, out_w + s' - 1)`, and for every output cha
 output rows (about `BAND_FLOATS` accumulators on a grid of row width R, whose extra columns are
 cropped) each nonzero weight `(v, r', s')` adds `w × planes[v, r'R + s' + band]`, a contiguous
 vectorized FMA stream (eight weights per pass over the accumulators). A work unit is (band, block of
-output channels), the band's input rows staying in the L2 cache across the block; `work_split` cuts the layer
-into stripes of rows on several threads where the rows allow, so that consecutive layers read rows from the
-cores that wrote them, else into enough units for `UNITS_PER_THREAD` per thread.
+output channels), enough units for `UNITS_PER_THREAD` per thread; the band's input rows stay in the L2
+cache across the block.
 (Dropping the weights of channels with no nonzero activation costs more in the gather than it
 saves: few channels are empty in real networks' layers.)
 
@@ -62,8 +61,6 @@ CARTESIAN_ACC_FLOATS = 1 << 16
 CARTESIAN_MIN_BLOCKS = 16
 BAND_FLOATS = 1024
 UNITS_PER_THREAD = 4
-STRIPE_FLOATS = 192
-"""The shortest band (rows × R floats) of the direct kernel's split into stripes of rows (`work_split`)."""
 DIRECT_PASS = 8
 VECTOR_FLOATS = 64
 """The direct dataflow's bands (but the last) are rounded up to this many floats (a multiple of the compiled
@@ -305,7 +302,7 @@ def conv_dense_input(
         elif method != "cartesian":
             products = kernels().fill_planes(
                 x.numpy(), *g.stride, *g.padding, planes.numpy(), plan.row, plan.plane_rows, counts.numpy(),
-                plan.weights_per_channel.numpy(), stripe_rows(plan, used), stripe_counts(plan, used),
+                plan.weights_per_channel.numpy(),
             )  # fmt: skip
         if method == "auto":
             method = plan.choose_for(products)
@@ -413,46 +410,6 @@ def _even_band_rows(rows: int, most: int) -> int:
     return -(-rows // bands)
 
 
-def stripe_rows(plan: CpuConvPlan, threads: int) -> int:
-    """Rows per stripe of the direct kernel's split into stripes on `threads` threads, 0 where it takes none
-    (`work_split`)."""
-    oh = plan.weights.geometry.out_hw[0]
-    if threads == 1:
-        return 0
-    rows = _even_band_rows(oh, min(plan.band_rows, -(-oh // threads)))
-    return rows if rows * plan.row >= STRIPE_FLOATS else 0
-
-
-def work_split(plan: CpuConvPlan, threads: int) -> tuple[int, int]:
-    """The direct kernel's `(band_rows, k_block)` on `threads` threads: its units are (band, block of output channels),
-    band-major, and the threads take contiguous runs of them.
-
-    Stripes where the rows allow (`stripe_rows`): one block of every output channel, and bands of rows no longer than
-    the plan's that come to at least one per thread, each at least `STRIPE_FLOATS` long; so a thread writes whole rows
-    of every channel, the rows that the same split of the next layer at this size reads (its input planes' halo aside),
-    and the activations stay in the caches of the cores that wrote them (`fill_planes` writes a striped layer's planes
-    in the same stripes). Otherwise (few, short rows: deep layers) the plan's bands, each cut into enough channel
-    blocks to give every thread `UNITS_PER_THREAD` units."""
-    g = plan.weights.geometry
-    oh, channels = g.out_hw[0], g.out_channels
-    if threads == 1:
-        return plan.band_rows, channels
-    rows = stripe_rows(plan, threads)
-    if rows:
-        return rows, channels
-    bands = -(-oh // plan.band_rows)
-    k_blocks = min(channels, -(-UNITS_PER_THREAD * threads // bands))
-    return plan.band_rows, -(-channels // k_blocks)
-
-
-def stripe_counts(plan: CpuConvPlan, threads: int) -> np.ndarray:
-    """`fill_planes`' per-stripe counts buffer for `plan` on `threads` threads: `[stripes, V]`, or `[0, V]` where the
-    direct kernel takes no stripes (the fill then splits over virtual channels)."""
-    g = plan.weights.geometry
-    rows = stripe_rows(plan, threads)
-    return np.zeros((-(-g.out_hw[0] // rows) if rows else 0, g.virtual_channels), dtype=np.int32)
-
-
 @dataclass(frozen=True)
 class DirectCall:
     """The direct kernel's arguments that stay the same from call to call of a layer: where in its output rows the
@@ -474,11 +431,13 @@ class DirectCall:
         channel's row of the `[K, ·]` output (None: a contiguous `[K, OH, OW]` output, `(0, OW)`)."""
         g = plan.weights.geometry
         (oh, ow) = g.out_hw
-        band_rows, k_block = work_split(plan, threads)
+        bands = -(-oh // plan.band_rows)
+        k_blocks = min(g.out_channels, -(-UNITS_PER_THREAD * threads // bands)) if threads > 1 else 1
         weights = (plan.direct_values.numpy(), plan.direct_base.numpy(), plan.k_ptr.numpy())
+        k_block = -(-g.out_channels // k_blocks)
         out_at, out_row = (0, ow) if grid is None else grid
         layout = (out_at, out_row, oh, ow)
-        return cls((*layout, bias, relu, *weights, plan.row, band_rows, k_block, VECTOR_FLOATS), -(-oh // band_rows))
+        return cls((*layout, bias, relu, *weights, plan.row, plan.band_rows, k_block, VECTOR_FLOATS), bands)
 
     def run(
         self, out: np.ndarray, residual: np.ndarray, planes: np.ndarray, band_counts: np.ndarray = NOT_COUNTED

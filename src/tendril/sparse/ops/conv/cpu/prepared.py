@@ -148,9 +148,7 @@ class PreparedConv:
             state.output_planes[self.output_name] = self.output_planes
         grid = self.output_planes.grid if self.lands else None
         self.direct = kernel.DirectCall.of(plan, self.used, self.bias_array, step.relu, grid)
-        stripes = (kernel.stripe_rows(plan, self.used), kernel.stripe_counts(plan, self.used))
-        self.fill = (*g.stride, *g.padding, plan.planes.numpy(), plan.row, plan.plane_rows, *self.count_arguments,
-                     *stripes)  # fmt: skip
+        self.fill = (*g.stride, *g.padding, plan.planes.numpy(), plan.row, plan.plane_rows, *self.count_arguments)
         self.planes = plan.planes.view(-1).numpy()
         self.stride = g.stride
         strided_spmm = self.spmm and not plan.reads_input
