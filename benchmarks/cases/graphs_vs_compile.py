@@ -29,8 +29,14 @@ one-time costs (kernel modules, library workspaces) that later ones find paid, a
 reused by the next. Warm start: a second process (`python -m benchmarks.cases.graphs_vs_compile warm-start ...`)
 given the first process's tendril cache dir times `tendril.graphed(model, compile=True)` from its creation until
 all 46 lengths are ready (called once, graphs captured); the median of `WARM_STARTS` such processes, run one after
-another, each report kept in `extra.second_process`. Whether torch.compile recorded CUDA graphs at all is kept
-in `extra.torch_compile_cudagraph_skips` (Inductor skips them for some graphs and then runs its kernels unrecorded).
+another, each report kept in `extra.second_process`. Every second process also has Python's bytecode cache, as an
+installed environment does (pip compiles it at install): the processes share one under the tendril cache dir
+(`PYTHONPYCACHEPREFIX`), which a first one, left out of the median, writes (`extra.bytecode_priming_process`; its time:
+`second_process_without_bytecode_cache_ready_s`; `PYTHONDONTWRITEBYTECODE` is unset for them). Without it, a host
+whose site-packages hold no bytecode and whose environment says not to write any (the GPU lane's) compiles every module
+a process imports from source in every process, the modules the compile imports included. Whether
+torch.compile recorded CUDA graphs at all is kept in `extra.torch_compile_cudagraph_skips` (Inductor skips them for
+some graphs and then runs its kernels unrecorded).
 """
 
 from __future__ import annotations
@@ -61,6 +67,9 @@ WARMUP_CALLS_PER_LENGTH = 3
 WARM_STARTS = 3
 """Second processes timed one after another: the host's own time (dynamo tracing, loading kernels) varies by
 seconds between them, so the target is their median."""
+SECOND_PROCESS_UNSET = ("TORCHINDUCTOR_CACHE_DIR", "PYTHONDONTWRITEBYTECODE")
+"""Left out of a second process's environment: Inductor's caches go under the tendril cache dir, and Python writes
+the bytecode cache the processes share."""
 COMPILE = "torch.compile reduce-overhead dynamic=True"
 PLAIN = "tendril.graphed"
 BOTH = "tendril.graphed compile=True"
@@ -244,6 +253,9 @@ def run(ctx: Context) -> None:
     for measured in prepared.values():
         del measured["variant"], measured["fn"]
     torch._dynamo.reset()
+    priming = _warm_start(cache_dir, ctx.quick)
+    ctx.add_value(BOTH, "second_process_without_bytecode_cache_ready_s", priming["ready_s"])
+    ctx.extra["bytecode_priming_process"] = priming
     warm_starts = [_warm_start(cache_dir, ctx.quick) for _ in range(WARM_STARTS)]
     ready = summarize([report["ready_s"] for report in warm_starts])  # seconds: the statistics ignore the unit
     warm_start_s = ready.median_ms
@@ -260,13 +272,15 @@ def run(ctx: Context) -> None:
 
 
 def _warm_start(cache_dir: Path, quick: bool) -> dict[str, Any]:
-    """What a second process, given `cache_dir`, reports (`warm_start_main`): `ready_s`, the seconds from
-    `graphed(model, compile=True)` to all lengths ready, with its compile time, cache hits and misses, and where
-    the compile's time went (`compile_phases_s`: seconds per phase of dynamo's, AOTAutograd's and Inductor's
-    timed functions, summed over calls; nested phases overlap) and the captures' (`capture_phases_ms`)."""
+    """What a second process, given `cache_dir` (and Python's bytecode cache under it), reports (`warm_start_main`):
+    `ready_s`, the seconds from `graphed(model, compile=True)` to all lengths ready, with its compile time, cache hits
+    and misses, and where the compile's time went (`compile_phases_s`: seconds per phase of dynamo's, AOTAutograd's
+    and Inductor's timed functions, summed over calls; nested phases overlap) and the captures'
+    (`capture_phases_ms`)."""
     root = Path(__file__).resolve().parents[2]
-    env = {key: value for key, value in os.environ.items() if key != "TORCHINDUCTOR_CACHE_DIR"}
+    env = {key: value for key, value in os.environ.items() if key not in SECOND_PROCESS_UNSET}
     env["TENDRIL_CACHE_DIR"] = str(cache_dir)
+    env["PYTHONPYCACHEPREFIX"] = str(cache_dir / "pycache")
     env["PYTHONPATH"] = os.pathsep.join([str(root), str(root / "src"), env.get("PYTHONPATH", "")])
     command = [sys.executable, "-m", "benchmarks.cases.graphs_vs_compile", "warm-start", *(["--quick"] * quick)]
     done = subprocess.run(command, env=env, cwd=root, capture_output=True, text=True, timeout=1800, check=False)

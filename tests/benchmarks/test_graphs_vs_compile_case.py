@@ -63,3 +63,25 @@ def test_pool_segments_leave_out_the_allocators_own_pool_largest_first():
         {"segment_pool_id": (5, 0), "total_size": 2 * mib, "allocated_size": mib},
     ]
     assert case.pool_segments_mib(snapshot) == [(26.0, 25.0), (20.0, 0.0), (2.0, 1.0)]
+
+
+def test_second_processes_share_the_tendril_cache_and_a_bytecode_cache_under_it(monkeypatch, tmp_path):
+    """The warm start's processes get the first process's cache dir and Python's bytecode cache inside it (the one a
+    first, untimed process writes), and the last line they print is their report."""
+    import subprocess
+    from types import SimpleNamespace
+
+    seen = {}
+
+    def run(command, env, **kwargs):
+        seen.update(command=command, env=env)
+        return SimpleNamespace(returncode=0, stdout='noise\n{"ready_s": 1.5}\n', stderr="")
+
+    monkeypatch.setattr(subprocess, "run", run)
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/elsewhere")
+    monkeypatch.setenv("PYTHONDONTWRITEBYTECODE", "1")
+    assert case._warm_start(tmp_path, quick=True) == {"ready_s": 1.5}
+    env = seen["env"]
+    assert env["TENDRIL_CACHE_DIR"] == str(tmp_path) and env["PYTHONPYCACHEPREFIX"] == str(tmp_path / "pycache")
+    assert "TORCHINDUCTOR_CACHE_DIR" not in env and "PYTHONDONTWRITEBYTECODE" not in env
+    assert seen["command"][-2:] == ["warm-start", "--quick"]
