@@ -222,6 +222,21 @@ def test_a_model_with_float_attributes_compiles_once(tmp_path):
     assert fast.stats.compile.compiles == 1, fast.stats.table()
 
 
+def test_the_default_backend_keeps_pytorchs_attention_choice_only_when_compiling(tmp_path):
+    """Compiled code bakes in the attention kernel it traced with: a compiled callable's default backend leaves the
+    choice to PyTorch (cuDNN attention where it is fastest), plain graphs keep cuDNN attention's host plans out."""
+    from tendril.graphs.capture import GRAPH_SDPA_BACKENDS
+    from tendril.graphs.cuda_backend import CudaBackend
+
+    config = Config(cache_dir=tmp_path)
+    compiled, plain = graphed(Tiny(), compile=True, config=config), graphed(Tiny(), config=config)
+    assert isinstance(compiled._backend, CudaBackend) and compiled._backend.sdpa_backends is None
+    assert compiled._compiler is not None and compiled._compiler.sdpa_backends is None
+    assert isinstance(plain._backend, CudaBackend) and plain._backend.sdpa_backends == GRAPH_SDPA_BACKENDS
+    chosen = graphed(Tiny(), compile=True, backend=CudaBackend(), config=config)
+    assert chosen._compiler is not None and chosen._compiler.sdpa_backends == GRAPH_SDPA_BACKENDS
+
+
 def test_the_compile_traces_under_the_backends_attention_restriction_and_restores_the_flags(tmp_path, monkeypatch):
     from tendril.graphs.capture import GRAPH_SDPA_BACKENDS
 

@@ -103,9 +103,11 @@ class GraphedCallable:
 
             config = settings
         if backend is None:
+            from tendril.graphs.capture import GRAPH_SDPA_BACKENDS
             from tendril.graphs.cuda_backend import CudaBackend
 
-            backend = CudaBackend(memory=options.memory)
+            attention = None if options.compile is not None else GRAPH_SDPA_BACKENDS
+            backend = CudaBackend(attention, memory=options.memory)
         elif options.memory != GraphMemoryPolicy():
             raise ValueError(
                 "memory= configures the default CUDA backend; with your own backend, pass the policy to it "
@@ -461,7 +463,10 @@ def graphed(
     ("default", "max-autotune-no-cudagraphs") or a `CompileOptions` (background compiling, a debugging
     backend). The function is compiled once for dynamic shapes, with persistent caches under tendril's cache
     dir; `.stats.compile` counts compiles and records the switch, or why compiling failed (then graphs are
-    captured from the plain function, with one warning). See `tendril.graphs.compiled`.
+    captured from the plain function, with one warning). With `compile`, the default backend keeps PyTorch's attention
+    choice (cuDNN attention where PyTorch picks it), which the compiled code bakes in: the fastest per call, for a
+    host plan per new length in each process; `backend=CudaBackend()` compiles and captures with the plain graphs'
+    restriction instead (`capture.GRAPH_SDPA_BACKENDS`). See `tendril.graphs.compiled`.
     """
     policy = GraphMemoryPolicy.of(memory)
     options = GraphOptions(buckets, max_graphs, clone_outputs, warmup, policy, CompileOptions.of(compile))

@@ -51,7 +51,8 @@ from tendril.graphs.memory import device_free_bytes, pool_reserved_bytes
 GRAPH_SDPA_BACKENDS = (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH)
 """Attention kernels graphs are captured with: cuDNN attention is left out because it builds a plan on the
 host for every new shape, which would dominate the capture of shape-keyed graphs; flash and memory-efficient
-attention need no per-shape host setup. Pass `sdpa_backends=None` to keep PyTorch's choice."""
+attention need no per-shape host setup. Pass `sdpa_backends=None` to keep PyTorch's choice (what a compiled graphed
+callable's default backend does: `tendril.graphed`)."""
 
 HOST_COPY_ERROR = "Cannot copy between CPU and CUDA tensors during CUDA graph capture"
 """PyTorch's message for a pageable host-to-device copy while capturing (retry with `pin_host_copies`)."""

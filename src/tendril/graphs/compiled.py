@@ -13,10 +13,12 @@
   TORCHINDUCTOR_CACHE_DIR is set, kept under tendril's cache dir (`inductor_cache_dir`), so a second process loads
   the generated kernels instead of generating them again.
 - **Attention kernels fixed at the compile.** Inductor bakes the attention kernel PyTorch picks while tracing into
-  the compiled code, so the compile runs under the backend's capture restriction (`CudaBackend.sdpa_backends`,
-  cuDNN attention left out): compiled code would otherwise call cuDNN attention, whose per-shape host planning
-  every new length would pay. The restriction sets PyTorch's process-wide attention flags; a background compile's
-  thread sets them for the whole process while it traces.
+  the compiled code, so the compile runs under the backend's capture restriction (`CudaBackend.sdpa_backends`), the
+  kernels the graphs are captured with. `tendril.graphed(compile=...)`'s default backend has none: PyTorch's choice,
+  cuDNN attention where PyTorch picks it, the fastest per call, whose host plan every new length pays once per
+  process. `CudaBackend()`'s restriction (cuDNN attention left out, as for plain graphs) needs no plan. The
+  restriction sets PyTorch's process-wide attention flags; a background compile's thread sets them for the whole
+  process while it traces.
 - **Foreground (default).** The first call that needs a capture compiles, by running the compiled function once
   on its arguments, then captures; every graph comes from compiled code.
 - **Background (`CompileOptions(background=True)`).** The first call starts the compile on a side thread, on copies

@@ -51,7 +51,8 @@ from tendril.graphs.stats import Fallback, GraphMemory
 
 class CudaBackend:
     """Captures on CUDA. `sdpa_backends`: attention kernels to capture with (`capture.GRAPH_SDPA_BACKENDS` by
-    default, leaving out cuDNN attention's per-shape host planning; None keeps PyTorch's choice).
+    default, leaving out cuDNN attention's per-shape host planning; None keeps PyTorch's choice, as the default backend
+    of `tendril.graphed(compile=...)` does).
 
     `memory`: how the executables are kept (budget, strategy, prefetching); None is `GraphMemoryPolicy()`. Either way
     the process default budget (`tendril.config.settings.graph_memory_budget`, from TENDRIL_GRAPH_MEMORY_BUDGET) fills
