@@ -66,8 +66,8 @@ def test_pool_segments_leave_out_the_allocators_own_pool_largest_first():
 
 
 def test_second_processes_share_the_tendril_cache_and_a_bytecode_cache_under_it(monkeypatch, tmp_path):
-    """The warm start's processes get the first process's cache dir and Python's bytecode cache inside it (the one a
-    first, untimed process writes), and the last line they print is their report."""
+    """The warm start's processes get the first process's cache dir and Python's bytecode cache inside it (which a
+    first one, left out of the median, writes), and the last line they print is their report."""
     import subprocess
     from types import SimpleNamespace
 
