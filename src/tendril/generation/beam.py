@@ -307,5 +307,6 @@ def beam_result(carried: Carried, batch_size: int, prompt_len: int, num_return_s
     sequences, beam_indices = carried[3], carried[8]
     r = num_return_sequences
     sequences = sequences[:, :r].reshape(batch_size * r, -1)
+    # a host read, outside any capture: the loop has ended, and the crop's length decides the result's shape
     generated = int((beam_indices[:, :r] + 1).bool().sum(dim=-1).max().item())
     return sequences[:, : prompt_len + generated]
