@@ -1,14 +1,14 @@
-"""`beam.bookkeep` through Inductor (`compiled_bookkeep`, what beam search runs with the compiled and fused steps on
-CUDA) equals the plain function bit for bit, step after step, on the CPU: eos hits, the length limit, the
-scoreboard merge and every early-stopping mode, over two prompt lengths (one compile per set of rules); its top-k
-orders as the beam top-k does."""
+"""`beam.bookkeep_and_reorder` through Inductor (`compiled_bookkeep`, what beam search runs with the compiled and
+fused steps on CUDA) equals the plain function bit for bit, step after step, on the CPU: eos hits, the length limit,
+the scoreboard merge, every early-stopping mode and the cache's row table and `key_valid` rewritten in place, over
+two prompt lengths (one compile per set of rules); its top-k orders as the beam top-k does."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from tendril.generation.beam import _NEG, BeamRules, _largest, _ranked, bookkeep, compiled_bookkeep
+from tendril.generation.beam import _NEG, BeamRules, _largest, _ranked, bookkeep_and_reorder, compiled_bookkeep
 from tendril.generation.kernels import reference
 
 B, K, VOCAB, NEW = 2, 3, 7, 6
@@ -28,17 +28,22 @@ def start_state(prompt_len: int, generator: torch.Generator) -> tuple[torch.Tens
 
 
 def run(fn, rules: BeamRules, prompt_len: int, seed: int) -> list[tuple[torch.Tensor, ...]]:
+    """Every step's state, rows, and the cache's row table and `key_valid` after it."""
     generator = torch.Generator().manual_seed(seed)
     lengths = torch.tensor([prompt_len, NEW])
     constants = (EOS, torch.arange(KEEP) < K, torch.arange(B)[:, None] * K, torch.arange(B * K), lengths)
+    length, row_ids = prompt_len + NEW, torch.arange(B * K, dtype=torch.int32)
+    table = torch.randint(0, B * K, (B * K, length), generator=generator, dtype=torch.int32)
+    key_valid = torch.rand(B * K, length, generator=generator) < 0.8
+    cache = (table, key_valid, torch.arange(length), row_ids)
     state, outputs = start_state(prompt_len, generator), []
     for _ in range(NEW):
         log_probs = torch.randn(B, K * VOCAB, generator=generator).log_softmax(-1) + state[2].repeat_interleave(
             VOCAB, 1
         )
         top = torch.topk(log_probs, KEEP)
-        state, rows = fn(rules, top.values, top.indices, *constants, *state)
-        outputs.append((*state, rows))
+        state, rows = fn(rules, *cache, top.values, top.indices, *constants, *state)
+        outputs.append((*state, rows, table.clone(), key_valid.clone()))
     return outputs
 
 
@@ -53,7 +58,7 @@ def test_compiled_bookkeeping_equals_the_plain_function_bit_for_bit(rules, monke
     graphs_before = counters["stats"]["unique_graphs"]
     compiled = compiled_bookkeep()
     for prompt_len, seed in ((4, 0), (9, 1)):
-        expected = run(bookkeep, rules, prompt_len, seed)
+        expected = run(bookkeep_and_reorder, rules, prompt_len, seed)
         got = run(compiled, rules, prompt_len, seed)
         for step, (want, have) in enumerate(zip(expected, got, strict=True)):
             for index, (a, b) in enumerate(zip(want, have, strict=True)):

@@ -231,3 +231,34 @@ def test_if_else_nodes_need_a_12_8_driver(monkeypatch):
         )
     finally:
         loops._conditional_support.cache_clear()
+
+
+def test_assign_copies_a_mixed_state_into_its_buffers_as_the_while_node_does():
+    """The WHILE node's write-back (one multi-tensor byte copy for the contiguous pairs): every dtype, a 0-d and an
+    empty tensor, a transposed value, a value that is a state buffer itself, and values aliasing other buffers
+    (a swap), all land as a copy each would land."""
+    gen = torch.Generator().manual_seed(0)
+    state = [
+        torch.tensor(7),
+        torch.randn(3, 4, generator=gen),
+        torch.randn(4, 3, generator=gen),
+        torch.zeros(5, dtype=torch.bool),
+        torch.arange(6, dtype=torch.int32),
+        torch.empty(0),
+        torch.randn(2, generator=gen, dtype=torch.float64),
+        torch.randn(2, generator=gen, dtype=torch.float64),
+    ]
+    new = [
+        torch.tensor(8),
+        torch.randn(4, 3, generator=gen).t(),  # not contiguous
+        state[2],  # the buffer itself
+        torch.rand(5, generator=gen) < 0.5,
+        torch.arange(6, dtype=torch.int32) * -3,
+        torch.empty(0),
+        state[7],  # a swap: each value aliases the other's buffer
+        state[6],
+    ]
+    expected = [v.clone() for v in new]
+    loops._assign(state, new)
+    for buffer, value in zip(state, expected, strict=True):
+        assert buffer.dtype == value.dtype and torch.equal(buffer, value)

@@ -4,7 +4,8 @@ HF's `_beam_search` already keeps its bookkeeping in fixed-size tensors; what ke
 `cur_len` as a Python int (column writes, length penalty), the stop test, and a cache it reorders by
 reallocating. Here `cur_len` is a device tensor, columns are written by `scatter`, the length penalty is
 computed on the device, the cache is reordered in place (`StaticKVCache.reorder`: through its row table
-when the decoder's cache has one, which the fused step reads, by copying every layer's rows otherwise), and
+when the decoder's cache has one, which the fused step reads, by copying every layer's rows otherwise; the table
+and `key_valid` inside the bookkeeping, `bookkeep_and_reorder`), and
 the stop test is a carried device flag. The finished hypotheses are HF's fixed-size scoreboard: the best
 `num_beams` (sequence, score) pairs per batch item, merged with the newly finished candidates by a top-k
 each step.
@@ -30,6 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from tendril.generation import kernels
+from tendril.generation.cache import reorder_rows
 from tendril.generation.noise import gumbel
 from tendril.generation.state import Decoder, is_eos
 
@@ -159,13 +161,31 @@ def bookkeep(
     return carried, rows
 
 
+def bookkeep_and_reorder(
+    rules: BeamRules,
+    table: torch.Tensor | None,
+    key_valid: torch.Tensor,
+    slots: torch.Tensor,
+    row_ids: torch.Tensor,
+    *args: torch.Tensor,
+) -> tuple[Carried, torch.Tensor]:
+    """`bookkeep(rules, *args)`, then the cache's row table (None: it has none) and `key_valid` reordered in place
+    by the rows it returns (`cache.reorder_rows`; `slots` and `row_ids` are the cache's). One function, so that
+    the compiled bookkeeping fuses the reorder's gathers and copies into its own kernels. Returns what `bookkeep`
+    does; the cache's `reorder_storage` is the caller's."""
+    state, rows = bookkeep(rules, *args)
+    cur_len = args[7]  # `bookkeep`'s cur_len: the rows last wrote slot cur_len - 1
+    reorder_rows(table, key_valid, slots, row_ids, rows, cur_len - 1)
+    return state, rows
+
+
 class BeamSearch:
     """cond/body/start of beam search (or beam sampling) over one `Decoder`; rows are batch-major, K per item.
 
-    `compile_bookkeeping`: run `bookkeep` through `torch.compile` (Inductor), which fuses its several dozen small
-    operations, each a kernel launch of its own otherwise, into a few; for the steps whose forward takes a few
-    kernels per layer, where those launches would be much of a step. Its first call compiles, so it must not meet a
-    capture first (the decode loop's eager warm-up call makes it)."""
+    `compile_bookkeeping`: run `bookkeep_and_reorder` through `torch.compile` (Inductor), which fuses its several
+    dozen small operations, each a kernel launch of its own otherwise, into a few; for the steps whose forward takes
+    a few kernels per layer, where those launches would be much of a step. Its first call compiles, so it must not
+    meet a capture first (the decode loop's eager warm-up call makes it)."""
 
     def __init__(
         self,
@@ -193,7 +213,7 @@ class BeamSearch:
         # [prompt length, max new tokens], made by kernels (a search is built inside a capture: no host copy)
         prompt_len, new_tokens = decoder.prompt_len, decoder.max_new_tokens
         self.lengths = torch.arange(2, device=device) * (new_tokens - prompt_len) + prompt_len
-        self._bookkeep = compiled_bookkeep() if compile_bookkeeping else bookkeep
+        self._bookkeep = compiled_bookkeep() if compile_bookkeeping else bookkeep_and_reorder
 
     def start(self, prefill_logits: torch.Tensor) -> Carried:
         """The state after the first beam step on the prompt's logits (the prompt is [B*K, P])."""
@@ -247,22 +267,22 @@ class BeamSearch:
         else:
             top_log_probs, top_indices = kernels.beam_top_k(log_probs, self.beams_to_keep)
 
-        rules = BeamRules(vocab, self.length_penalty, self.early_stopping)
+        rules, cache = BeamRules(vocab, self.length_penalty, self.early_stopping), d.cache
         state, rows = self._bookkeep(
-            rules, top_log_probs, top_indices, d.eos, self.top_beam_mask, self.batch_offset, self.same_rows,
-            self.lengths, *carried,
+            rules, cache.source_rows, cache.key_valid, cache.slots, cache.row_ids, top_log_probs, top_indices, d.eos,
+            self.top_beam_mask, self.batch_offset, self.same_rows, self.lengths, *carried,
         )  # fmt: skip
-        d.cache.reorder(rows, cur_len - 1)
+        cache.reorder_storage(rows)
         return state
 
 
 @functools.cache
 def compiled_bookkeep() -> Callable[..., tuple[Carried, torch.Tensor]]:
-    """`bookkeep` through Inductor, made once per process: one compile serves every search of a model and config
-    (sizes dynamic; the rules are constants, a new set of them compiles again). Its float32 divisions round as
+    """`bookkeep_and_reorder` through Inductor, made once per process: one compile serves every search of a model and
+    config (sizes dynamic; the rules are constants, a new set of them compiles again). Its float32 divisions round as
     eager's do (Triton's `/` is approximate unless Inductor is told otherwise), so the scores, and the hypotheses
     chosen by comparing them, are eager's bit for bit."""
-    return torch.compile(bookkeep, fullgraph=True, dynamic=True, options=_eager_numerics())
+    return torch.compile(bookkeep_and_reorder, fullgraph=True, dynamic=True, options=_eager_numerics())
 
 
 def _eager_numerics() -> dict[str, str | int | bool | Callable[..., Any]]:

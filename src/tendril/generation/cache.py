@@ -114,18 +114,39 @@ class StaticKVCache:
         Without a row table every layer's keys and values are copied. With one, only the table is: `written`
         (0-d long, required then) is the last slot the rows wrote themselves; slots before it keep their
         sources' sources, slot `written` comes from row `rows[i]`, and later slots point at row `i` again
-        (so stale entries of an earlier, longer run never leak into this one)."""
-        if self.source_rows is None:
-            per_layer = self.storage[0].numel() * self.storage.element_size()
-            group = max(1, REORDER_GROUP_BYTES // per_layer)
-            for first in range(0, self.storage.shape[0], group):
-                layers = self.storage[first : first + group]
-                layers.copy_(layers.index_select(2, rows))
-        else:
-            if written is None:
-                raise ValueError("written (the last slot the rows wrote) is required to reorder through a row table")
-            table, slots = self.source_rows, self.slots[None, :]
-            later = torch.where(slots == written, rows.to(torch.int32)[:, None], self.row_ids[:, None])
-            table.copy_(torch.where(slots < written, table.index_select(0, rows), later))
+        (so stale entries of an earlier, longer run never leak into this one). Two parts: `reorder_storage`,
+        and `reorder_rows` on the table and `key_valid` (which beam search's compiled bookkeeping runs itself)."""
+        reorder_rows(self.source_rows, self.key_valid, self.slots, self.row_ids, rows, written)
+        self.reorder_storage(rows)
+
+    def reorder_storage(self, rows: torch.Tensor) -> None:
+        """The part of `reorder` that `reorder_rows` leaves: without a row table, every layer's keys and values
+        copied by `rows`; with one, the note that the rows now read through it (`attend` refuses them)."""
+        if self.source_rows is not None:
             self._reordered = True
-        self.key_valid.copy_(self.key_valid.index_select(0, rows))
+            return
+        per_layer = self.storage[0].numel() * self.storage.element_size()
+        group = max(1, REORDER_GROUP_BYTES // per_layer)
+        for first in range(0, self.storage.shape[0], group):
+            layers = self.storage[first : first + group]
+            layers.copy_(layers.index_select(2, rows))
+
+
+def reorder_rows(
+    table: torch.Tensor | None,
+    key_valid: torch.Tensor,
+    slots: torch.Tensor,
+    row_ids: torch.Tensor,
+    rows: torch.Tensor,
+    written: torch.Tensor | None,
+) -> None:
+    """`StaticKVCache.reorder`'s row table (None: the cache has none) and `key_valid`, rewritten in place for rows
+    `rows` (`slots` and `row_ids` are the cache's). A function of tensors alone, so that beam search's compiled
+    bookkeeping fuses these gathers and copies with its own operations."""
+    if table is not None:
+        if written is None:
+            raise ValueError("written (the last slot the rows wrote) is required to reorder through a row table")
+        grid = slots[None, :]
+        later = torch.where(grid == written, rows.to(torch.int32)[:, None], row_ids[:, None])
+        table.copy_(torch.where(grid < written, table.index_select(0, rows), later))
+    key_valid.copy_(key_valid.index_select(0, rows))

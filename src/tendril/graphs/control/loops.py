@@ -251,7 +251,10 @@ def _cond_conditional_node(
 
 
 def _assign(state: list[torch.Tensor], new: list[torch.Tensor]) -> None:
-    """Copy `new` into the loop's state buffers; values that alias another buffer are copied out first."""
+    """Copy `new` into the loop's state buffers; values that alias another buffer are copied out first.
+
+    The contiguous pairs go as bytes through one multi-tensor copy (a kernel or two for the whole state, where a
+    copy each would be a graph node each: a body's state is often many small tensors); others copy one by one."""
     sources: list[torch.Tensor | None] = []
     for i, value in enumerate(new):
         if value is state[i]:
@@ -260,9 +263,17 @@ def _assign(state: list[torch.Tensor], new: list[torch.Tensor]) -> None:
             sources.append(value.clone())
         else:
             sources.append(value)
+    buffers, values = [], []
     for buffer, source in zip(state, sources, strict=True):
-        if source is not None:
+        if source is None or source.numel() == 0:
+            continue
+        if buffer.is_contiguous() and source.is_contiguous():
+            buffers.append(buffer.reshape(-1).view(torch.uint8))
+            values.append(source.reshape(-1).view(torch.uint8))
+        else:
             buffer.copy_(source)
+    if buffers:
+        torch._foreach_copy_(buffers, values)
 
 
 def _shares_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
