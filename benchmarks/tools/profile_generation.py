@@ -246,18 +246,17 @@ def sweep_configs(out_f: int, in_f: int, k_contiguous: bool, rows: int = 1, size
     if rows > 1:
         defaults.append(launch.launch_config(columns, in_f, rows, k_contiguous=k_contiguous, sm_count=sm_count,
                                              normed=normed, dot=not defaults[0].dot))
-    chosen = [(d.block_n, d.block_k, d.split_k, d.num_warps, d.dot, d.stages) for d in defaults]
-    chosen += [(*c[:5], stages) for c in list(chosen) for stages in (2, 3, 4) if stages != c[5]]
+    chosen = [(d.block_n, d.block_k, d.split_k, d.num_warps, d.dot) for d in defaults]
     pool = []
-    for block_n, block_k, split_k, warps, dot, stages in itertools.product(
-            (8, 16, 32, 64, 256), (64, 128, 256, 512), (1, 2, 3, 4, 6, 8, 12, 16), (4, 8), (False, True), (0, 2, 3, 4)):
+    for block_n, block_k, split_k, warps, dot in itertools.product((8, 16, 32, 64, 256), (64, 128, 256, 512),
+                                                                  (1, 2, 3, 4, 6, 8, 12, 16), (4, 8), (False, True)):
         k_tiles = -(-in_f // block_k)
         programs = -(-out_f // block_n) * split_k
         if (2048 <= block_n * block_k <= 16384 and programs >= 64 and split_k <= k_tiles
                 and -(-k_tiles // split_k) <= 8 and k_tiles % split_k == 0
                 and (split_k == 1 or -(-out_f // block_n) <= 1024)
                 and (not dot or (rows > 1 and block_n >= launch.DOT_MIN))):
-            pool.append((block_n, block_k, split_k, warps, dot, stages))
+            pool.append((block_n, block_k, split_k, warps, dot))
     random.Random(0).shuffle(pool)
     return [*chosen, *[c for c in pool if c not in chosen][:size]]
 
@@ -293,16 +292,14 @@ def _sweep_shape(label: str, out_f: int, in_f: int, layout: str, norm_kind: str 
     entry: dict[str, Any] = {"shape": label, "rows": rows, "bytes_per_launch": moved,
                              "cublas_us": _graph_time_us(cublas, copies), "configs": []}
     configs = sweep_configs(out_f, in_f, layout == "linear", rows, size, normed=norm is not None, segments=segments)
-    for index, (block_n, block_k, split_k, warps, dot, stages) in enumerate(configs):
+    for index, (block_n, block_k, split_k, warps, dot) in enumerate(configs):
         def fused(i: int, bn: int = block_n, bk: int = block_k, sk: int = split_k, nw: int = warps,
-                  dt: bool = dot, st: int = stages) -> torch.Tensor:
+                  dt: bool = dot) -> torch.Tensor:
             return linear.fused_linear(x, projections[i], norm=norm, activation=activation, addends=addends,
-                                       gated=gated, out=out, block_n=bn, block_k=bk, split_k=sk, num_warps=nw, dot=dt,
-                                       stages=st)
+                                       gated=gated, out=out, block_n=bn, block_k=bk, split_k=sk, num_warps=nw, dot=dt)
 
         config: dict[str, Any] = {"block_n": block_n, "block_k": block_k, "split_k": split_k, "warps": warps,
-                                  "dot": dot, "stages": stages, "default": index == 0,
-                                  "other_path_default": rows > 1 and index == 1}
+                                  "dot": dot, "default": index == 0, "other_path_default": rows > 1 and index == 1}
         try:
             config["us"] = _graph_time_us(fused, copies)
             fused(0)

@@ -69,7 +69,6 @@ class LaunchConfig:
     split_k: int
     num_warps: int = 4
     dot: bool = False
-    stages: int = 0
 
 
 def _pow2_at_most(value: int) -> int:

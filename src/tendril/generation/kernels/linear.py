@@ -56,34 +56,6 @@ _NORMS = {None: 0, "layer": 1, "rms": 2}
 
 
 @triton.jit
-def _input_tile(x_rows_ptr, offs_k, k_mask, m_mask, mean, rstd, norm_w_ptr, norm_b_ptr, NORM: tl.constexpr,
-                HAS_NORM_BIAS: tl.constexpr, DTYPE: tl.constexpr):
-    """The `[BLOCK_M, BLOCK_K]` input tile at `offs_k`, normed and rounded to DTYPE as HF's norm output is."""
-    x = tl.load(x_rows_ptr + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-    if NORM == 1:  # LayerNorm, output rounded to DTYPE
-        gain = tl.load(norm_w_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)
-        x = (x.to(tl.float32) - mean[:, None]) * rstd[:, None] * gain[None, :]
-        if HAS_NORM_BIAS:
-            x += tl.load(norm_b_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)[None, :]
-        x = x.to(DTYPE)
-    elif NORM == 2:  # RMSNorm: weight * (x * rstd).to(DTYPE), rounded
-        gain = tl.load(norm_w_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)
-        x = (x.to(tl.float32) * rstd[:, None]).to(DTYPE).to(tl.float32)
-        x = (x * gain[None, :]).to(DTYPE)
-    return x
-
-
-@triton.jit
-def _accumulate(acc, x, w, DOT: tl.constexpr, DTYPE: tl.constexpr):
-    """`acc + x @ w` in float32: on tensor cores or as a broadcast product summed over K on CUDA cores."""
-    if DOT:
-        acc = tl.dot(x, w.to(DTYPE), acc)
-    else:
-        acc += tl.sum(x.to(tl.float32)[:, :, None] * w.to(tl.float32)[None, :, :], axis=1)
-    return acc
-
-
-@triton.jit
 def _fused_linear_kernel(
     x_ptr,
     stride_xm,
@@ -127,7 +99,6 @@ def _fused_linear_kernel(
     STATS_BLOCK: tl.constexpr,
     STATS_ONE_LOAD: tl.constexpr,
     PDL: tl.constexpr,
-    STAGES: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     split = tl.program_id(1)
@@ -154,24 +125,21 @@ def _fused_linear_kernel(
     k_begin = split * tiles_per_split * BLOCK_K
     k_end = tl.minimum(k_begin + tiles_per_split * BLOCK_K, K)
 
-    # weights never change during a decode. STAGES == 0: the first two tiles load before waiting for the previous
-    # kernel, and the loop keeps two tiles in flight in registers (a tile past the share is fully masked: no memory
-    # traffic). STAGES > 0: the loop loads every tile itself and Triton pipelines those loads STAGES deep through
-    # shared memory (more bytes in flight a program, none before the wait)
+    # weights never change during a decode: the first two tiles load before waiting for the previous kernel,
+    # and the loop keeps two tiles in flight (a tile past the share is fully masked: no memory traffic)
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
-    if STAGES == 0:
-        offs_k = k_begin + tl.arange(0, BLOCK_K)  # [BLOCK_K]
-        w_offsets = offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wk  # [BLOCK_K, BLOCK_N]
-        tile_mask = (offs_k < k_end)[:, None] & n_mask[None, :]
-        next_mask = (offs_k + BLOCK_K < k_end)[:, None] & n_mask[None, :]
-        w = tl.load(w_ptr + w_offsets, mask=tile_mask, other=0.0)
-        w_next = tl.load(w_ptr + w_offsets + BLOCK_K * stride_wk, mask=next_mask, other=0.0)
-        w_up = w
-        w_up_next = w_next
-        if GATED:
-            w_up = tl.load(w1_ptr + w_offsets, mask=tile_mask, other=0.0)
-            w_up_next = tl.load(w1_ptr + w_offsets + BLOCK_K * stride_wk, mask=next_mask, other=0.0)
+    offs_k = k_begin + tl.arange(0, BLOCK_K)  # [BLOCK_K]
+    w_offsets = offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wk  # [BLOCK_K, BLOCK_N]
+    tile_mask = (offs_k < k_end)[:, None] & n_mask[None, :]
+    next_mask = (offs_k + BLOCK_K < k_end)[:, None] & n_mask[None, :]
+    w = tl.load(w_ptr + w_offsets, mask=tile_mask, other=0.0)
+    w_next = tl.load(w_ptr + w_offsets + BLOCK_K * stride_wk, mask=next_mask, other=0.0)
+    w_up = w
+    w_up_next = w_next
+    if GATED:
+        w_up = tl.load(w1_ptr + w_offsets, mask=tile_mask, other=0.0)
+        w_up_next = tl.load(w1_ptr + w_offsets + BLOCK_K * stride_wk, mask=next_mask, other=0.0)
     bias = tl.zeros([BLOCK_N], dtype=tl.float32)
     bias_up = bias
     if HAS_BIAS:
@@ -229,44 +197,38 @@ def _fused_linear_kernel(
 
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    if STAGES == 0:
-        for k0 in range(k_begin, k_end, BLOCK_K):
-            offs_k = k0 + tl.arange(0, BLOCK_K)  # [BLOCK_K]
-            x = _input_tile(x_rows_ptr, offs_k, offs_k < k_end, m_mask, mean, rstd, norm_w_ptr, norm_b_ptr, NORM,
-                            HAS_NORM_BIAS, DTYPE)
-            acc = _accumulate(acc, x, w, DOT, DTYPE)
+    for k0 in range(k_begin, k_end, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)  # [BLOCK_K]
+        k_mask = offs_k < k_end
+        x_mask = m_mask[:, None] & k_mask[None, :]
+        x = tl.load(x_rows_ptr + offs_k[None, :], mask=x_mask, other=0.0)  # [BLOCK_M, BLOCK_K], DTYPE
+        if NORM == 1:  # LayerNorm, output rounded to DTYPE
+            gain = tl.load(norm_w_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)
+            x = (x.to(tl.float32) - mean[:, None]) * rstd[:, None] * gain[None, :]
+            if HAS_NORM_BIAS:
+                x += tl.load(norm_b_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)[None, :]
+            x = x.to(DTYPE)
+        elif NORM == 2:  # RMSNorm: weight * (x * rstd).to(DTYPE), rounded
+            gain = tl.load(norm_w_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)
+            x = (x.to(tl.float32) * rstd[:, None]).to(DTYPE).to(tl.float32)
+            x = (x * gain[None, :]).to(DTYPE)
+        if DOT:  # DTYPE products, exact in the float32 accumulator: only the summation order differs
+            acc = tl.dot(x, w.to(DTYPE), acc)
             if GATED:
-                acc_up = _accumulate(acc_up, x, w_up, DOT, DTYPE)
-            ahead = offs_k + 2 * BLOCK_K  # the tile after the next one
-            w_offsets = offs_n[None, :] * stride_wn + ahead[:, None] * stride_wk
-            tile_mask = (ahead < k_end)[:, None] & n_mask[None, :]
-            w = w_next
-            w_next = tl.load(w_ptr + w_offsets, mask=tile_mask, other=0.0)
+                acc_up = tl.dot(x, w_up.to(DTYPE), acc_up)
+        else:
+            x = x.to(tl.float32)
+            acc += tl.sum(x[:, :, None] * w.to(tl.float32)[None, :, :], axis=1)
             if GATED:
-                w_up = w_up_next
-                w_up_next = tl.load(w1_ptr + w_offsets, mask=tile_mask, other=0.0)
-    else:
-        for k0 in tl.range(k_begin, k_end, BLOCK_K, num_stages=STAGES):
-            offs_k = k0 + tl.arange(0, BLOCK_K)  # [BLOCK_K]
-            k_mask = offs_k < k_end
-            x = _input_tile(x_rows_ptr, offs_k, k_mask, m_mask, mean, rstd, norm_w_ptr, norm_b_ptr, NORM,
-                            HAS_NORM_BIAS, DTYPE)
-            if BLOCK_M == 1 and not DOT:  # one row: [BLOCK_N, BLOCK_K] tiles, each weight row's run summed in place
-                w_offsets = offs_n[:, None] * stride_wn + offs_k[None, :] * stride_wk
-                tile_mask = n_mask[:, None] & k_mask[None, :]
-                x = x.to(tl.float32)
-                w = tl.load(w_ptr + w_offsets, mask=tile_mask, other=0.0)
-                acc += tl.sum(w.to(tl.float32) * x, axis=1)[None, :]
-                if GATED:
-                    w_up = tl.load(w1_ptr + w_offsets, mask=tile_mask, other=0.0)
-                    acc_up += tl.sum(w_up.to(tl.float32) * x, axis=1)[None, :]
-            else:
-                w_offsets = offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wk
-                tile_mask = k_mask[:, None] & n_mask[None, :]
-                acc = _accumulate(acc, x, tl.load(w_ptr + w_offsets, mask=tile_mask, other=0.0), DOT, DTYPE)
-                if GATED:
-                    w_up = tl.load(w1_ptr + w_offsets, mask=tile_mask, other=0.0)
-                    acc_up = _accumulate(acc_up, x, w_up, DOT, DTYPE)
+                acc_up += tl.sum(x[:, :, None] * w_up.to(tl.float32)[None, :, :], axis=1)
+        ahead = offs_k + 2 * BLOCK_K  # the tile after the next one
+        w_offsets = offs_n[None, :] * stride_wn + ahead[:, None] * stride_wk
+        tile_mask = (ahead < k_end)[:, None] & n_mask[None, :]
+        w = w_next
+        w_next = tl.load(w_ptr + w_offsets, mask=tile_mask, other=0.0)
+        if GATED:
+            w_up = w_up_next
+            w_up_next = tl.load(w1_ptr + w_offsets, mask=tile_mask, other=0.0)
 
     if SPLIT_K > 1:
         # partials [SPLIT_K, 1 + GATED, M, columns]; the block's last program to arrive sums them in split order
@@ -334,7 +296,6 @@ def fused_linear(
     dot: bool | None = None,
     pdl: bool | None = None,
     out_dtype: torch.dtype | None = None,
-    stages: int | None = None,
 ) -> torch.Tensor:
     """The Triton kernel of `reference.fused_linear` (same arguments); x is [rows, in] with unit column stride.
     `out` (or, when it is None, `out_dtype`) may be float32 for an fp16/bf16 x: the result is still rounded to
@@ -419,7 +380,6 @@ def fused_linear(
         STATS_BLOCK=stats_block,
         STATS_ONE_LOAD=stats_block >= in_features,
         PDL=pdl,
-        STAGES=config.stages if stages is None else stages,
         num_warps=num_warps or config.num_warps,
         launch_pdl=pdl,
     )
