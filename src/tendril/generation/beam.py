@@ -170,9 +170,9 @@ def bookkeep_and_reorder(
     *args: torch.Tensor,
 ) -> tuple[Carried, torch.Tensor]:
     """`bookkeep(rules, *args)`, then the cache's row table (None: it has none) and `key_valid` reordered in place
-    by the rows it returns (`cache.reorder_rows`; `slots` and `row_ids` are the cache's). One function, so that
-    the compiled bookkeeping fuses the reorder's gathers and copies into its own kernels. Returns what `bookkeep`
-    does; the cache's `reorder_storage` is the caller's."""
+    by the rows it returns (`tendril.generation.cache.reorder_rows`; `slots` and `row_ids` are the cache's). One
+    function, so that the compiled bookkeeping fuses the reorder's gathers and copies into its own kernels. Returns
+    what `bookkeep` does; the cache's `reorder_storage` is the caller's."""
     state, rows = bookkeep(rules, *args)
     cur_len = args[7]  # `bookkeep`'s cur_len: the rows last wrote slot cur_len - 1
     reorder_rows(table, key_valid, slots, row_ids, rows, cur_len - 1)
