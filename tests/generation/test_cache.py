@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tendril.generation.cache import StaticKVCache
+from tendril.generation.cache import StaticKVCache, reorder_rows
 from tendril.generation.kernels import reference
 
 
@@ -15,6 +15,12 @@ def _cache(rows: int = 2, max_len: int = 6) -> StaticKVCache:
     key_valid = torch.ones(rows, max_len, dtype=torch.bool)
     key_valid[1, :2] = False  # row 1 has two padding slots
     return StaticKVCache(1, rows, 2, max_len, 4, torch.float32, torch.device("cpu"), key_valid)
+
+
+def reorder(cache: StaticKVCache, rows: torch.Tensor, written: torch.Tensor | None = None) -> None:
+    """A beam step's whole reorder, as beam search makes it: the table and `key_valid`, then the storage."""
+    reorder_rows(cache.source_rows, cache.key_valid, cache.slots, cache.row_ids, rows, written)
+    cache.reorder_storage(rows)
 
 
 def test_mask_is_causal_skips_padding_and_never_masks_a_whole_row():
@@ -63,7 +69,7 @@ def test_reorder_moves_rows_in_place():
         cache.keys[0][i] = i
         cache.values[0][i] = 10 + i
     address = cache.keys[0].data_ptr()
-    cache.reorder(torch.tensor([2, 2, 0]))
+    reorder(cache, torch.tensor([2, 2, 0]))
     assert cache.keys[0][:, 0, 0, 0].tolist() == [2, 2, 0]
     assert cache.values[0][:, 0, 0, 0].tolist() == [12, 12, 10]
     assert cache.keys[0].data_ptr() == address
@@ -78,7 +84,7 @@ def test_reorder_gathers_layers_in_groups_and_moves_every_layer(monkeypatch):
         for row in range(3):
             cache.keys[layer][row] = 100 * layer + row
             cache.values[layer][row] = 100 * layer + 10 + row
-    cache.reorder(torch.tensor([1, 0, 1]))
+    reorder(cache, torch.tensor([1, 0, 1]))
     for layer in range(3):
         assert cache.keys[layer][:, 0, 0, 0].tolist() == [100 * layer + r for r in (1, 0, 1)]
         assert cache.values[layer][:, 1, 4, 3].tolist() == [100 * layer + 10 + r for r in (1, 0, 1)]
@@ -106,12 +112,12 @@ def test_reorder_through_the_row_table_reads_what_the_copying_reorder_holds():
         assert torch.equal(indirect.keys[0][:, :, slot_value], k.view(rows, 2, 4))
         sources = torch.randint(0, rows, (rows,))
         for cache in (copied, indirect):
-            cache.reorder(sources, slot.view(()))
+            reorder(cache, sources, slot.view(()))
     assert indirect.source_rows is not None and indirect.source_rows.dtype == torch.int32
     with pytest.raises(ValueError, match="row table"):
         indirect.attend(0, q.view(rows, 2, 1, 4), k.view(rows, 2, 1, 4), v.view(rows, 2, 1, 4), slot,
                         indirect.attention_mask(slot), 0.5)
     with pytest.raises(ValueError, match="written"):
-        indirect.reorder(sources)
+        reorder(indirect, sources)
     indirect.reset_order()
     assert torch.equal(indirect.source_rows, torch.arange(rows, dtype=torch.int32)[:, None].expand(rows, max_len))

@@ -3,9 +3,9 @@
 HF's `_beam_search` already keeps its bookkeeping in fixed-size tensors; what keeps it on the host is
 `cur_len` as a Python int (column writes, length penalty), the stop test, and a cache it reorders by
 reallocating. Here `cur_len` is a device tensor, columns are written by `scatter`, the length penalty is
-computed on the device, the cache is reordered in place (`StaticKVCache.reorder`: through its row table
-when the decoder's cache has one, which the fused step reads, by copying every layer's rows otherwise; the table
-and `key_valid` inside the bookkeeping, `bookkeep_and_reorder`), and
+computed on the device, the cache is reordered in place (through its row table when the decoder's cache has one,
+which the fused step reads, by copying every layer's rows otherwise: `reorder_rows` inside the bookkeeping,
+`bookkeep_and_reorder`, then `StaticKVCache.reorder_storage`), and
 the stop test is a carried device flag. The finished hypotheses are HF's fixed-size scoreboard: the best
 `num_beams` (sequence, score) pairs per batch item, merged with the newly finished candidates by a top-k
 each step.

@@ -60,7 +60,7 @@ class StaticKVCache:
         self.source_rows: torch.Tensor | None = (
             self.row_ids[:, None].expand(rows, max_len).contiguous() if row_table else None)
         """[rows, max_len] int32 with `row_table`: the physical row holding each (row, slot); None otherwise.
-        Invariant after `reorder(rows, written)`: entries of slots up to `written` are the sources, entries
+        Invariant after `reorder_rows(..., rows, written)`: entries of slots up to `written` are the sources, entries
         of later slots name their own row (where that row's next token is written)."""
         self._reordered = False
 
@@ -108,20 +108,10 @@ class StaticKVCache:
         grouped = query.shape[1] != keys.shape[1]
         return F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scale, enable_gqa=grouped)
 
-    def reorder(self, rows: torch.Tensor, written: torch.Tensor | None = None) -> None:
-        """Row `i` becomes old row `rows[i]` (beam search), in place.
-
-        Without a row table every layer's keys and values are copied. With one, only the table is: `written`
-        (0-d long, required then) is the last slot the rows wrote themselves; slots before it keep their
-        sources' sources, slot `written` comes from row `rows[i]`, and later slots point at row `i` again
-        (so stale entries of an earlier, longer run never leak into this one). Two parts: `reorder_storage`,
-        and `reorder_rows` on the table and `key_valid` (which beam search's compiled bookkeeping runs itself)."""
-        reorder_rows(self.source_rows, self.key_valid, self.slots, self.row_ids, rows, written)
-        self.reorder_storage(rows)
-
     def reorder_storage(self, rows: torch.Tensor) -> None:
-        """The part of `reorder` that `reorder_rows` leaves: without a row table, every layer's keys and values
-        copied by `rows`; with one, the note that the rows now read through it (`attend` refuses them)."""
+        """Row `i` becomes old row `rows[i]` in the storage, the half of a beam reorder that `reorder_rows` leaves:
+        without a row table, every layer's keys and values copied in place; with one, the note that the rows now
+        read through it (`attend` refuses them)."""
         if self.source_rows is not None:
             self._reordered = True
             return
@@ -140,9 +130,12 @@ def reorder_rows(
     rows: torch.Tensor,
     written: torch.Tensor | None,
 ) -> None:
-    """`StaticKVCache.reorder`'s row table (None: the cache has none) and `key_valid`, rewritten in place for rows
-    `rows` (`slots` and `row_ids` are the cache's). A function of tensors alone, so that beam search's compiled
-    bookkeeping fuses these gathers and copies with its own operations."""
+    """Row `i` becomes old row `rows[i]` (beam search) in a cache's row table (None: the cache has none) and
+    `key_valid`, in place; `slots` and `row_ids` are the cache's, and `StaticKVCache.reorder_storage` does the
+    rest. Through a row table, `written` (0-d long, required then) is the last slot the rows wrote themselves:
+    slots before it keep their sources' sources, slot `written` comes from row `rows[i]`, and later slots point at
+    row `i` again (so stale entries of an earlier, longer run never leak into this one). A function of tensors
+    alone, so that beam search's compiled bookkeeping fuses these gathers and copies with its own operations."""
     if table is not None:
         if written is None:
             raise ValueError("written (the last slot the rows wrote) is required to reorder through a row table")
