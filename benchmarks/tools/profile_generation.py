@@ -242,10 +242,11 @@ def sweep_configs(out_f: int, in_f: int, k_contiguous: bool, rows: int = 1, size
 
     sm_count = torch.cuda.get_device_properties(0).multi_processor_count
     columns = segments * out_f
-    defaults = [launch.launch_config(columns, in_f, rows, k_contiguous=k_contiguous, sm_count=sm_count, normed=normed)]
+    defaults = [launch.launch_config(columns, in_f, rows, k_contiguous=k_contiguous, sm_count=sm_count, normed=normed,
+                                     matrices=segments)]
     if rows > 1:
         defaults.append(launch.launch_config(columns, in_f, rows, k_contiguous=k_contiguous, sm_count=sm_count,
-                                             normed=normed, dot=not defaults[0].dot))
+                                             normed=normed, dot=not defaults[0].dot, matrices=segments))
     chosen = [(d.block_n, d.block_k, d.split_k, d.num_warps, d.dot) for d in defaults]
     pool = []
     for block_n, block_k, split_k, warps, dot in itertools.product((8, 16, 32, 64, 256), (64, 128, 256, 512),

@@ -68,6 +68,39 @@ def test_gpt2_4_row_launches_are_the_fastest_of_the_committed_sweep():
         assert config.dot and (config.block_n, config.block_k, config.split_k, config.num_warps) == launch_shape
 
 
+def test_one_row_half_launches_take_deep_tiles_where_the_committed_sweep_found_them_fastest():
+    """benchmarks/results/profile_generation-one-row-deep.md: at one row, Llama-1B's four layer projections were
+    fastest (or within noise of it) with a program over 1024 or 2048 of K; the LM heads (thousands of programs) kept
+    their shallower tiles, and so did GPT-2's Conv1D layers, whose step the deep tiles made slower."""
+    deep = {(3072, 2048, True, True, 1): (8, 1024, 1), (2048, 2048, True, False, 1): (8, 2048, 1),
+            (16384, 2048, True, True, 2): (4, 1024, 1), (2048, 8192, True, False, 1): (8, 2048, 1)}
+    for (columns, in_features, k_contiguous, normed, matrices), shape in deep.items():
+        config = launch.launch_config(columns, in_features, 1, k_contiguous=k_contiguous, normed=normed,
+                                      matrices=matrices)
+        assert (config.block_n, config.block_k, config.split_k) == shape and not config.dot, config
+        wide = launch.launch_config(columns, in_features, 1, k_contiguous=k_contiguous, normed=normed,
+                                    matrices=matrices, element_size=4, half_inputs=False)
+        assert wide.block_k <= launch.CONTIGUOUS_K_DEPTH  # float32 keeps the shallow tiles
+    for columns, in_features, k_contiguous in ((128256, 2048, True), (50257, 768, True), (768, 3072, False),
+                                               (2304, 768, False), (768, 768, False), (3072, 768, False)):
+        config = launch.launch_config(columns, in_features, 1, k_contiguous=k_contiguous, normed=True)
+        assert config.block_k <= launch.CONTIGUOUS_K_DEPTH, config
+
+
+def test_deep_one_row_launches_split_k_only_to_fill_the_sms():
+    for columns in (1, 8, 64, 256, 4096):
+        for in_features in (16, 48, 1000, 2048, 8192):
+            config = launch.launch_config(columns, in_features, 1, k_contiguous=True)
+            blocks = -(-columns // config.block_n)
+            k_tiles = -(-in_features // config.block_k)
+            assert config.block_k >= min(triton.next_power_of_2(in_features), launch.ONE_ROW_DEPTH_NORMED), config
+            assert config.block_n <= max(triton.next_power_of_2(columns), launch.CONTIGUOUS_ROW_COLUMNS), config
+            assert 1 <= config.split_k <= k_tiles, config
+            if config.split_k > 1:  # split only while the SMs are not filled, and into non-empty shares
+                assert blocks < 132 and blocks * (config.split_k - 1) < 132, config
+                assert (config.split_k - 1) * -(-k_tiles // config.split_k) < k_tiles, config
+
+
 def test_tensor_core_blocks_are_at_least_16_each_way():
     for columns in (1, 8, 24, 40, 200):
         for in_features in (1, 12, 72, 5000):
@@ -99,6 +132,28 @@ def _meta(*shape: int, dtype: torch.dtype) -> torch.Tensor:
 def _projection(sizes: tuple[int, ...], in_f: int, conv1d: bool, dtype: torch.dtype) -> Projection:
     weights = tuple(_meta(in_f, n, dtype=dtype).t() if conv1d else _meta(n, in_f, dtype=dtype) for n in sizes)
     return Projection(weights, tuple(_meta(n, dtype=dtype) if conv1d else None for n in sizes))
+
+
+def test_one_row_launches_of_llama_1b_compile_for_hopper_without_spills():
+    """Llama-3.2-1B's one-row launches at their sizes (PDL on), on the deep tiles: norm + q/k/v, o_proj + residual,
+    norm + gated SiLU, down + residual, norm + LM head widened to float32."""
+    from tests.generation.hopper_compile import hopper_compile
+
+    bf16 = torch.bfloat16
+    rms = Norm("rms", _meta(2048, dtype=bf16), None, 1e-5)
+    x, residual = _meta(1, 2048, dtype=bf16), (_meta(1, 2048, dtype=bf16),)
+    launches = [
+        lambda: linear.fused_linear(x, _projection((2048, 512, 512), 2048, False, bf16), norm=rms, pdl=True),
+        lambda: linear.fused_linear(x, _projection((2048,), 2048, False, bf16), addends=residual, pdl=True),
+        lambda: linear.fused_linear(x, _projection((8192, 8192), 2048, False, bf16), norm=rms, activation="silu",
+                                    gated=True, pdl=True),
+        lambda: linear.fused_linear(_meta(1, 8192, dtype=bf16), _projection((2048,), 8192, False, bf16),
+                                    addends=residual, pdl=True),
+        lambda: linear.fused_linear(x, _projection((128256,), 2048, False, bf16), norm=rms, out_dtype=torch.float32,
+                                    pdl=True),
+    ]
+    for run in launches:
+        assert hopper_compile(linear._fused_linear_kernel, run) == 1
 
 
 def test_tensor_core_launches_of_4_beam_steps_compile_for_hopper():

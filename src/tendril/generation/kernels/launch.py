@@ -55,6 +55,16 @@ PREFETCHED_TILES = 2
 """Weight tiles a program loads before it waits for the previous kernel (and keeps in flight in its loop)."""
 CONTIGUOUS_ROW_COLUMNS = 16
 """Columns of a tile when columns are contiguous in memory (Conv1D): 32 bytes of fp16, one memory sector."""
+ONE_ROW_TILE = 16384
+ONE_ROW_TILE_NORMED = 8192
+"""Weight elements of a one-row 16-bit program on the deep-tile rule (`launch_config`), over all the matrices it
+reads at once (two when gated), without and with a norm (whose input tile in float32 takes registers too)."""
+ONE_ROW_DEPTH = 2048
+ONE_ROW_DEPTH_NORMED = 1024
+"""The deepest one-row tile on contiguous inputs (nn.Linear) without and with a norm."""
+ONE_ROW_PROGRAMS_PER_SM = 32
+"""The deep-tile rule stops at launches of more programs per SM than this (an LM head): they run many waves, only the
+first of which loads before the wait, and there programs that keep two shallower tiles in flight stream faster."""
 
 
 @dataclass(frozen=True)
@@ -87,11 +97,18 @@ def launch_config(
     half_inputs: bool = True,
     normed: bool = False,
     dot: bool | None = None,
+    matrices: int = 1,
 ) -> LaunchConfig:
     """The default launch of a projection with `columns` weight columns (all segments counted as one matrix:
     a gated program reads a tile of each of its two), `in_features` inputs and `rows` rows; `half_inputs`: x and
     the weights are both fp16 or both bf16; `normed`: the kernel norms x first; `dot` forces a path (None: the
-    default below).
+    default below); `matrices`: weight tiles a program reads at once (2 for a gated projection).
+
+    One row of 16-bit inputs contiguous in memory (nn.Linear) takes deep tiles first (`_one_row_deep`): a program
+    owns a few columns over all of K (up to `ONE_ROW_DEPTH`), so its whole share of the weights loads before the
+    programmatic dependent launch's wait, it reads the input once, and it reduces its products across threads once.
+    Launches of more than `ONE_ROW_PROGRAMS_PER_SM` such programs per SM, Conv1D weights (contiguous columns: a deep
+    tile reads short runs of each row) and float32 inputs keep the tiles below.
 
     Two paths. The CUDA-core path multiplies a `[rows, BLOCK_K]` input tile by a `[BLOCK_K, BLOCK_N]` weight tile
     as a broadcast product summed over K: right for one row (a matrix-vector product has nothing for tensor
@@ -122,6 +139,10 @@ def launch_config(
         raise ValueError("dot=True needs x and weights of one 16-bit float dtype (fp16 or bf16): tl.dot on float32 "
                          "rounds its inputs to TF32")
     dot = (half_inputs and rows > 1) if dot is None else dot
+    if rows == 1 and not dot and half_inputs and element_size == 2:
+        one_row = _one_row_deep(columns, in_features, k_contiguous, sm_count, normed, matrices)
+        if one_row is not None:
+            return one_row
     block_m = DOT_ROWS if dot else min(triton.next_power_of_2(max(rows, 1)), MAX_ROWS_PER_PROGRAM)
     tile = TILE_BYTES // element_size // block_m
     if dot:
@@ -161,3 +182,23 @@ def launch_config(
     one_wave = programs_per_split * split_k * block_n * block_k <= sm_count * DOT_WAVE_TILE
     return LaunchConfig(block_m, block_n, block_k, split_k, num_warps=DOT_WIDE_WARPS if dot and one_wave else 4,
                         dot=dot)
+
+
+def _one_row_deep(columns: int, in_features: int, k_contiguous: bool, sm_count: int, normed: bool,
+                  matrices: int) -> LaunchConfig | None:
+    """The deep-tile launch of a one-row 16-bit projection (`launch_config`), or None where the rule stops: K split
+    only when the launch would leave SMs idle."""
+    if not k_contiguous:
+        return None
+    block_k = min(triton.next_power_of_2(in_features), ONE_ROW_DEPTH_NORMED if normed else ONE_ROW_DEPTH)
+    tile = (ONE_ROW_TILE_NORMED if normed else ONE_ROW_TILE) // matrices
+    block_n = min(max(_pow2_at_most(tile // block_k), 1), triton.next_power_of_2(columns // matrices))
+    column_blocks = triton.cdiv(columns // matrices, block_n)
+    if column_blocks > ONE_ROW_PROGRAMS_PER_SM * sm_count:
+        return None
+    k_tiles = triton.cdiv(in_features, block_k)
+    split_k = 1
+    if column_blocks < sm_count and column_blocks <= SPLIT_K_LOCKS:
+        split_k = min(k_tiles, triton.cdiv(sm_count, column_blocks))
+        split_k = triton.cdiv(k_tiles, triton.cdiv(k_tiles, split_k))  # no empty shares
+    return LaunchConfig(1, block_n, block_k, split_k)

@@ -333,7 +333,7 @@ def fused_linear(
     config = launch_config(sum(sizes), in_features, rows, k_contiguous=weights[0].stride(1) == 1,
                            element_size=weights[0].element_size(), sm_count=_sm_count(x.device),
                            half_inputs=x.dtype in (torch.float16, torch.bfloat16) and weights[0].dtype == x.dtype,
-                           normed=norm is not None, dot=dot)
+                           normed=norm is not None, dot=dot, matrices=2 if gated else 1)
     block_n, block_k = block_n or config.block_n, block_k or config.block_k
     if config.dot and min(block_n, block_k) < DOT_MIN:
         raise ValueError(f"block_n={block_n}, block_k={block_k}: the tensor-core path needs both at least {DOT_MIN} "
