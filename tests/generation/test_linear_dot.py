@@ -1,6 +1,7 @@
-"""The linear kernel's two paths for its products: `launch_config`'s choice between CUDA cores and tensor cores,
-the arguments that force one, and the tensor-core launches of GPT-2's and Llama-3.2-1B's 4-beam steps compiled for
-sm_90 (the interpreter checks their numbers: interpreted_kernels.py; the GPU too: test_kernels_gpu.py)."""
+"""The linear kernel's launches: `launch_config`'s choice between CUDA cores and tensor cores, the arguments that
+force one, its deep one-row tiles, and the launches of Llama-3.2-1B's one-row and GPT-2's and Llama-3.2-1B's 4-beam
+steps compiled for sm_90 (the interpreter checks their numbers: interpreted_kernels.py; the GPU too:
+test_kernels_gpu.py)."""
 
 from __future__ import annotations
 
