@@ -81,6 +81,11 @@ class LaunchConfig:
     dot: bool = False
 
 
+def _without_empty_shares(k_tiles: int, split_k: int) -> int:
+    """The fewest shares of `k_tiles` tiles that keep each share as long as `split_k` shares would: none empty."""
+    return triton.cdiv(k_tiles, triton.cdiv(k_tiles, split_k))
+
+
 def _pow2_at_most(value: int) -> int:
     return 1 << (max(value, 1).bit_length() - 1)
 
@@ -178,7 +183,7 @@ def launch_config(
         # the reduction is paid anyway: one tile per program, twice as wide (longer contiguous reads)
         block_n, block_k = block_n * 2, block_k // 2
         k_tiles = split_k = triton.cdiv(in_features, block_k)
-    split_k = triton.cdiv(k_tiles, triton.cdiv(k_tiles, split_k))  # no empty shares
+    split_k = _without_empty_shares(k_tiles, split_k)
     one_wave = programs_per_split * split_k * block_n * block_k <= sm_count * DOT_WAVE_TILE
     return LaunchConfig(block_m, block_n, block_k, split_k, num_warps=DOT_WIDE_WARPS if dot and one_wave else 4,
                         dot=dot)
@@ -199,6 +204,5 @@ def _one_row_deep(columns: int, in_features: int, k_contiguous: bool, sm_count: 
     k_tiles = triton.cdiv(in_features, block_k)
     split_k = 1
     if column_blocks < sm_count and column_blocks <= SPLIT_K_LOCKS:
-        split_k = min(k_tiles, triton.cdiv(sm_count, column_blocks))
-        split_k = triton.cdiv(k_tiles, triton.cdiv(k_tiles, split_k))  # no empty shares
+        split_k = _without_empty_shares(k_tiles, min(k_tiles, triton.cdiv(sm_count, column_blocks)))
     return LaunchConfig(1, block_n, block_k, split_k)
