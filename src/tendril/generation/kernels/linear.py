@@ -21,10 +21,11 @@ accumulating in float32 (an MMA instruction takes 16 rows at once), in smaller t
 
 Memory round trips. A batch-1 projection is a few microseconds, and most of it is waiting for memory, so
 the kernel orders its loads to overlap. Under programmatic dependent launch (`pdl.py`) the first two
-weight tiles and the bias load before the program waits for the previous kernel; after the wait it loads
-the addends (residuals) and the input row for the norm's statistics together, in one load when the row
-fits `STATS_BLOCK` (over the rows there are, `STATS_M`, not the padded block), and the input tiles of its loop
-then come from cache.
+weight tiles, the norm's gains (and bias) for them and the projection's bias load before the program waits for
+the previous kernel; after the wait it loads the input's first two tiles, the addends (residuals) and the input
+row for the norm's statistics together, the row in one load when it fits `STATS_BLOCK` (over the rows there
+are, `STATS_M`, not the padded block). Its loop then loads every tile (weights, input, gains) ahead of its use,
+so no load of the loop is a round trip on its critical path.
 
 Numerics. Accumulation is float32; bias, activation and addends are applied before the one store.
 Rounding to the input's dtype happens where HF's eager forward rounds (see `reference.py`), so fp16
@@ -146,8 +147,22 @@ def _fused_linear_kernel(
         bias = tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
         if GATED:
             bias_up = tl.load(b1_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+    # the norm's gains (and LayerNorm's bias) for the same two tiles: constants too, so off the critical path
+    k_mask, next_k_mask = offs_k < k_end, offs_k + BLOCK_K < k_end
+    gain = tl.zeros([BLOCK_K], dtype=tl.float32)
+    gain_next, shift, shift_next = gain, gain, gain
+    if NORM != 0:
+        gain = tl.load(norm_w_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)
+        gain_next = tl.load(norm_w_ptr + offs_k + BLOCK_K, mask=next_k_mask, other=0.0).to(tl.float32)
+    if NORM == 1 and HAS_NORM_BIAS:
+        shift = tl.load(norm_b_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)
+        shift_next = tl.load(norm_b_ptr + offs_k + BLOCK_K, mask=next_k_mask, other=0.0).to(tl.float32)
     if PDL:
         tl.extra.cuda.gdc_wait()  # everything below may read what earlier kernels wrote
+
+    # the input's first two tiles with the addends, so that every load of the loop is a tile ahead of its use
+    x = tl.load(x_rows_ptr + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+    x_next = tl.load(x_rows_ptr + offs_k[None, :] + BLOCK_K, mask=m_mask[:, None] & next_k_mask[None, :], other=0.0)
 
     # the addends now, so their loads overlap the input's (each load is a round trip to L2)
     cols = col0 + offs_n
@@ -199,17 +214,12 @@ def _fused_linear_kernel(
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(k_begin, k_end, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)  # [BLOCK_K]
-        k_mask = offs_k < k_end
-        x_mask = m_mask[:, None] & k_mask[None, :]
-        x = tl.load(x_rows_ptr + offs_k[None, :], mask=x_mask, other=0.0)  # [BLOCK_M, BLOCK_K], DTYPE
         if NORM == 1:  # LayerNorm, output rounded to DTYPE
-            gain = tl.load(norm_w_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)
             x = (x.to(tl.float32) - mean[:, None]) * rstd[:, None] * gain[None, :]
             if HAS_NORM_BIAS:
-                x += tl.load(norm_b_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)[None, :]
+                x += shift[None, :]
             x = x.to(DTYPE)
         elif NORM == 2:  # RMSNorm: weight * (x * rstd).to(DTYPE), rounded
-            gain = tl.load(norm_w_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)
             x = (x.to(tl.float32) * rstd[:, None]).to(DTYPE).to(tl.float32)
             x = (x * gain[None, :]).to(DTYPE)
         if DOT:  # DTYPE products, exact in the float32 accumulator: only the summation order differs
@@ -222,13 +232,22 @@ def _fused_linear_kernel(
             if GATED:
                 acc_up += tl.sum(x[:, :, None] * w_up.to(tl.float32)[None, :, :], axis=1)
         ahead = offs_k + 2 * BLOCK_K  # the tile after the next one
+        ahead_mask = ahead < k_end
         w_offsets = offs_n[None, :] * stride_wn + ahead[:, None] * stride_wk
-        tile_mask = (ahead < k_end)[:, None] & n_mask[None, :]
+        tile_mask = ahead_mask[:, None] & n_mask[None, :]
         w = w_next
         w_next = tl.load(w_ptr + w_offsets, mask=tile_mask, other=0.0)
         if GATED:
             w_up = w_up_next
             w_up_next = tl.load(w1_ptr + w_offsets, mask=tile_mask, other=0.0)
+        x = x_next
+        x_next = tl.load(x_rows_ptr + ahead[None, :], mask=m_mask[:, None] & ahead_mask[None, :], other=0.0)
+        if NORM != 0:
+            gain = gain_next
+            gain_next = tl.load(norm_w_ptr + ahead, mask=ahead_mask, other=0.0).to(tl.float32)
+        if NORM == 1 and HAS_NORM_BIAS:
+            shift = shift_next
+            shift_next = tl.load(norm_b_ptr + ahead, mask=ahead_mask, other=0.0).to(tl.float32)
 
     if SPLIT_K > 1:
         # partials [SPLIT_K, 1 + GATED, M, columns]; the block's last program to arrive sums them in split order
