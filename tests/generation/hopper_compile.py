@@ -3,9 +3,12 @@
 Triton's interpreter runs kernel bodies as NumPy code, so type errors of the compiled language (a loop-carried
 variable changing shape, a constexpr branch that does not type-check) only show on a GPU. `hopper_compile`
 intercepts the launches a wrapper makes (its kernel's `run`) and compiles each for an H100/H200 target with
-Triton's own compiler, down to a cubin: the same code generation a GPU run does, on the CPU. Each cubin's resource
-usage (Triton's bundled `cuobjdump`) must show no local memory: a launch configuration whose registers spill would
-run far slower than its neighbours, and nothing else on the CPU would notice.
+Triton's own compiler, down to a cubin: the same code generation a GPU run does, on the CPU. Arguments are
+specialized as Triton's launcher does (`_specialized`): an integer equal to 1 becomes a constant, and tensors and
+integers divisible by 16 are marked so. Without that a unit stride is unknown to the compiler, which then loads
+contiguous weights one element at a time, and the registers counted are not those of a GPU run. Each cubin's
+resource usage (Triton's bundled `cuobjdump`) must show no local memory and no stack frame: a launch configuration
+whose registers spill would run far slower than its neighbours, and nothing else on the CPU would notice.
 """
 
 from __future__ import annotations
@@ -41,6 +44,15 @@ def _type(value: Any) -> str:
     raise TypeError(f"no Triton type for {type(value).__name__}")
 
 
+def _specialized(value: Any) -> str | None:
+    """Triton's launcher's view of an argument: "one" (made a constant), "aligned" (divisible by 16) or None."""
+    if isinstance(value, torch.Tensor):
+        return "aligned" if value.data_ptr() % 16 == 0 else None
+    if isinstance(value, int) and not isinstance(value, bool):
+        return "one" if value == 1 else "aligned" if value % 16 == 0 else None
+    return None
+
+
 def hopper_compile(kernel: triton.runtime.JITFunction, launch: Callable[[], Any]) -> int:
     """Run `launch()` (which must launch `kernel`, on any device) with the launch replaced by an sm_90
     compilation of it; returns how many launches were compiled."""
@@ -50,10 +62,13 @@ def hopper_compile(kernel: triton.runtime.JITFunction, launch: Callable[[], Any]
         names = [p.name for p in kernel.params]
         bound = dict(zip(names, args, strict=False))
         bound.update({k: v for k, v in kwargs.items() if k in names})
-        constexprs = {name: bound[name] for name, p in zip(names, kernel.params, strict=True) if p.is_constexpr}
+        constexprs = {name: bound[name] for name, p in zip(names, kernel.params, strict=True)
+                      if p.is_constexpr or _specialized(bound[name]) == "one"}
         signature = {name: "constexpr" if name in constexprs else _type(bound[name]) for name in names}
+        attrs = {(index,): [["tt.divisibility", 16]] for index, name in enumerate(names)
+                 if name not in constexprs and _specialized(bound[name]) == "aligned"}
         options = {k: v for k, v in kwargs.items() if k in _OPTIONS}
-        source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs)
+        source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
         compiled.append(triton.compile(source, target=HOPPER, options=options))
 
     with pytest.MonkeyPatch.context() as patch:
@@ -62,7 +77,7 @@ def hopper_compile(kernel: triton.runtime.JITFunction, launch: Callable[[], Any]
     assert all("cubin" in c.asm for c in compiled)
     for c in compiled:
         usage = resource_usage(c.asm["cubin"])
-        assert usage["LOCAL"] == 0, f"{kernel.__name__} spills to local memory: {usage}"
+        assert usage["LOCAL"] == 0 and usage["STACK"] == 0, f"{kernel.__name__} spills: {usage}"
     return len(compiled)
 
 

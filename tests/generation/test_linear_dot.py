@@ -70,36 +70,39 @@ def test_gpt2_4_row_launches_are_the_fastest_of_the_committed_sweep():
 
 
 def test_one_row_half_launches_take_deep_tiles_where_the_committed_sweep_found_them_fastest():
-    """benchmarks/results/profile_generation-one-row-deep.md: at one row, Llama-1B's four layer projections were
-    fastest (or within noise of it) with a program over 1024 or 2048 of K; the LM heads (thousands of programs) kept
-    their shallower tiles, and so did GPT-2's Conv1D layers, whose step the deep tiles made slower."""
-    deep = {(3072, 2048, True, True, 1): (8, 1024, 1), (2048, 2048, True, False, 1): (8, 2048, 1),
-            (16384, 2048, True, True, 2): (4, 1024, 1), (2048, 8192, True, False, 1): (8, 2048, 1)}
-    for (columns, in_features, k_contiguous, normed, matrices), shape in deep.items():
-        config = launch.launch_config(columns, in_features, 1, k_contiguous=k_contiguous, normed=normed,
-                                      matrices=matrices)
-        assert (config.block_n, config.block_k, config.split_k) == shape and not config.dot, config
-        wide = launch.launch_config(columns, in_features, 1, k_contiguous=k_contiguous, normed=normed,
-                                    matrices=matrices, element_size=4, half_inputs=False)
+    """benchmarks/results/profile_generation-one-row-share.md: at one row, Llama-1B's layer projections were fastest
+    (or within noise of it) on shares of one tile over all of K, as wide as 16K weight elements in registers allow;
+    its LM head (thousands of programs) on shares of two tiles half as deep; GPT-2's Linear LM head on one tile.
+    GPT-2's Conv1D layers keep their shallow tiles."""
+    deep = {(3072, 2048, True, 1): (8, 2048), (2048, 2048, False, 1): (8, 2048), (16384, 2048, True, 2): (4, 2048),
+            (2048, 8192, False, 1): (2, 8192), (128256, 2048, True, 1): (8, 1024), (50257, 768, True, 1): (16, 1024)}
+    for (columns, in_features, normed, matrices), shape in deep.items():
+        config = launch.launch_config(columns, in_features, 1, k_contiguous=True, normed=normed, matrices=matrices)
+        assert (config.block_n, config.block_k, config.split_k) == (*shape, 1) and not config.dot, config
+        wide = launch.launch_config(columns, in_features, 1, k_contiguous=True, normed=normed, matrices=matrices,
+                                    element_size=4, half_inputs=False)
         assert wide.block_k <= launch.CONTIGUOUS_K_DEPTH  # float32 keeps the shallow tiles
-    for columns, in_features, k_contiguous in ((128256, 2048, True), (50257, 768, True), (768, 3072, False),
-                                               (2304, 768, False), (768, 768, False), (3072, 768, False)):
-        config = launch.launch_config(columns, in_features, 1, k_contiguous=k_contiguous, normed=True)
+    for columns, in_features in ((768, 3072), (2304, 768), (768, 768), (3072, 768)):
+        config = launch.launch_config(columns, in_features, 1, k_contiguous=False, normed=True)
         assert config.block_k <= launch.CONTIGUOUS_K_DEPTH, config
 
 
-def test_deep_one_row_launches_split_k_only_to_fill_the_sms():
-    for columns in (1, 8, 64, 256, 4096):
-        for in_features in (16, 48, 1000, 2048, 8192):
-            config = launch.launch_config(columns, in_features, 1, k_contiguous=True)
-            blocks = -(-columns // config.block_n)
-            k_tiles = -(-in_features // config.block_k)
-            assert config.block_k >= min(triton.next_power_of_2(in_features), launch.ONE_ROW_DEPTH_NORMED), config
-            assert config.block_n <= max(triton.next_power_of_2(columns), launch.CONTIGUOUS_ROW_COLUMNS), config
-            assert 1 <= config.split_k <= k_tiles, config
-            if config.split_k > 1:  # split only while the SMs are not filled, and into non-empty shares
-                assert blocks < 132 and blocks * (config.split_k - 1) < 132, config
-                assert (config.split_k - 1) * -(-k_tiles // config.split_k) < k_tiles, config
+def test_deep_one_row_launches_hold_at_most_one_row_tile_and_split_k_only_to_fill_the_sms():
+    for columns in (1, 8, 64, 256, 4096, 32768):
+        for in_features in (16, 48, 1000, 2048, 8192, 14336):
+            for matrices in (1, 2):
+                config = launch.launch_config(matrices * columns, in_features, 1, k_contiguous=True,
+                                              matrices=matrices)
+                blocks = -(-columns // config.block_n)
+                k_tiles = -(-in_features // config.block_k)
+                share = -(-k_tiles // config.split_k)
+                assert config.block_k >= min(triton.next_power_of_2(in_features), launch.ONE_ROW_DEPTH) // 2, config
+                held = config.block_n * config.block_k * matrices * min(share, launch.PREFETCHED_TILES)
+                assert held <= launch.ONE_ROW_TILE or config.block_n == 1, config
+                assert 1 <= config.split_k <= k_tiles, config
+                if config.split_k > 1:  # split only while the SMs are not filled, and into non-empty shares
+                    assert blocks < 132 and blocks * (config.split_k - 1) < 132, config
+                    assert (config.split_k - 1) * share < k_tiles, config
 
 
 def test_tensor_core_blocks_are_at_least_16_each_way():

@@ -56,15 +56,13 @@ PREFETCHED_TILES = 2
 CONTIGUOUS_ROW_COLUMNS = 16
 """Columns of a tile when columns are contiguous in memory (Conv1D): 32 bytes of fp16, one memory sector."""
 ONE_ROW_TILE = 16384
-ONE_ROW_TILE_NORMED = 8192
-"""Weight elements of a one-row 16-bit program on the deep-tile rule (`launch_config`), over all the matrices it
-reads at once (two when gated), without and with a norm (whose input tile in float32 takes registers too)."""
-ONE_ROW_DEPTH = 2048
-ONE_ROW_DEPTH_NORMED = 1024
-"""The deepest one-row tile on contiguous inputs (nn.Linear) without and with a norm."""
+"""Weight elements a one-row 16-bit program on the deep-tile rule (`launch_config`) holds in registers at once: its
+tiles in flight (its share's first two at most), of every matrix it reads (two when gated). More spill at 4 warps."""
+ONE_ROW_DEPTH = 8192
+"""The deepest one-row tile on contiguous inputs (nn.Linear)."""
 ONE_ROW_PROGRAMS_PER_SM = 32
-"""The deep-tile rule stops at launches of more programs per SM than this (an LM head): they run many waves, only the
-first of which loads before the wait, and there programs that keep two shallower tiles in flight stream faster."""
+"""A deep-tile launch of more programs per SM than this (an LM head) runs many waves; there a program's share is two
+tiles of half the depth, so the second tile's loads overlap the first's products."""
 
 
 @dataclass(frozen=True)
@@ -112,8 +110,8 @@ def launch_config(
     One row of 16-bit inputs contiguous in memory (nn.Linear) takes deep tiles first (`_one_row_deep`): a program
     owns a few columns over all of K (up to `ONE_ROW_DEPTH`), so its whole share of the weights loads before the
     programmatic dependent launch's wait, it reads the input once, and it reduces its products across threads once.
-    Launches of more than `ONE_ROW_PROGRAMS_PER_SM` such programs per SM, Conv1D weights (contiguous columns: a deep
-    tile reads short runs of each row) and float32 inputs keep the tiles below.
+    Conv1D weights (contiguous columns: a deep tile reads short runs of each row) and float32 inputs keep the tiles
+    below.
 
     Two paths. The CUDA-core path multiplies a `[rows, BLOCK_K]` input tile by a `[BLOCK_K, BLOCK_N]` weight tile
     as a broadcast product summed over K: right for one row (a matrix-vector product has nothing for tensor
@@ -145,7 +143,7 @@ def launch_config(
                          "rounds its inputs to TF32")
     dot = (half_inputs and rows > 1) if dot is None else dot
     if rows == 1 and not dot and half_inputs and element_size == 2:
-        one_row = _one_row_deep(columns, in_features, k_contiguous, sm_count, normed, matrices)
+        one_row = _one_row_deep(columns, in_features, k_contiguous, sm_count, matrices)
         if one_row is not None:
             return one_row
     block_m = DOT_ROWS if dot else min(triton.next_power_of_2(max(rows, 1)), MAX_ROWS_PER_PROGRAM)
@@ -189,18 +187,25 @@ def launch_config(
                         dot=dot)
 
 
-def _one_row_deep(columns: int, in_features: int, k_contiguous: bool, sm_count: int, normed: bool,
+def _one_row_deep(columns: int, in_features: int, k_contiguous: bool, sm_count: int,
                   matrices: int) -> LaunchConfig | None:
-    """The deep-tile launch of a one-row 16-bit projection (`launch_config`), or None where the rule stops: K split
+    """The deep-tile launch of a one-row 16-bit projection (`launch_config`), or None for Conv1D weights: shares of
+    one tile (two for launches of many waves, `ONE_ROW_PROGRAMS_PER_SM`) as wide as `ONE_ROW_TILE` allows, K split
     only when the launch would leave SMs idle."""
     if not k_contiguous:
         return None
-    block_k = min(triton.next_power_of_2(in_features), ONE_ROW_DEPTH_NORMED if normed else ONE_ROW_DEPTH)
-    tile = (ONE_ROW_TILE_NORMED if normed else ONE_ROW_TILE) // matrices
-    block_n = min(max(_pow2_at_most(tile // block_k), 1), triton.next_power_of_2(columns // matrices))
-    column_blocks = triton.cdiv(columns // matrices, block_n)
-    if column_blocks > ONE_ROW_PROGRAMS_PER_SM * sm_count:
-        return None
+    per_matrix = columns // matrices
+    block_k = min(triton.next_power_of_2(in_features), ONE_ROW_DEPTH)
+
+    def width(depth: int) -> int:  # the widest block whose tiles in flight fit ONE_ROW_TILE
+        held = min(triton.cdiv(in_features, depth), PREFETCHED_TILES) * matrices
+        return min(max(_pow2_at_most(ONE_ROW_TILE // (depth * held)), 1), triton.next_power_of_2(per_matrix))
+
+    block_n = width(block_k)
+    if triton.cdiv(per_matrix, block_n) > ONE_ROW_PROGRAMS_PER_SM * sm_count and block_k > 1:
+        block_k //= 2
+        block_n = width(block_k)
+    column_blocks = triton.cdiv(per_matrix, block_n)
     k_tiles = triton.cdiv(in_features, block_k)
     split_k = 1
     if column_blocks < sm_count and column_blocks <= SPLIT_K_LOCKS:

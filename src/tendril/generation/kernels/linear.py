@@ -21,11 +21,13 @@ accumulating in float32 (an MMA instruction takes 16 rows at once), in smaller t
 
 Memory round trips. A batch-1 projection is a few microseconds, and most of it is waiting for memory, so
 the kernel orders its loads to overlap. Under programmatic dependent launch (`pdl.py`) the first two
-weight tiles, the norm's gains (and bias) for them and the projection's bias load before the program waits for
-the previous kernel; after the wait it loads the input's first two tiles, the addends (residuals) and the input
-row for the norm's statistics together, the row in one load when it fits `STATS_BLOCK` (over the rows there
-are, `STATS_M`, not the padded block). Its loop then loads every tile (weights, input, gains) ahead of its use,
-so no load of the loop is a round trip on its critical path.
+weight tiles of a program's share of K, the norm's gains (and bias) for them and the projection's bias load before
+the program waits for the previous kernel; after the wait it loads the input's first two tiles, the addends
+(residuals) and the input row for the norm's statistics together, the row in one load when it fits `STATS_BLOCK`
+(over the rows there are, `STATS_M`, not the padded block). Its loop then loads every tile (weights, input,
+gains) ahead of its use, so no load of the loop is a round trip on its critical path. A share of one or two tiles
+is a compile-time constant (`SHARE_TILES`): the program then holds only the tiles it has, with no loop-carried
+copies, which is what lets a one-row program hold a whole deep share in registers (`launch.ONE_ROW_TILE`).
 
 Numerics. Accumulation is float32; bias, activation and addends are applied before the one store.
 Rounding to the input's dtype happens where HF's eager forward rounds (see `reference.py`), so fp16
@@ -95,6 +97,7 @@ def _fused_linear_kernel(
     BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr,
     SPLIT_K_POW2: tl.constexpr,
+    SHARE_TILES: tl.constexpr,
     DOT: tl.constexpr,
     STATS_M: tl.constexpr,
     STATS_BLOCK: tl.constexpr,
@@ -121,13 +124,15 @@ def _fused_linear_kernel(
     offs_n = block * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] columns within the segment
     n_mask = offs_n < n_size
 
-    # this program's share of K: whole tiles, the last share possibly shorter
-    tiles_per_split = ((K + BLOCK_K - 1) // BLOCK_K + SPLIT_K - 1) // SPLIT_K
+    # this program's share of K: whole tiles, the last share possibly shorter; a share of one or two tiles is
+    # known when compiling (SHARE_TILES), so the compiler holds no loop-carried tiles for it
+    tiles_per_split = SHARE_TILES if SHARE_TILES <= 2 else ((K + BLOCK_K - 1) // BLOCK_K + SPLIT_K - 1) // SPLIT_K
     k_begin = split * tiles_per_split * BLOCK_K
     k_end = tl.minimum(k_begin + tiles_per_split * BLOCK_K, K)
 
-    # weights never change during a decode: the first two tiles load before waiting for the previous kernel,
-    # and the loop keeps two tiles in flight (a tile past the share is fully masked: no memory traffic)
+    # weights never change during a decode: the share's first two tiles load before waiting for the previous
+    # kernel, and the loop keeps two tiles in flight (a tile past the share is fully masked: no memory traffic).
+    # Only tiles the share has are held: a tile held for nothing would take registers all the same.
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
     offs_k = k_begin + tl.arange(0, BLOCK_K)  # [BLOCK_K]
@@ -135,12 +140,16 @@ def _fused_linear_kernel(
     tile_mask = (offs_k < k_end)[:, None] & n_mask[None, :]
     next_mask = (offs_k + BLOCK_K < k_end)[:, None] & n_mask[None, :]
     w = tl.load(w_ptr + w_offsets, mask=tile_mask, other=0.0)
-    w_next = tl.load(w_ptr + w_offsets + BLOCK_K * stride_wk, mask=next_mask, other=0.0)
+    w_next = w
+    if SHARE_TILES > 1:
+        w_next = tl.load(w_ptr + w_offsets + BLOCK_K * stride_wk, mask=next_mask, other=0.0)
     w_up = w
     w_up_next = w_next
     if GATED:
         w_up = tl.load(w1_ptr + w_offsets, mask=tile_mask, other=0.0)
-        w_up_next = tl.load(w1_ptr + w_offsets + BLOCK_K * stride_wk, mask=next_mask, other=0.0)
+        w_up_next = w_up
+        if SHARE_TILES > 1:
+            w_up_next = tl.load(w1_ptr + w_offsets + BLOCK_K * stride_wk, mask=next_mask, other=0.0)
     bias = tl.zeros([BLOCK_N], dtype=tl.float32)
     bias_up = bias
     if HAS_BIAS:
@@ -153,16 +162,21 @@ def _fused_linear_kernel(
     gain_next, shift, shift_next = gain, gain, gain
     if NORM != 0:
         gain = tl.load(norm_w_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)
-        gain_next = tl.load(norm_w_ptr + offs_k + BLOCK_K, mask=next_k_mask, other=0.0).to(tl.float32)
+        if SHARE_TILES > 1:
+            gain_next = tl.load(norm_w_ptr + offs_k + BLOCK_K, mask=next_k_mask, other=0.0).to(tl.float32)
     if NORM == 1 and HAS_NORM_BIAS:
         shift = tl.load(norm_b_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)
-        shift_next = tl.load(norm_b_ptr + offs_k + BLOCK_K, mask=next_k_mask, other=0.0).to(tl.float32)
+        if SHARE_TILES > 1:
+            shift_next = tl.load(norm_b_ptr + offs_k + BLOCK_K, mask=next_k_mask, other=0.0).to(tl.float32)
     if PDL:
         tl.extra.cuda.gdc_wait()  # everything below may read what earlier kernels wrote
 
     # the input's first two tiles with the addends, so that every load of the loop is a tile ahead of its use
     x = tl.load(x_rows_ptr + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-    x_next = tl.load(x_rows_ptr + offs_k[None, :] + BLOCK_K, mask=m_mask[:, None] & next_k_mask[None, :], other=0.0)
+    x_next = x
+    if SHARE_TILES > 1:
+        x_next = tl.load(x_rows_ptr + offs_k[None, :] + BLOCK_K, mask=m_mask[:, None] & next_k_mask[None, :],
+                         other=0.0)
 
     # the addends now, so their loads overlap the input's (each load is a round trip to L2)
     cols = col0 + offs_n
@@ -231,23 +245,20 @@ def _fused_linear_kernel(
             acc += tl.sum(x[:, :, None] * w.to(tl.float32)[None, :, :], axis=1)
             if GATED:
                 acc_up += tl.sum(x[:, :, None] * w_up.to(tl.float32)[None, :, :], axis=1)
-        ahead = offs_k + 2 * BLOCK_K  # the tile after the next one
-        ahead_mask = ahead < k_end
-        w_offsets = offs_n[None, :] * stride_wn + ahead[:, None] * stride_wk
-        tile_mask = ahead_mask[:, None] & n_mask[None, :]
-        w = w_next
-        w_next = tl.load(w_ptr + w_offsets, mask=tile_mask, other=0.0)
-        if GATED:
-            w_up = w_up_next
-            w_up_next = tl.load(w1_ptr + w_offsets, mask=tile_mask, other=0.0)
-        x = x_next
-        x_next = tl.load(x_rows_ptr + ahead[None, :], mask=m_mask[:, None] & ahead_mask[None, :], other=0.0)
-        if NORM != 0:
-            gain = gain_next
-            gain_next = tl.load(norm_w_ptr + ahead, mask=ahead_mask, other=0.0).to(tl.float32)
-        if NORM == 1 and HAS_NORM_BIAS:
-            shift = shift_next
-            shift_next = tl.load(norm_b_ptr + ahead, mask=ahead_mask, other=0.0).to(tl.float32)
+        w, w_up, x, gain, shift = w_next, w_up_next, x_next, gain_next, shift_next
+        if SHARE_TILES > 2:  # the tile after the next one
+            ahead = offs_k + 2 * BLOCK_K
+            ahead_mask = ahead < k_end
+            w_offsets = offs_n[None, :] * stride_wn + ahead[:, None] * stride_wk
+            tile_mask = ahead_mask[:, None] & n_mask[None, :]
+            w_next = tl.load(w_ptr + w_offsets, mask=tile_mask, other=0.0)
+            if GATED:
+                w_up_next = tl.load(w1_ptr + w_offsets, mask=tile_mask, other=0.0)
+            x_next = tl.load(x_rows_ptr + ahead[None, :], mask=m_mask[:, None] & ahead_mask[None, :], other=0.0)
+            if NORM != 0:
+                gain_next = tl.load(norm_w_ptr + ahead, mask=ahead_mask, other=0.0).to(tl.float32)
+            if NORM == 1 and HAS_NORM_BIAS:
+                shift_next = tl.load(norm_b_ptr + ahead, mask=ahead_mask, other=0.0).to(tl.float32)
 
     if SPLIT_K > 1:
         # partials [SPLIT_K, 1 + GATED, M, columns]; the block's last program to arrive sums them in split order
@@ -394,6 +405,7 @@ def fused_linear(
         BLOCK_K=block_k,
         SPLIT_K=split_k,
         SPLIT_K_POW2=triton.next_power_of_2(split_k),
+        SHARE_TILES=min(triton.cdiv(triton.cdiv(in_features, block_k), split_k), 3),  # 3: three or more, counted in
         DOT=config.dot,
         STATS_M=stats_rows,
         STATS_BLOCK=stats_block,
