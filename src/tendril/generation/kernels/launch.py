@@ -57,7 +57,8 @@ CONTIGUOUS_ROW_COLUMNS = 16
 """Columns of a tile when columns are contiguous in memory (Conv1D): 32 bytes of fp16, one memory sector."""
 ONE_ROW_TILE = 16384
 """Weight elements a one-row 16-bit program on the deep-tile rule (`launch_config`) holds in registers at once: its
-tiles in flight (its share's first two at most), of every matrix it reads (two when gated). More spill at 4 warps."""
+tiles in flight (its share's first two at most), of every matrix it reads (two when gated). A program holding more
+spills registers at 4 warps."""
 ONE_ROW_DEPTH = 8192
 """The deepest one-row tile on contiguous inputs (nn.Linear)."""
 ONE_ROW_PROGRAMS_PER_SM = 32
