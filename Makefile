@@ -46,13 +46,16 @@ gpu-demo:
 # Each step has its own time limit, so one that hangs cannot take the others' time. The tests are interrupted
 # (pytest alone, not the compile workers it started, so that it still prints which failed; killed 30 s later if it
 # does not stop) and list every test's outcome as it runs, so a run that dies still names its failures.
+# TEST_WORKERS > 0 runs the tests in that many pytest-xdist processes (installed on the device): a cold Triton cache
+# makes the generation kernel tests compile about a thousand variants, which then compile in parallel.
 OUT ?= gpu-lane-out
 TESTS ?= tests
+TEST_WORKERS ?= 0
 CASES ?=
 TOOLS ?=
 gpu-lane:
 	mkdir -p $(OUT)/results
-	-PYTHONPATH=src:. timeout --foreground -s INT -k 30 540 $(PYTHON) -m pytest -m gpu -v -rf --durations=25 -p no:cacheprovider $(TESTS) > $(OUT)/gpu-tests.txt 2>&1; tail -3 $(OUT)/gpu-tests.txt
+	-PYTHONPATH=src:. timeout --foreground -s INT -k 30 540 $(PYTHON) -m pytest -m gpu -v -rf --durations=25 -p no:cacheprovider $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS)) $(TESTS) > $(OUT)/gpu-tests.txt 2>&1; tail -3 $(OUT)/gpu-tests.txt
 	-PYTHONPATH=src timeout 180 $(PYTHON) -m tendril.cli demo --quick > $(OUT)/demo.txt 2>&1; tail -3 $(OUT)/demo.txt
 	-for case in $(CASES); do PYTHONPATH=src:. timeout 420 $(PYTHON) -m benchmarks run $$case --out $(OUT)/results > $(OUT)/$$case.txt 2>&1; tail -3 $(OUT)/$$case.txt; done
 	-for tool in $(TOOLS); do PYTHONPATH=src:. timeout 420 $(PYTHON) -m benchmarks.tools.$$tool --out $(OUT)/results > $(OUT)/$$tool.txt 2>&1; tail -3 $(OUT)/$$tool.txt; done
