@@ -9,13 +9,15 @@ For each step variant (`generate`'s `step`, the compiled one optionally with Ind
   (CUDA activity; kernels of a graph are traced one by one) the kernels per step grouped by name, with count,
   mean and total microseconds, busy time (sum of kernel durations) and the idle gaps between kernels (launch latency);
 - the whole loop graph under the profiler: GPU operations per call, to see what the loop adds to the step.
-`--sweep` also times the fused linear kernel over launch configurations (block sizes, split-K, warps, and with
-`--beams` > 1 its tensor-core and CUDA-core paths; see
+`--sweep` also times the fused linear kernel over launch configurations (block sizes, split-K, warps, with
+`--beams` > 1 its tensor-core and CUDA-core paths, at one row on nn.Linear weights the deep one-row tiles; see
 `sweep_configs`) for the model's five projection shapes (`SWEEP_SHAPES`) at `--beams` rows against cuBLAS (each
 in a CUDA graph of repeated launches, weights rotated through more memory than L2 holds), about two minutes.
+`--sweep-layout linear` times them all with nn.Linear's weight layout (K contiguous), as a one-time copy of GPT-2's
+Conv1D weights would hold them.
 
     PYTHONPATH=src:. python3 -m benchmarks.tools.profile_generation --out OUT [--variants eager,compiled,fused]
-        [--model gpt2|llama1b] [--beams N]
+        [--model gpt2|llama1b] [--beams N] [--sweep [--sweep-layout model|linear]]
 
 Writes OUT/profile_generation.json and OUT/profile_generation.md.
 """
@@ -184,7 +186,7 @@ def run_variant(variant: str, model: nn.Module, prompts: list[torch.Tensor], ref
 
 # ------------------------------------------------------------------------------------ linear sweep
 
-SWEEP_SHAPES = {
+SWEEP_SHAPES: dict[str, list[tuple[Any, ...]]] = {
     # (label, out, in, weight layout, norm ("layer", "rms" or None), activation, residual[, gated: two weights of
     # `out` columns, the activation of the first times the second])
     "gpt2": [
@@ -203,6 +205,8 @@ SWEEP_SHAPES = {
     ],
 }
 """The projections of one decoder layer and the head, per `--model`."""
+SWEEP_LAYOUTS = {shape[0]: shape[3] for shapes in SWEEP_SHAPES.values() for shape in shapes}
+"""Each swept projection's weight layout in its model."""
 
 
 def _graph_time_us(fn: Callable[[int], Any], copies: int, launches: int = 24, reps: int = 10) -> float:
@@ -230,17 +234,20 @@ SWEEP_SIZE = 16
 
 
 def sweep_configs(out_f: int, in_f: int, k_contiguous: bool, rows: int = 1, size: int = SWEEP_SIZE,
-                  normed: bool = False, segments: int = 1) -> list[tuple[int, int, int, int, bool]]:
+                  normed: bool = False, segments: int = 1,
+                  sm_count: int | None = None) -> list[tuple[int, int, int, int, bool]]:
     """(BLOCK_N, BLOCK_K, SPLIT_K, num_warps, dot) tried by `--sweep` for one shape and row count, the default first,
-    for several rows the other path's default (CUDA cores or tensor cores, `launch.launch_config`) second, then
-    `size` others drawn (with a fixed seed) from the plausible ones (all of them when `size` is larger): tiles of
-    2-16K elements, at least 64 programs, at most 8 tiles a program, K split into whole non-empty shares, on
-    either path for several rows."""
+    for several rows the other path's default (CUDA cores or tensor cores, `launch.launch_config`) second, at one
+    row on nn.Linear weights every deep one-row launch (`deep_one_row_configs`) next, then `size` others drawn
+    (with a fixed seed) from the plausible ones (all of them when `size` is larger): tiles of 2-16K elements, at
+    least 64 programs, at most 8 tiles a program, K split into whole non-empty shares, on either path for several
+    rows. `sm_count`: the GPU's (None: device 0's)."""
     import random
 
     from tendril.generation.kernels import launch
 
-    sm_count = torch.cuda.get_device_properties(0).multi_processor_count
+    if sm_count is None:
+        sm_count = torch.cuda.get_device_properties(0).multi_processor_count
     columns = segments * out_f
     defaults = [launch.launch_config(columns, in_f, rows, k_contiguous=k_contiguous, sm_count=sm_count, normed=normed,
                                      matrices=segments)]
@@ -248,6 +255,8 @@ def sweep_configs(out_f: int, in_f: int, k_contiguous: bool, rows: int = 1, size
         defaults.append(launch.launch_config(columns, in_f, rows, k_contiguous=k_contiguous, sm_count=sm_count,
                                              normed=normed, dot=not defaults[0].dot, matrices=segments))
     chosen = [(d.block_n, d.block_k, d.split_k, d.num_warps, d.dot) for d in defaults]
+    if rows == 1 and k_contiguous:
+        chosen += [c for c in deep_one_row_configs(in_f, segments) if c not in chosen]
     pool = []
     for block_n, block_k, split_k, warps, dot in itertools.product((8, 16, 32, 64, 256), (64, 128, 256, 512),
                                                                   (1, 2, 3, 4, 6, 8, 12, 16), (4, 8), (False, True)):
@@ -260,6 +269,25 @@ def sweep_configs(out_f: int, in_f: int, k_contiguous: bool, rows: int = 1, size
             pool.append((block_n, block_k, split_k, warps, dot))
     random.Random(0).shuffle(pool)
     return [*chosen, *[c for c in pool if c not in chosen][:size]]
+
+
+def deep_one_row_configs(in_f: int, segments: int = 1) -> list[tuple[int, int, int, int, bool]]:
+    """The deep one-row launches around the default rule's (`launch._one_row_deep`): shares of one tile over all of
+    K or two of half of it, 1-16 columns wide, unsplit, holding at least 4K weight elements (tiles in flight, every
+    matrix counted) and at most `launch.ONE_ROW_TILE` at 4 warps (more spill), twice that at 8."""
+    import triton
+
+    from tendril.generation.kernels import launch
+
+    configs = []
+    top = triton.next_power_of_2(in_f)
+    for block_k in (top, top // 2):
+        held_tiles = min(triton.cdiv(in_f, block_k), launch.PREFETCHED_TILES) * segments
+        for block_n in (1, 2, 4, 8, 16):
+            for warps in (4, 8):
+                if 4096 <= block_n * block_k * held_tiles <= launch.ONE_ROW_TILE * warps // 4:
+                    configs.append((block_n, block_k, 1, warps, False))
+    return configs
 
 
 def _sweep_shape(label: str, out_f: int, in_f: int, layout: str, norm_kind: str | None, activation: str,
@@ -275,7 +303,8 @@ def _sweep_shape(label: str, out_f: int, in_f: int, layout: str, norm_kind: str 
         w = torch.randn(segments * out_f, in_f, device=device, dtype=dtype) * 0.02
         if layout == "conv1d":
             w = w.t().contiguous().t()  # an [out, in] view of an [in, out] tensor, like Conv1D's
-        bias = None if layout == "linear" else torch.randn(segments * out_f, device=device, dtype=dtype) * 0.02
+        bias = None if SWEEP_LAYOUTS[label] == "linear" else torch.randn(segments * out_f, device=device,
+                                                                            dtype=dtype) * 0.02
         stacked.append((w, bias))
         projections.append(Projection(w.split(out_f), (None,) * segments if bias is None else bias.split(out_f)))
     x = torch.randn(rows, in_f, device=device, dtype=dtype)
@@ -290,7 +319,7 @@ def _sweep_shape(label: str, out_f: int, in_f: int, layout: str, norm_kind: str 
     expected = linear.fused_linear(x, projections[0], norm=norm, activation=activation, addends=addends, gated=gated)
     element = torch.finfo(dtype).bits // 8
     moved = element * (segments * out_f * in_f + rows * in_f + rows * out_f * (1 + len(addends)))
-    entry: dict[str, Any] = {"shape": label, "rows": rows, "bytes_per_launch": moved,
+    entry: dict[str, Any] = {"shape": label, "layout": layout, "rows": rows, "bytes_per_launch": moved,
                              "cublas_us": _graph_time_us(cublas, copies), "configs": []}
     configs = sweep_configs(out_f, in_f, layout == "linear", rows, size, normed=norm is not None, segments=segments)
     for index, (block_n, block_k, split_k, warps, dot) in enumerate(configs):
@@ -313,11 +342,15 @@ def _sweep_shape(label: str, out_f: int, in_f: int, layout: str, norm_kind: str 
     return entry
 
 
-def sweep_linear(model: str = "gpt2", rows: int = 1, size: int = SWEEP_SIZE) -> list[dict[str, Any]]:
+def sweep_linear(model: str = "gpt2", rows: int = 1, size: int = SWEEP_SIZE,
+                 layout: str = "model") -> list[dict[str, Any]]:
+    """Every projection shape of `model` swept (`_sweep_shape`); `layout` "linear" holds every weight as nn.Linear
+    does (K contiguous), "model" as the model does."""
     dtype = torch.float16 if model == "gpt2" else torch.bfloat16
     results = []
-    for shape in SWEEP_SHAPES[model]:
-        entry = _sweep_shape(*shape, rows=rows, dtype=dtype, size=size)
+    for label, out_f, in_f, weight_layout, *rest in SWEEP_SHAPES[model]:
+        entry = _sweep_shape(label, out_f, in_f, weight_layout if layout == "model" else layout, *rest, rows=rows,
+                             dtype=dtype, size=size)
         results.append(entry)
         defaults = {("dot" if c["dot"] else "fma"): c.get("us") for c in entry["configs"]
                     if c["default"] or c["other_path_default"]}
@@ -366,6 +399,8 @@ def markdown(report: dict[str, Any]) -> str:
             best_us = best.get("us", float("nan"))
             moved = e.get("bytes_per_launch", float("nan"))
             shape = e["shape"] if e.get("rows", 1) == 1 else f"{e['shape']} ({e['rows']} rows)"
+            if e.get("layout") == "linear" and SWEEP_LAYOUTS.get(e["shape"]) == "conv1d":
+                shape += ", weights K-contiguous"
             lines.append(f"| {shape} | {moved / 1e6:.2f} | {e['cublas_us']:.2f} | {default:.2f} | "
                          f"{moved / default / 1e3:.0f} | {best_us:.2f} | {moved / best_us / 1e3:.0f} | "
                          f"n={best.get('block_n')} k={best.get('block_k')} split={best.get('split_k')} "
@@ -385,6 +420,8 @@ def main() -> None:
     parser.add_argument("--sweep", action="store_true", help="also sweep the fused linear kernel's block sizes")
     parser.add_argument("--sweep-size", type=int, default=SWEEP_SIZE,
                         help="launch configurations drawn per shape besides the defaults")
+    parser.add_argument("--sweep-layout", choices=("model", "linear"), default="model",
+                        help="linear: sweep every projection with its weights K-contiguous (nn.Linear's layout)")
     parser.add_argument("--model", choices=sorted(MODELS), default="gpt2")
     parser.add_argument("--beams", type=int, default=1, help="beam search with this many beams (1: greedy)")
     args = parser.parse_args()
@@ -412,7 +449,7 @@ def main() -> None:
         print(json.dumps({k: v for k, v in result.items() if k != "step"}), flush=True)
         (args.out / "profile_generation.json").write_text(json.dumps(report, indent=1))
     if args.sweep:
-        report["sweep"] = sweep_linear(args.model, args.beams, args.sweep_size)
+        report["sweep"] = sweep_linear(args.model, args.beams, args.sweep_size, args.sweep_layout)
     (args.out / "profile_generation.json").write_text(json.dumps(report, indent=1))
     (args.out / "profile_generation.md").write_text(markdown(report))
     print(markdown(report))

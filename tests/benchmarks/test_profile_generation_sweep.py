@@ -1,0 +1,51 @@
+"""The CPU-runnable parts of `profile_generation --sweep`: which launches it tries per projection, and how its report
+names a projection swept with weights in another layout than its model's."""
+
+from __future__ import annotations
+
+import pytest
+import triton
+
+from benchmarks.tools import profile_generation as tool
+from tendril.generation.kernels import launch
+
+
+def _held(config: tuple[int, int, int, int, bool], in_f: int, segments: int) -> int:
+    block_n, block_k, split_k, _, _ = config
+    share = -(-triton.cdiv(in_f, block_k) // split_k)
+    return block_n * block_k * segments * min(share, launch.PREFETCHED_TILES)
+
+
+@pytest.mark.parametrize("shape", tool.SWEEP_SHAPES["llama1b"] + tool.SWEEP_SHAPES["gpt2"], ids=lambda s: s[0])
+@pytest.mark.parametrize("layout", ["model", "linear"])
+def test_one_row_sweeps_try_the_default_first_and_every_deep_launch_on_contiguous_weights(shape, layout):
+    _, out_f, in_f, weight_layout, norm_kind, *_ = shape
+    k_contiguous = (weight_layout if layout == "model" else layout) == "linear"
+    segments = 2 if len(shape) > 7 and shape[7] else 1
+    configs = tool.sweep_configs(out_f, in_f, k_contiguous, rows=1, size=0, normed=norm_kind is not None,
+                                 segments=segments, sm_count=132)
+    default = launch.launch_config(segments * out_f, in_f, 1, k_contiguous=k_contiguous, normed=norm_kind is not None,
+                                   matrices=segments, sm_count=132)
+    assert configs[0] == (default.block_n, default.block_k, default.split_k, default.num_warps, default.dot)
+    if not k_contiguous:  # Conv1D weights: no deep tiles (and no draws from the pool at size 0)
+        assert configs == configs[:1]
+        return
+    deep = configs[1:]
+    assert deep == [c for c in tool.deep_one_row_configs(in_f, segments) if c != configs[0]]
+    assert {c[3] for c in deep} == {4, 8} and {c[1] for c in deep} == {triton.next_power_of_2(in_f) // d
+                                                                        for d in (1, 2)}
+    for config in deep:
+        assert config[2] == 1 and 4096 <= _held(config, in_f, segments) <= launch.ONE_ROW_TILE * config[3] // 4
+    assert len(tool.sweep_configs(out_f, in_f, True, rows=1, size=4, segments=segments, sm_count=132)) == (
+        len(configs) + 4)  # the drawn ones come after, none repeated
+
+
+def test_a_projection_swept_in_another_layout_says_so():
+    entry = {"shape": "ln_1+c_attn", "layout": "linear", "rows": 1, "bytes_per_launch": 3.5e6, "cublas_us": 4.0,
+             "configs": [{"default": True, "us": 3.0}],
+             "best": {"us": 2.5, "block_n": 4, "block_k": 1024, "split_k": 1, "warps": 4, "dot": False}}
+    report = {"device": "d", "torch": "t", "model": "gpt2", "new_tokens": 1, "prompt_len": 1, "variants": [],
+              "sweep": [entry, {**entry, "shape": "ln_f+lm_head"}]}
+    text = tool.markdown(report)
+    assert "| ln_1+c_attn, weights K-contiguous | 3.50 |" in text
+    assert "| ln_f+lm_head | 3.50 |" in text  # nn.Linear in the model already
