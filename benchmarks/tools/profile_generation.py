@@ -282,10 +282,9 @@ def deep_one_row_configs(in_f: int, segments: int = 1) -> list[tuple[int, int, i
     configs = []
     top = triton.next_power_of_2(in_f)
     for block_k in (top, top // 2):
-        held_tiles = min(triton.cdiv(in_f, block_k), launch.PREFETCHED_TILES) * segments
         for block_n in (1, 2, 4, 8, 16):
             for warps in (4, 8):
-                if 4096 <= block_n * block_k * held_tiles <= launch.ONE_ROW_TILE * warps // 4:
+                if 4096 <= launch.one_row_held(block_n, block_k, in_f, segments) <= launch.ONE_ROW_TILE * warps // 4:
                     configs.append((block_n, block_k, 1, warps, False))
     return configs
 

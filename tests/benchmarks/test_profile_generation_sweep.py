@@ -10,12 +10,6 @@ from benchmarks.tools import profile_generation as tool
 from tendril.generation.kernels import launch
 
 
-def _held(config: tuple[int, int, int, int, bool], in_f: int, segments: int) -> int:
-    block_n, block_k, split_k, _, _ = config
-    share = -(-triton.cdiv(in_f, block_k) // split_k)
-    return block_n * block_k * segments * min(share, launch.PREFETCHED_TILES)
-
-
 @pytest.mark.parametrize("shape", tool.SWEEP_SHAPES["llama1b"] + tool.SWEEP_SHAPES["gpt2"], ids=lambda s: s[0])
 @pytest.mark.parametrize("layout", ["model", "linear"])
 def test_one_row_sweeps_try_the_default_first_and_every_deep_launch_on_contiguous_weights(shape, layout):
@@ -35,7 +29,8 @@ def test_one_row_sweeps_try_the_default_first_and_every_deep_launch_on_contiguou
     assert {c[3] for c in deep} == {4, 8} and {c[1] for c in deep} == {triton.next_power_of_2(in_f) // d
                                                                         for d in (1, 2)}
     for config in deep:
-        assert config[2] == 1 and 4096 <= _held(config, in_f, segments) <= launch.ONE_ROW_TILE * config[3] // 4
+        held = launch.one_row_held(config[0], config[1], in_f, segments, config[2])
+        assert config[2] == 1 and 4096 <= held <= launch.ONE_ROW_TILE * config[3] // 4
     assert len(tool.sweep_configs(out_f, in_f, True, rows=1, size=4, segments=segments, sm_count=132)) == (
         len(configs) + 4)  # the drawn ones come after, none repeated
 

@@ -97,12 +97,21 @@ def test_deep_one_row_launches_hold_at_most_one_row_tile_and_split_k_only_to_fil
                 k_tiles = -(-in_features // config.block_k)
                 share = -(-k_tiles // config.split_k)
                 assert config.block_k >= min(triton.next_power_of_2(in_features), launch.ONE_ROW_DEPTH) // 2, config
-                held = config.block_n * config.block_k * matrices * min(share, launch.PREFETCHED_TILES)
+                held = launch.one_row_held(config.block_n, config.block_k, in_features, matrices, config.split_k)
                 assert held <= launch.ONE_ROW_TILE or config.block_n == 1, config
                 assert 1 <= config.split_k <= k_tiles, config
                 if config.split_k > 1:  # split only while the SMs are not filled, and into non-empty shares
                     assert blocks < 132 and blocks * (config.split_k - 1) < 132, config
                     assert (config.split_k - 1) * share < k_tiles, config
+
+
+def test_one_row_programs_hold_their_shares_first_two_tiles_of_every_matrix():
+    assert launch.one_row_held(8, 2048, 2048) == 8 * 2048  # one tile: all of K
+    assert launch.one_row_held(8, 1024, 2048) == 2 * 8 * 1024  # two tiles, both in flight
+    assert launch.one_row_held(2, 4096, 16384) == 2 * 2 * 4096  # four tiles, two in flight
+    assert launch.one_row_held(4, 2048, 2048, matrices=2) == 2 * 4 * 2048  # a gated projection's two matrices
+    assert launch.one_row_held(8, 1024, 4096, split_k=4) == 8 * 1024  # a split share of one tile
+    assert launch.one_row_held(8, 1024, 3000, split_k=2) == 2 * 8 * 1024  # shares of two tiles, the last shorter
 
 
 def test_tensor_core_blocks_are_at_least_16_each_way():

@@ -188,6 +188,13 @@ def launch_config(
                         dot=dot)
 
 
+def one_row_held(block_n: int, block_k: int, in_features: int, matrices: int = 1, split_k: int = 1) -> int:
+    """Weight elements a one-row program of this launch holds in registers at once, what `ONE_ROW_TILE` bounds: its
+    share's tiles in flight (the first `PREFETCHED_TILES` at most), of every matrix it reads."""
+    share = triton.cdiv(triton.cdiv(in_features, block_k), split_k)
+    return block_n * block_k * matrices * min(share, PREFETCHED_TILES)
+
+
 def _one_row_deep(columns: int, in_features: int, k_contiguous: bool, sm_count: int,
                   matrices: int) -> LaunchConfig | None:
     """The deep-tile launch of a one-row 16-bit projection (`launch_config`), or None for Conv1D weights: shares of
@@ -199,8 +206,8 @@ def _one_row_deep(columns: int, in_features: int, k_contiguous: bool, sm_count: 
     block_k = min(triton.next_power_of_2(in_features), ONE_ROW_DEPTH)
 
     def width(depth: int) -> int:  # the widest block whose tiles in flight fit ONE_ROW_TILE
-        held = min(triton.cdiv(in_features, depth), PREFETCHED_TILES) * matrices
-        return min(max(_pow2_at_most(ONE_ROW_TILE // (depth * held)), 1), triton.next_power_of_2(per_matrix))
+        column = one_row_held(1, depth, in_features, matrices)
+        return min(max(_pow2_at_most(ONE_ROW_TILE // column), 1), triton.next_power_of_2(per_matrix))
 
     block_n = width(block_k)
     if triton.cdiv(per_matrix, block_n) > ONE_ROW_PROGRAMS_PER_SM * sm_count and block_k > 1:
