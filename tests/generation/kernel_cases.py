@@ -86,30 +86,31 @@ def check_linear(dtype: torch.dtype, device: str, rows: int = 3, launches=LAUNCH
 
 def check_argmax(device: str) -> int:
     """The tokens `argmax_kernel.greedy_choice` picks equal `torch.argmax` on rows with ties, -inf rows, a NaN, one
-    element, and rows longer than one chunk (the interpreter checks short rows; the GPU also a GPT-2 and a 150k
-    vocabulary)."""
+    element, and rows of one chunk and of many (the interpreter checks short rows, also cut into chunks of 16; the
+    GPU also a GPT-2 and a 150k vocabulary)."""
     torch.manual_seed(2)
-    sizes = (1, 7, 1000) + ((50257, argmax_kernel.MAX_BLOCK + 3, 151_936) if device != "cpu" else ())
+    sizes = (1, 7, 1000) + ((50257, argmax_kernel.CHUNK + 3, 151_936) if device != "cpu" else ())
     step = torch.zeros((), dtype=torch.long, device=device)
     sequences = torch.zeros(3, 4, dtype=torch.long, device=device)
     unfinished = torch.ones(3, dtype=torch.bool, device=device)
     no_eos = torch.zeros(0, dtype=torch.long, device=device)
 
-    def tokens(scores: torch.Tensor) -> torch.Tensor:
-        return argmax_kernel.greedy_choice(scores, step, sequences, unfinished, no_eos, 0, 1)[3]
+    def tokens(scores: torch.Tensor, chunk: int | None) -> torch.Tensor:
+        return argmax_kernel.greedy_choice(scores, step, sequences, unfinished, no_eos, 0, 1, chunk=chunk)[3]
 
     checked = 0
     for columns in sizes:
         for dtype in (torch.float32, torch.float16, torch.bfloat16):
-            scores = torch.randn(3, columns, device=device).to(dtype)
-            scores[1] = scores[1].round()  # many ties: the first index wins
-            scores[2, : columns // 2] = float("-inf")
-            if columns > 1:
-                scores[0, columns // 3] = float("nan")
-            assert torch.equal(tokens(scores), scores.argmax(-1)), (columns, dtype)
-            assert torch.equal(tokens(torch.full_like(scores, float("-inf"))),
-                               torch.zeros(3, dtype=torch.long, device=device))
-            checked += 1
+            for chunk in (None, 16):
+                scores = torch.randn(3, columns, device=device).to(dtype)
+                scores[1] = scores[1].round()  # many ties, in several chunks: the first index wins
+                scores[2, : columns // 2] = float("-inf")  # whole chunks of -inf
+                if columns > 1:
+                    scores[0, columns // 3] = float("nan")
+                assert torch.equal(tokens(scores, chunk), scores.argmax(-1)), (columns, dtype, chunk)
+                assert torch.equal(tokens(torch.full_like(scores, float("-inf")), chunk),
+                                   torch.zeros(3, dtype=torch.long, device=device))
+                checked += 1
     return checked
 
 

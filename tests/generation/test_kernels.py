@@ -204,9 +204,10 @@ def test_decode_kernels_compile_for_hopper():
         q4, k4, v4, beams, beams.clone(), torch.ones(4, 144, dtype=torch.bool), torch.zeros(1, dtype=torch.long),
         0.125, source_rows=torch.zeros(4, 144, dtype=torch.int32), pdl=True)) == 1
     for eos in (torch.tensor([50256]), torch.zeros(0, dtype=torch.long)):  # with and without the eos test
-        assert hopper_compile(argmax_kernel._greedy_kernel, lambda eos=eos: argmax_kernel.greedy_choice(
-            torch.zeros(1, 50257), torch.zeros((), dtype=torch.long), torch.zeros(1, 144, dtype=torch.long),
-            torch.ones(1, dtype=torch.bool), eos, 50256, 16, pdl=True)) == 1
+        assert hopper_compile(argmax_kernel._greedy_kernel, lambda eos=eos: hopper_compile(
+            argmax_kernel._chunk_argmax_kernel, lambda: argmax_kernel.greedy_choice(
+                torch.zeros(1, 50257), torch.zeros((), dtype=torch.long), torch.zeros(1, 144, dtype=torch.long),
+                torch.ones(1, dtype=torch.bool), eos, 50256, 16, pdl=True))) == 1
 
 
 def test_bf16_llama_kernels_compile_for_hopper():

@@ -65,7 +65,7 @@ def greedy_choice(
     prompt_len: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """A greedy (or Gumbel-max sampling) step's choice from its final scores: `(step + 1, sequences with the
-    tokens written, unfinished after the eos test, tokens)`; one Triton kernel on CUDA (`argmax_kernel.py`),
+    tokens written, unfinished after the eos test, tokens)`; two Triton kernels on CUDA (`argmax_kernel.py`),
     `reference.greedy_choice` elsewhere."""
     if _use_triton(scores) and scores.dim() == 2 and scores.stride(1) == 1 and sequences.is_contiguous():
         from tendril.generation.kernels import argmax_kernel
