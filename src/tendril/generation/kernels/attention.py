@@ -10,8 +10,12 @@ blocks of `BLOCK_S`, seeded with its own key. The slot is read on the device: th
 written so far, and one compiled kernel serves every step. A block's keys, values and validity flags load
 at once (the flags mask the scores and values afterwards, not the loads), and by default a block is the
 whole cache up to `MAX_BLOCK_S` slots: one memory round trip per step for GPT-2. Under programmatic
-dependent launch (`pdl.py`) the kernel starts during the projection before it and waits for it first
-thing: everything it reads is written in the step.
+dependent launch (`pdl.py`) the kernel starts during the projection before it, and before waiting for it loads
+what was written before the step's last PyTorch kernel: the slot index (the positions and embeddings are
+computed from it afterwards) and the first block of earlier slots with their flags and row table (earlier steps
+wrote those; this step writes only the slot at `slot`, which the block excludes). After the wait it loads the
+projection's q, k and v with the rotary embedding's cos and sin, so a cache of up to a block costs one memory
+round trip after the wait.
 
 The kernel is compiled with `enable_fp_fusion=False`: in float32 the compiler would otherwise contract the
 rotary embedding's `x * cos + rotate(x) * sin` into a fused multiply-add, one rounding where HF's eager ops
@@ -70,18 +74,26 @@ def _decode_attention_kernel(
     INDIRECT: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    if PDL:  # nothing here is constant during a step: start early, then wait for the previous kernel
-        tl.extra.cuda.gdc_launch_dependents()
-        tl.extra.cuda.gdc_wait()
     row = tl.program_id(0)
     head = tl.program_id(1)
     kv_head = head // GROUP
     DTYPE = out_ptr.dtype.element_ty
     CACHE_DTYPE = keys_ptr.dtype.element_ty
-    slot = tl.load(slot_ptr)
-
     d = tl.arange(0, BLOCK_D)  # [BLOCK_D]
     d_mask = d < HEAD_DIM
+    cache_row = row * stride_cr + kv_head * stride_ch
+
+    # before the wait, what was written before the step's last PyTorch kernel (module docstring): the slot and
+    # the first block of earlier slots with their flags (and row table)
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+    slot = tl.load(slot_ptr)
+    valid, keys, values = _earlier_slots(keys_ptr, values_ptr, stride_cr, stride_ch, stride_cs, valid_ptr,
+                                         stride_valid, table_ptr, stride_table, row, kv_head, cache_row, slot, 0,
+                                         d, d_mask, BLOCK_S, INDIRECT)
+    if PDL:
+        tl.extra.cuda.gdc_wait()  # q, k and v are the projection's; cos and sin may be the last PyTorch kernel's
+
     q_base = q_ptr + row * stride_qm + head * HEAD_DIM
     k_base = k_ptr + row * stride_km + kv_head * HEAD_DIM
     q = tl.load(q_base + d, mask=d_mask, other=0.0).to(tl.float32)
@@ -89,6 +101,8 @@ def _decode_attention_kernel(
     v_new = tl.load(v_ptr + row * stride_vm + kv_head * HEAD_DIM + d, mask=d_mask, other=0.0).to(tl.float32)
     if ROTARY != 0:
         r_mask = d < ROTARY_DIM
+        cos = tl.load(cos_ptr + row * stride_tm + d, mask=r_mask, other=1.0).to(tl.float32)
+        sin = tl.load(sin_ptr + row * stride_tm + d, mask=r_mask, other=0.0).to(tl.float32)
         if ROTARY == 1:  # rotate_half: pairs (i, i + R/2)
             first_half = d < ROTARY_DIM // 2
             partner = tl.where(first_half, d + ROTARY_DIM // 2, d - ROTARY_DIM // 2)
@@ -96,8 +110,6 @@ def _decode_attention_kernel(
         else:  # rotate_every_two: pairs (2i, 2i + 1)
             partner = d ^ 1
             sign = tl.where(d % 2 == 0, -1.0, 1.0)
-        cos = tl.load(cos_ptr + row * stride_tm + d, mask=r_mask, other=1.0).to(tl.float32)
-        sin = tl.load(sin_ptr + row * stride_tm + d, mask=r_mask, other=0.0).to(tl.float32)
         # HF's x * cos + rotate(x) * sin, each product and the sum rounded to DTYPE (inline: the interpreter
         # re-patches triton.language on every nested jit call)
         q_other = tl.load(q_base + partner, mask=r_mask, other=0.0).to(tl.float32) * sign
@@ -109,38 +121,58 @@ def _decode_attention_kernel(
     k_new = k_new.to(CACHE_DTYPE).to(tl.float32)
     v_new = v_new.to(CACHE_DTYPE).to(tl.float32)
 
-    cache_row = row * stride_cr + kv_head * stride_ch
     if head % GROUP == 0:
         tl.store(keys_ptr + cache_row + slot * stride_cs + d, k_new.to(CACHE_DTYPE), mask=d_mask)
         tl.store(values_ptr + cache_row + slot * stride_cs + d, v_new.to(CACHE_DTYPE), mask=d_mask)
 
-    # online softmax, seeded with the query's own key (always visible, so every running max is finite)
+    # online softmax, seeded with the query's own key (always visible, so every running max is finite), over the
+    # first block (loaded above), then over the later ones (caches longer than a block) as they load
     m = tl.sum(q * k_new, axis=0) * scale
     denominator = m * 0.0 + 1.0
     acc = v_new
-    for start in range(0, slot, BLOCK_S):
-        s = start + tl.arange(0, BLOCK_S)  # [BLOCK_S]
-        # the flags, keys and values load independently (masking the cache reads by `valid` would wait for
-        # it); with a row table the keys and values wait for the table's entries, loaded alongside the flags
-        valid = tl.load(valid_ptr + row * stride_valid + s, mask=s < slot, other=0) != 0
-        if INDIRECT:  # each slot from the row its table entry names
-            source = tl.load(table_ptr + row * stride_table + s, mask=s < slot, other=0).to(tl.int64)
-            slot_rows = source * stride_cr + kv_head * stride_ch + s * stride_cs  # [BLOCK_S]
-        else:
-            slot_rows = cache_row + s * stride_cs
-        offsets = slot_rows[:, None] + d[None, :]  # [BLOCK_S, BLOCK_D]
-        tile_mask = (s < slot)[:, None] & d_mask[None, :]
-        keys = tl.load(keys_ptr + offsets, mask=tile_mask, other=0.0).to(tl.float32)
-        values = tl.load(values_ptr + offsets, mask=tile_mask, other=0.0).to(tl.float32)
-        scores = tl.where(valid, tl.sum(keys * q[None, :], axis=1) * scale, float("-inf"))
-        m_new = tl.maximum(m, tl.max(scores, axis=0))
-        alpha = tl.exp(m - m_new)
-        p = tl.exp(scores - m_new)  # [BLOCK_S]
-        values = tl.where(valid[:, None], values, 0.0)  # a slot never written may hold anything
-        acc = acc * alpha + tl.sum(p[:, None] * values, axis=0)
-        denominator = denominator * alpha + tl.sum(p, axis=0)
-        m = m_new
+    m, acc, denominator = _softmax_block(q, valid, keys, values, scale, m, acc, denominator)
+    for start in range(BLOCK_S, slot, BLOCK_S):
+        valid, keys, values = _earlier_slots(keys_ptr, values_ptr, stride_cr, stride_ch, stride_cs, valid_ptr,
+                                             stride_valid, table_ptr, stride_table, row, kv_head, cache_row, slot,
+                                             start, d, d_mask, BLOCK_S, INDIRECT)
+        m, acc, denominator = _softmax_block(q, valid, keys, values, scale, m, acc, denominator)
     tl.store(out_ptr + row * stride_om + head * HEAD_DIM + d, (acc / denominator).to(DTYPE), mask=d_mask)
+
+
+@triton.jit
+def _earlier_slots(keys_ptr, values_ptr, stride_cr, stride_ch, stride_cs, valid_ptr, stride_valid, table_ptr,
+                   stride_table, row, kv_head, cache_row, slot, start, d, d_mask, BLOCK_S: tl.constexpr,
+                   INDIRECT: tl.constexpr):
+    """The validity flags, keys and values (float32) of slots [start, start + BLOCK_S) before `slot`.
+
+    The flags, keys and values load independently (masking the cache reads by the flags would wait for them);
+    with a row table the keys and values wait for the table's entries, loaded alongside the flags. Slots at
+    or past `slot` are not read."""
+    s = start + tl.arange(0, BLOCK_S)  # [BLOCK_S]
+    valid = tl.load(valid_ptr + row * stride_valid + s, mask=s < slot, other=0) != 0
+    if INDIRECT:  # each slot from the row its table entry names
+        source = tl.load(table_ptr + row * stride_table + s, mask=s < slot, other=0).to(tl.int64)
+        slot_rows = source * stride_cr + kv_head * stride_ch + s * stride_cs  # [BLOCK_S]
+    else:
+        slot_rows = cache_row + s * stride_cs
+    offsets = slot_rows[:, None] + d[None, :]  # [BLOCK_S, BLOCK_D]
+    tile_mask = (s < slot)[:, None] & d_mask[None, :]
+    keys = tl.load(keys_ptr + offsets, mask=tile_mask, other=0.0).to(tl.float32)
+    values = tl.load(values_ptr + offsets, mask=tile_mask, other=0.0).to(tl.float32)
+    return valid, keys, values
+
+
+@triton.jit
+def _softmax_block(q, valid, keys, values, scale, m, acc, denominator):
+    """The online softmax's running max `m`, weighted sum `acc` and `denominator` after one block of slots."""
+    scores = tl.where(valid, tl.sum(keys * q[None, :], axis=1) * scale, float("-inf"))
+    m_new = tl.maximum(m, tl.max(scores, axis=0))
+    alpha = tl.exp(m - m_new)
+    p = tl.exp(scores - m_new)  # [BLOCK_S]
+    values = tl.where(valid[:, None], values, 0.0)  # a slot never written may hold anything
+    acc = acc * alpha + tl.sum(p[:, None] * values, axis=0)
+    denominator = denominator * alpha + tl.sum(p, axis=0)
+    return m_new, acc, denominator
 
 
 INTERPRETED = not isinstance(_decode_attention_kernel, triton.runtime.JITFunction)

@@ -9,9 +9,14 @@ projection's first weight tile) and block in `gdc_wait` until the previous kerne
 writes are visible; everything else, including every store, comes after the wait. Waiting is
 transitive (a kernel finishes only after its own wait), so after `gdc_wait` all earlier kernels are done.
 
-The rule that keeps it correct: before `gdc_wait` a kernel reads only tensors that stay constant while
-the step runs (weights, biases, norm gains) and writes nothing. CUDA graph capture records the launches
-as programmatic edges, so replays keep the overlap.
+The rule that keeps it correct: before `gdc_wait` a kernel writes nothing, and reads only tensors that stay
+constant while the step runs (weights, biases, norm gains) or that were written before the step's last PyTorch
+kernel started. Every decode step begins with PyTorch kernels (the slot and position arithmetic, the
+embedding), launched without PDL: each starts only when every kernel before it has finished and its writes are
+visible, and every kernel after the last of them starts after it has started. What that last kernel writes,
+and what any kernel of the step's PDL chain writes, may be read only after the wait. Attention reads this way
+the cache slots earlier steps wrote and the slot index (`attention.py`). CUDA graph capture records the
+launches as programmatic edges, so replays keep the overlap.
 
 `enabled(device)` says whether the kernels launch this way: on CUDA devices of compute capability 9.0 or
 later, unless `tendril.settings.pdl` is off (`TENDRIL_PDL=0`, for comparisons); `resolve` is what each launch
