@@ -81,3 +81,25 @@ def test_gpt2_scale_is_derived_from_the_config_where_hf_has_no_scaling_attribute
         del block.attn.scaling
     assert [arch._scale(layer) for layer in range(2)] == pytest.approx([(16**-0.5), (16**-0.5) / 2])
     assert from_hf == pytest.approx([16**-0.5, 16**-0.5])  # HF computed its scaling when the model was built
+
+
+@pytest.mark.parametrize("rope", [None, {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                         "high_freq_factor": 4.0, "original_max_position_embeddings": 16}])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_the_rotary_table_holds_what_the_model_computes_per_step(rope, dtype):
+    from tendril.generation.architectures.llama import RotaryTable
+
+    model = tiny_model("llama")
+    if rope is not None:
+        config = model.config
+        config.rope_parameters = {**rope, "rope_theta": 10000.0}
+        model = transformers.LlamaForCausalLM(config).eval()
+    rotary_emb = model.model.rotary_emb
+    table = RotaryTable(rotary_emb)
+    x = torch.zeros(3, 1, 64, dtype=dtype)
+    for length in (9, 5, 30):  # grows for a longer cache, serves a shorter one from the longer table
+        positions = torch.randint(0, length, (3, 1))
+        cos, sin = table(x, positions, length)
+        expected_cos, expected_sin = rotary_emb(x, positions)
+        assert cos.dtype == dtype and torch.equal(cos, expected_cos[:, 0]) and torch.equal(sin, expected_sin[:, 0])
+    assert table.table is not None and table.table.shape[0] == 30

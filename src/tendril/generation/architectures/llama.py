@@ -1,9 +1,10 @@
 """The Llama family (Llama, Mistral, Qwen2): RoPE, RMSNorm, grouped-query attention, gated MLP.
 
 Rotary embeddings come from the model's own `rotary_emb` module and its modeling module's
-`apply_rotary_pos_emb`, so each family member keeps its exact numerics. The fused step takes cos/sin
-from the same `rotary_emb` and rotates inside the attention kernel (with HF's fp16 roundings); five
-kernels a layer: RMSNorm + q/k/v, attention, o_proj + residual, RMSNorm + gate/up + act * up, down + residual.
+`apply_rotary_pos_emb`, so each family member keeps its exact numerics. The fused step gathers cos/sin
+from a table the same `rotary_emb` computes once (`RotaryTable`) and rotates inside the attention kernel (with
+HF's fp16 roundings); five kernels a layer: RMSNorm + q/k/v, attention, o_proj + residual, RMSNorm + gate/up +
+act * up, down + residual.
 """
 
 from __future__ import annotations
@@ -51,6 +52,33 @@ class Unsharded:
 
 _STATIC_ROPE = {"default", "linear", "llama3", "yarn"}
 """RoPE types whose frequencies do not depend on the sequence length (no host decision per step)."""
+
+
+class RotaryTable:
+    """The fused step's cos and sin: rows of a table over a cache's positions, gathered in one kernel a step.
+
+    The model's `rotary_emb` computes them from the positions in about eight kernels, each a launch the step
+    waits for. Its operations are elementwise per position (each angle is one float32 product), and a static RoPE
+    (`_STATIC_ROPE`) does not depend on the length, so the table it computes once for positions
+    `0..length - 1` holds, row for row, what it computes per step. The table is built outside a CUDA graph
+    capture (the decode loop runs its step once before capturing it) and kept for the longest cache seen."""
+
+    def __init__(self, rotary_emb: torch.nn.Module) -> None:
+        self.rotary_emb = rotary_emb
+        self.table: torch.Tensor | None = None
+        """[positions, 2, head_dim]: cos then sin, in the activations' dtype."""
+
+    def __call__(self, x: torch.Tensor, positions: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin [rows, head_dim] for `positions` ([rows, 1] long, each below `length`), in `x`'s dtype."""
+        table = self.table
+        if table is None or table.shape[0] < length or table.dtype != x.dtype or table.device != x.device:
+            if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+                raise RuntimeError(f"the fused step's rotary table for {length} positions is built outside a "
+                                   f"CUDA graph capture: run the step once before capturing it")
+            cos, sin = self.rotary_emb(x, torch.arange(length, device=x.device)[None])
+            table = self.table = torch.stack([cos[0], sin[0]], dim=1)
+        rows = table.index_select(0, positions.reshape(-1))
+        return rows[:, 0], rows[:, 1]
 
 
 @register
@@ -132,14 +160,14 @@ class Llama(DecoderArchitecture):
         activation, layers, final_norm, head = self.fused_weights()
         base = self.model.model
         parallel = self.parallel
+        rotary_table = RotaryTable(base.rotary_emb)
 
         def forward(
             tokens: torch.Tensor, positions: torch.Tensor, query_slots: torch.Tensor, cache: StaticKVCache
         ) -> torch.Tensor:
             one_token(tokens)
             hidden = base.embed_tokens(tokens)
-            cos, sin = base.rotary_emb(hidden, positions)
-            rotary = ("half", cos[:, 0], sin[:, 0])
+            rotary = ("half", *rotary_table(hidden, positions, cache.max_len))
             hidden = hidden[:, 0]
             for index, (norm_1, qkv, attn_out, norm_2, gate_up, down, scale) in enumerate(layers):
                 query, key, value = fused_linear(hidden, qkv, norm=norm_1).split(qkv.out_sizes, dim=1)
