@@ -60,23 +60,26 @@ class RotaryTable:
     The model's `rotary_emb` computes them from the positions in about eight kernels, each a launch the step
     waits for. Its operations are elementwise per position (each angle is one float32 product), and a static RoPE
     (`_STATIC_ROPE`) does not depend on the length, so the table it computes once for positions
-    `0..length - 1` holds, row for row, what it computes per step. The table is built outside a CUDA graph
-    capture (the decode loop runs its step once before capturing it) and kept for the longest cache seen."""
+    `0..length - 1` holds, row for row, what it computes per step. Tables are built outside a CUDA graph capture
+    (the decode loop runs its step once before capturing it) and never freed: a graph captured with one keeps
+    reading it, so a longer cache adds a table instead of replacing one."""
 
     def __init__(self, rotary_emb: torch.nn.Module) -> None:
         self.rotary_emb = rotary_emb
-        self.table: torch.Tensor | None = None
-        """[positions, 2, head_dim]: cos then sin, in the activations' dtype."""
+        self.tables: list[torch.Tensor] = []
+        """Every table built, [positions, 2, head_dim] each: cos then sin, in the activations' dtype."""
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin [rows, head_dim] for `positions` ([rows, 1] long, each below `length`), in `x`'s dtype."""
-        table = self.table
-        if table is None or table.shape[0] < length or table.dtype != x.dtype or table.device != x.device:
+        table = next((t for t in self.tables if t.shape[0] >= length and t.dtype == x.dtype and t.device == x.device),
+                     None)
+        if table is None:
             if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
                 raise RuntimeError(f"the fused step's rotary table for {length} positions is built outside a "
                                    f"CUDA graph capture: run the step once before capturing it")
             cos, sin = self.rotary_emb(x, torch.arange(length, device=x.device)[None])
-            table = self.table = torch.stack([cos[0], sin[0]], dim=1)
+            table = torch.stack([cos[0], sin[0]], dim=1)
+            self.tables.append(table)
         rows = table.index_select(0, positions.reshape(-1))
         return rows[:, 0], rows[:, 1]
 
