@@ -167,6 +167,18 @@ def test_fused_fp16_greedy_matches_hf(family):
     assert torch.equal(got, expected)
 
 
+def test_fused_llama_replays_a_shorter_loop_after_a_longer_one():
+    """A longer cache gives the fused step another rotary table; the graph captured for the shorter loop goes on
+    reading its own (were it freed, its memory could hold anything by the replay). In float32, where the fused
+    step's tokens equal HF's."""
+    model = tiny_model("llama", device="cuda")
+    ids, mask = left_padded([6, 4], device="cuda")
+    for new_tokens in (NEW, 3 * NEW, NEW, 3 * NEW):  # captured, captured, replayed, replayed
+        expected = hf_generate(model, ids, mask, None, max_new_tokens=new_tokens)
+        got = generate(model, ids, mask, max_new_tokens=new_tokens, eos_token_id=[], pad_token_id=0, step="fused")
+        assert torch.equal(got, expected), new_tokens
+
+
 @pytest.mark.parametrize("family", ["gpt2", "llama", "qwen2"])
 def test_fused_bf16_greedy_is_hf_up_to_near_ties(family):
     """bf16 through the fused step, graphed: HF's tokens, or tokens HF itself (teacher-forced) scores within
