@@ -57,8 +57,8 @@ def test_a_decode_step_reaches_its_pdl_chain_through_pytorch_kernels(family, num
         pdl = int(data.type) != 0 or int(data.from_port) != 0
         programmatic_into[int(target)] = programmatic_into.get(int(target), False) or pdl
     order = [node for node in names if names[node] is not None]  # kernels, in capture order
-    attention = [node for node in order if "_decode_attention_kernel" in names[node]]
-    assert len(attention) == 2 and all(programmatic_into.get(node) for node in attention), (
+    attention_nodes = [node for node in order if "_decode_attention_kernel" in names[node]]
+    assert len(attention_nodes) == 2 and all(programmatic_into.get(node) for node in attention_nodes), (
         "attention must run in the PDL chain for this test to check anything")
     first_pdl = next(index for index, node in enumerate(order) if programmatic_into.get(node))
     leading = order[:first_pdl]
