@@ -188,11 +188,15 @@ def launch_config(
                         dot=dot)
 
 
+def share_tiles(in_features: int, block_k: int, split_k: int) -> int:
+    """Tiles of K in a program's share (the last share may be shorter): what the kernel's loop walks."""
+    return triton.cdiv(triton.cdiv(in_features, block_k), split_k)
+
+
 def one_row_held(block_n: int, block_k: int, in_features: int, matrices: int = 1, split_k: int = 1) -> int:
     """Weight elements a one-row program of this launch holds in registers at once, what `ONE_ROW_TILE` bounds: its
     share's tiles in flight (the first `PREFETCHED_TILES` at most), of every matrix it reads."""
-    share = triton.cdiv(triton.cdiv(in_features, block_k), split_k)
-    return block_n * block_k * matrices * min(share, PREFETCHED_TILES)
+    return block_n * block_k * matrices * min(share_tiles(in_features, block_k, split_k), PREFETCHED_TILES)
 
 
 def _one_row_deep(columns: int, in_features: int, k_contiguous: bool, sm_count: int,

@@ -52,7 +52,7 @@ import triton
 import triton.language as tl
 
 from tendril.generation.kernels import pdl as programmatic
-from tendril.generation.kernels.launch import DOT_MIN, launch_config
+from tendril.generation.kernels.launch import DOT_MIN, launch_config, share_tiles
 from tendril.generation.kernels.layers import ACTIVATIONS, SPLIT_K_LOCKS, Norm, Projection
 
 _NORMS = {None: 0, "layer": 1, "rms": 2}
@@ -405,7 +405,7 @@ def fused_linear(
         BLOCK_K=block_k,
         SPLIT_K=split_k,
         SPLIT_K_POW2=triton.next_power_of_2(split_k),
-        SHARE_TILES=min(triton.cdiv(triton.cdiv(in_features, block_k), split_k), 3),  # 3: three or more, counted in
+        SHARE_TILES=min(share_tiles(in_features, block_k, split_k), 3),  # 3 stands for three or more
         DOT=config.dot,
         STATS_M=stats_rows,
         STATS_BLOCK=stats_block,
