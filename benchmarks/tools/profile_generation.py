@@ -8,7 +8,11 @@ For each step variant (`generate`'s `step`, the compiled one optionally with Ind
   token choice) captured as one CUDA graph and replayed back to back: ms per step, and under `torch.profiler`
   (CUDA activity; kernels of a graph are traced one by one) the kernels per step grouped by name, with count,
   mean and total microseconds, busy time (sum of kernel durations) and the idle gaps between kernels (launch latency);
-- the whole loop graph under the profiler: GPU operations per call, to see what the loop adds to the step.
+- the whole loop graph under the profiler: GPU operations per call outside the loop's body (a conditional node's
+  body is not traced), grouped by name as the step's are: what a call adds to its steps;
+- the call's time split: a call of one new token (time to first token: setup, prompt pass and first choice) and
+  the rest per loop iteration, `(ms per call - first token ms) / (new tokens - 1)`, beside the step graph alone
+  (replayed over as many steps as its state allows).
 `--sweep` also times the fused linear kernel over launch configurations (block sizes, split-K, warps, with
 `--beams` > 1 its tensor-core and CUDA-core paths, at one row on nn.Linear weights the deep one-row tiles; see
 `sweep_configs`) for the model's five projection shapes (`SWEEP_SHAPES`) at `--beams` rows against cuBLAS (each
@@ -17,7 +21,7 @@ in a CUDA graph of repeated launches, weights rotated through more memory than L
 Conv1D weights would hold them.
 
     PYTHONPATH=src:. python3 -m benchmarks.tools.profile_generation --out OUT [--variants eager,compiled,fused]
-        [--model gpt2|llama1b] [--beams N] [--sweep [--sweep-layout model|linear]]
+        [--model gpt2|llama1b] [--beams N] [--sweep [--sweep-layout model|linear]] [--fused-prompt-tokens N]
 
 Writes OUT/profile_generation.json and OUT/profile_generation.md.
 """
@@ -44,6 +48,7 @@ from torch import nn
 from benchmarks.cases import decode_models
 from benchmarks.cases import generation as case
 from tendril.generation import STEPS, Step, decode_step, generate
+from tendril.generation import loop as decode_loop
 from tendril.generation.api import release_graphs
 from tendril.generation.kernels import pdl
 from tendril.graphs.capture import GRAPH_SDPA_BACKENDS, capture
@@ -170,8 +175,18 @@ def run_variant(variant: str, model: nn.Module, prompts: list[torch.Tensor], ref
     loop = kernel_profile(lambda: call(prompts[0]), calls=2)
     result["loop_operations_per_call"] = loop.operations_per_call
     result["loop_busy_us_per_call"] = loop.busy_us_per_call
+    result["outside_loop_kernels"] = [{"name": g.name, "per_call": g.per_call, "mean_us": g.mean_us,
+                                       "total_us": g.total_us_per_call} for g in loop.groups]
+
+    def first_token(prompt: torch.Tensor) -> torch.Tensor:
+        return generate(model, prompt, max_new_tokens=1, num_beams=beams, eos_token_id=[], pad_token_id=0, step=step)
+
+    first_token(prompts[0])
+    result["first_token_ms"] = time_callable(first_token, [(p,) for p in prompts], device="cuda", warmup=1,
+                                             reps=reps).median_ms
+    result["loop_ms_per_step"] = (timing.median_ms - result["first_token_ms"]) / max(new_tokens - 1, 1)
     step_graph = StepGraph(model, prompts[0], new_tokens, step, beams)
-    replays = min(64, step_graph.max_replays)
+    replays = step_graph.max_replays
     result["step_graph_ms"] = step_graph.ms_per_step(replays)
     profiled = kernel_profile(lambda: step_graph.replay(replays), calls=1)
     result["step"] = {
@@ -365,19 +380,22 @@ def markdown(report: dict[str, Any]) -> str:
     search = "greedy" if report.get("beams", 1) == 1 else f"{report['beams']}-beam"
     lines = [f"# Profile of the {search} decode step ({MODELS[report.get('model', 'gpt2')][0]}, batch 1)", "",
              f"- device: {report['device']}; torch {report['torch']}; {report['new_tokens']} new tokens, "
-             f"prompt {report['prompt_len']}; fused kernels with programmatic dependent launch: "
+             f"prompt {report['prompt_len']} (the fused step's kernels run prompts of up to "
+             f"{report.get('fused_prompt_tokens', '?')} tokens); fused kernels with programmatic dependent launch: "
              f"{'yes' if report.get('programmatic_launch') else 'no'} (then a kernel's traced time includes its wait "
              "for the one before, so busy and mean times overlap)"]
     if report["variants"]:
-        lines += ["", "| variant | tok/s | ms/token | warm-up s | = HF | step graph ms | ops/step | busy us/step | "
-                  "gaps us/step | loop ops/call |", "|---|---:|---:|---:|---|---:|---:|---:|---:|---:|"]
+        lines += ["", "| variant | tok/s | ms/token | warm-up s | = HF | first token ms | loop ms/step | "
+                  "step graph ms | ops/step | busy us/step | gaps us/step | ops/call outside the loop |",
+                  "|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in report["variants"]:
         if "error" in r:
-            lines.append(f"| {r['variant']} | failed: {r['error'][:120]} |||||||||")
+            lines.append(f"| {r['variant']} | failed: {r['error'][:120]} |||||||||||")
             continue
         s = r["step"]
         lines.append(f"| {r['variant']} | {r['tok_per_s']:.0f} | {r['ms_per_token']:.4f} | {r['warmup_s']:.2f} | "
-                     f"{'yes' if r['matches_hf'] else 'NO'} | {r['step_graph_ms']:.4f} | {s['operations']:.1f} | "
+                     f"{'yes' if r['matches_hf'] else 'NO'} | {r['first_token_ms']:.3f} | "
+                     f"{r['loop_ms_per_step']:.4f} | {r['step_graph_ms']:.4f} | {s['operations']:.1f} | "
                      f"{s['busy_us']:.1f} | {s['gap_us']:.1f} | {r['loop_operations_per_call']:.0f} |")
     for r in report["variants"]:
         if "error" in r:
@@ -387,6 +405,11 @@ def markdown(report: dict[str, Any]) -> str:
         for k in r["step"]["kernels"][:40]:
             name = k["name"].replace("|", "\\|")[:140]
             lines.append(f"| `{name}` | {k['per_step']:.2f} | {k['mean_us']:.2f} | {k['total_us']:.2f} |")
+        lines += ["", f"## {r['variant']}: kernels per call outside the loop's body (15 largest)", "",
+                  "| kernel | per call | mean us | us/call |", "|---|---:|---:|---:|"]
+        for k in r.get("outside_loop_kernels", [])[:15]:
+            name = k["name"].replace("|", "\\|")[:140]
+            lines.append(f"| `{name}` | {k['per_call']:.2f} | {k['mean_us']:.2f} | {k['total_us']:.2f} |")
     if report.get("sweep"):
         lines += ["", "## Fused linear kernel: block-size sweep (us per launch inside a CUDA graph)", "",
                   "GB/s: the bytes a launch must move (weights, input, output, residual) over its time.", "",
@@ -423,7 +446,11 @@ def main() -> None:
                         help="linear: sweep every projection with its weights K-contiguous (nn.Linear's layout)")
     parser.add_argument("--model", choices=sorted(MODELS), default="gpt2")
     parser.add_argument("--beams", type=int, default=1, help="beam search with this many beams (1: greedy)")
+    parser.add_argument("--fused-prompt-tokens", type=int, default=decode_loop.FUSED_PROMPT_TOKENS,
+                        help="the longest prompt step='fused' runs through its kernels (0: the model's own forward "
+                             "for every prompt), to compare the two prompt passes")
     args = parser.parse_args()
+    decode_loop.FUSED_PROMPT_TOKENS = args.fused_prompt_tokens
     if args.beams < 1:
         parser.error(f"--beams {args.beams}: expected at least 1")
     args.out.mkdir(parents=True, exist_ok=True)
@@ -436,6 +463,7 @@ def main() -> None:
     report: dict[str, Any] = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
                               "model": args.model, "beams": args.beams,
                               "new_tokens": args.new_tokens, "prompt_len": args.prompt_len,
+                              "fused_prompt_tokens": args.fused_prompt_tokens,
                               "programmatic_launch": pdl.enabled(device), "variants": []}
     for variant in filter(None, args.variants.split(",")):
         print(f"variant {variant} ...", flush=True)

@@ -15,6 +15,7 @@ from tests.generation.kernel_cases import (
     check_attention_through_rows,
     check_greedy_choice,
     check_linear,
+    check_prompt_attention,
 )
 from tests.generation.topk_cases import check_beam_top_k
 
@@ -52,6 +53,8 @@ def main() -> None:
         assert check_attention(dtype, "cpu") > 0  # the GPU test's cases, cache writes compared exactly
     assert check_attention(torch.bfloat16, "cpu", slots=(20,), exact_cache=False) > 0  # see check_attention
     assert check_attention_through_rows(torch.float32, "cpu", slots=(5, 20)) > 0  # beam search's row table
+    assert check_prompt_attention(torch.float32, "cpu", tokens=(1, 11)) > 0  # one token; several blocks
+    assert check_prompt_attention(torch.bfloat16, "cpu", tokens=(11,), exact_cache=False) > 0
     assert check_argmax("cpu") > 0
     assert check_greedy_choice("cpu") > 0
     assert check_beam_top_k("cpu") > 0

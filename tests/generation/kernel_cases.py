@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from tendril.generation.kernels import argmax_kernel, attention, linear, reference
+from tendril.generation.kernels import argmax_kernel, attention, linear, prompt_kernel, reference
 from tendril.generation.kernels.layers import Norm, Projection
 
 
@@ -233,4 +233,50 @@ def check_attention_through_rows(dtype: torch.dtype, device: str, slots=(0, 5, 2
             own = (slice(None), slice(None), slot_value)  # each row wrote its own key and value at the slot
             assert torch.equal(keys[own], ref_keys[own]) and torch.equal(values[own], ref_values[own])
             checked += 1
+    return checked
+
+
+PROMPT_TOKENS = (1, 5, 11)
+"""Prompt lengths of the prompt attention checks: one token, one block of 8, past two blocks of 4."""
+
+
+def check_prompt_attention(dtype: torch.dtype, device: str, tokens=PROMPT_TOKENS, exact_cache: bool = True) -> int:
+    """A prompt of a few tokens per row into an empty cache: MHA and GQA, no/half/interleaved rotary, one token,
+    one block and several, tokens invalid at random (padding). The kernel's cache starts NaN: the prompt's slots
+    must be written as the reference writes them (exactly, or within two ulps as `check_attention` allows with
+    `exact_cache=False`) and every other slot left alone."""
+    torch.manual_seed(3)
+    rows, max_len, head_dim = 2, 21, 16
+    checked = 0
+    for heads, kv_heads in ((4, 4), (4, 2)):
+        for kind, dims in ((None, 0), ("half", head_dim), ("interleaved", 8)):
+            for length in tokens:
+                queries = rows * length
+                key_valid = torch.rand(rows, max_len, device=device) > 0.3
+                q = torch.randn(queries, heads * head_dim, device=device).to(dtype)
+                k = torch.randn(queries, kv_heads * head_dim, device=device).to(dtype)
+                v = torch.randn(queries, kv_heads * head_dim, device=device).to(dtype)
+                rotary = None
+                if kind is not None:
+                    angles = torch.rand(queries, dims // 2, device=device) * 6
+                    rotary = (kind, angles.cos().repeat(1, 2).to(dtype), angles.sin().repeat(1, 2).to(dtype))
+                ref_keys = torch.zeros(rows, kv_heads, max_len, head_dim, device=device, dtype=dtype)
+                ref_values = torch.zeros_like(ref_keys)
+                expected = reference.prompt_attention(q, k, v, ref_keys, ref_values, key_valid, 0.25, rotary)
+                keys, values = torch.full_like(ref_keys, float("nan")), torch.full_like(ref_values, float("nan"))
+                out = torch.full_like(expected, float("nan"))
+                block_s = 4 if length > 8 else None
+                got = prompt_kernel.prompt_attention(q, k, v, keys, values, key_valid, 0.25, rotary, out=out,
+                                                     block_s=block_s)
+                assert not got.isnan().any()
+                torch.testing.assert_close(got, expected, **_tolerance(dtype))
+                for cache, ref_cache in ((keys, ref_keys), (values, ref_values)):
+                    assert cache[:, :, length:].isnan().all()
+                    written, ref_written = cache[:, :, :length], ref_cache[:, :, :length]
+                    if exact_cache:
+                        assert torch.equal(written, ref_written)
+                    else:
+                        ulps = 2 * torch.finfo(dtype).eps
+                        torch.testing.assert_close(written.float(), ref_written.float(), rtol=ulps, atol=ulps)
+                checked += 1
     return checked

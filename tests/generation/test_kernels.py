@@ -10,7 +10,7 @@ from tendril.generation import UnsupportedModelError, decode_step, generate
 from tendril.generation.api import _architecture
 from tendril.generation.cache import StaticKVCache
 from tendril.generation.kernels import Norm, Projection, reference
-from tendril.generation.loop import DecodeLoop, Plan
+from tendril.generation.loop import FUSED_PROMPT_TOKENS, DecodeLoop, Plan
 from tendril.generation.processors import LogitsProcessing
 from tendril.generation.state import Decoder
 from tests.generation.models import hf_generate, left_padded, tiny_model
@@ -67,18 +67,60 @@ def test_reference_attention_matches_the_unfused_cache(heads, kv_heads):
     assert torch.equal(fused.keys[0], unfused.keys[0]) and torch.equal(fused.values[0], unfused.values[0])
 
 
+def _attention_operands(tokens: int = 3) -> dict:
+    rows, kv_heads, max_len, head_dim = 2, 2, 8, 16
+    return dict(q=torch.zeros(rows * tokens, 4 * head_dim), k=torch.zeros(rows * tokens, kv_heads * head_dim),
+                v=torch.zeros(rows * tokens, kv_heads * head_dim), keys=torch.zeros(rows, kv_heads, max_len, head_dim),
+                values=torch.zeros(rows, kv_heads, max_len, head_dim),
+                key_valid=torch.ones(rows, max_len, dtype=torch.bool), scale=0.25)
+
+
+@pytest.mark.parametrize("change, match", [
+    (dict(q=torch.zeros(5, 64)), "same number of tokens for each of 2 rows"),
+    (dict(q=torch.zeros(18, 64), k=torch.zeros(18, 32), v=torch.zeros(18, 32)), "does not fit a cache of 8 slots"),
+    (dict(values=torch.zeros(2, 2, 9, 16)), "keys and values must share shape"),
+    (dict(k=torch.zeros(6, 16)), r"k must be \[6, 32\]"),
+    (dict(q=torch.zeros(6, 48)), "3 query heads are not a multiple of 2 kv heads"),
+    (dict(key_valid=torch.ones(2, 8)), "key_valid must be a bool"),
+    (dict(rotary=("half", torch.zeros(6, 3), torch.zeros(6, 3))), "rotary cos/sin must be"),
+])
+def test_prompt_attention_refuses_malformed_operands(change, match):
+    """Checked before any launch (here on the CPU, where none could run)."""
+    from tendril.generation.kernels import prompt_kernel
+
+    with pytest.raises(ValueError, match=match):
+        prompt_kernel.prompt_attention(**{**_attention_operands(), **change})
+
+
+@pytest.mark.parametrize("change, match", [
+    (dict(values=torch.zeros(2, 2, 9, 16)), "keys and values must share shape"),
+    (dict(k=torch.zeros(2, 16)), r"k must be \[2, 32\]"),
+    (dict(rotary=("half", torch.zeros(2, 3), torch.zeros(2, 3))), "rotary cos/sin must be"),
+    (dict(slot=torch.zeros(2, dtype=torch.long)), "slot must be a one-element int64 tensor"),
+])
+def test_decode_attention_refuses_malformed_operands(change, match):
+    from tendril.generation.kernels import attention
+
+    operands = {**_attention_operands(tokens=1), "slot": torch.zeros(1, dtype=torch.long), **change}
+    with pytest.raises(ValueError, match=match):
+        attention.decode_attention(**operands)
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_fused_step_matches_the_architecture_forward(family):
+    """The fused forward over a left-padded prompt (the prompt pass) and then over one token a row (decode steps):
+    logits and every cache slot as the architecture's own forward computes them."""
     model = tiny_model(family)
     arch = _architecture(model)
     ids, mask = left_padded([6, 3, 5])
     no_eos, key = torch.tensor([], dtype=torch.long), torch.zeros((), dtype=torch.long)
-    decoders = [Decoder.build(arch, ids, mask, 6, LogitsProcessing(), no_eos, key, torch.float32, step)
-                for step in (None, arch.fused_step())]
+    fused = arch.fused_step()
+    decoders = [Decoder.build(arch, ids, mask, 6, LogitsProcessing(), no_eos, key, torch.float32, step,
+                              prompt_forward=step) for step in (None, fused)]
     tokens = torch.tensor([7, 9, 11])
     with torch.no_grad():
-        for decoder in decoders:
-            decoder.prefill()
+        unfused_prompt, fused_prompt = (decoder.prefill() for decoder in decoders)
+        torch.testing.assert_close(fused_prompt, unfused_prompt, rtol=1e-4, atol=1e-4)
         logits = []
         for offset in range(3):
             slot = torch.tensor(ids.shape[1] + offset)
@@ -110,6 +152,18 @@ def test_only_fused_beam_search_reorders_through_a_row_table(step, num_beams, ta
     key = torch.zeros((), dtype=torch.long)
     search = DecodeLoop(model, _architecture(model), plan).search(ids, torch.ones_like(ids), key)
     assert (search.decoder.cache.source_rows is not None) == table
+
+
+@pytest.mark.parametrize("step, rows, tokens, fused_prompt", [
+    ("fused", 4, FUSED_PROMPT_TOKENS // 4, True), ("fused", 1, FUSED_PROMPT_TOKENS + 1, False),
+    ("eager", 1, 4, False)])
+def test_the_fused_step_runs_short_prompts_and_leaves_longer_ones_to_the_model(step, rows, tokens, fused_prompt):
+    model = tiny_model("gpt2")
+    plan = Plan.build(max_new_tokens=2, processing=LogitsProcessing(), eos=(), pad=0, step=step)
+    loop = DecodeLoop(model, _architecture(model), plan)
+    ids = torch.ones(rows, tokens, dtype=torch.long)
+    search = loop.search(ids, torch.ones_like(ids), torch.zeros((), dtype=torch.long))
+    assert search.decoder.prompt_forward is (loop.step_forward if fused_prompt else None)
 
 
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
@@ -212,8 +266,8 @@ def test_decode_kernels_compile_for_hopper():
 
 def test_bf16_llama_kernels_compile_for_hopper():
     """A bf16 Llama step's launches (RMSNorm + q/k/v, rotary attention over a bf16 cache, RMSNorm + gated
-    SiLU, down + residual, the LM head widened to float32) compile for sm_90 with PDL on."""
-    from tendril.generation.kernels import attention, linear
+    SiLU, down + residual, the LM head widened to float32) and its prompt pass's compile for sm_90 with PDL on."""
+    from tendril.generation.kernels import attention, linear, prompt_kernel
     from tests.generation.hopper_compile import hopper_compile
 
     bf16 = torch.bfloat16
@@ -237,6 +291,14 @@ def test_bf16_llama_kernels_compile_for_hopper():
     assert hopper_compile(attention._decode_attention_kernel, lambda: attention.decode_attention(
         q, k, v, cache, cache.clone(), torch.ones(1, 144, dtype=torch.bool), torch.zeros(1, dtype=torch.long),
         0.25, ("half", tables, tables), pdl=True)) == 1
+    # the prompt pass: 16 tokens through the tensor-core projection and the prompt's attention
+    prompt = torch.zeros(16, 64, dtype=bf16)
+    assert hopper_compile(linear._fused_linear_kernel,
+                          lambda: linear.fused_linear(prompt, qkv, norm=rms, pdl=True)) == 1
+    q16, k16, v16, tables16 = prompt, prompt[:, :32], prompt[:, 32:], torch.zeros(16, 16, dtype=bf16)
+    assert hopper_compile(prompt_kernel._prompt_attention_kernel, lambda: prompt_kernel.prompt_attention(
+        q16, k16, v16, cache, cache.clone(), torch.ones(1, 144, dtype=torch.bool), 0.25, ("half", tables16, tables16),
+        pdl=True)) == 1
 
 
 def test_streaming_kernels_compile_for_hopper():

@@ -13,6 +13,7 @@ from tendril.generation import generate
 from tendril.generation.api import graphed_runners, release_graphs
 from tendril.generation.kernels import launch, linear, reference
 from tendril.generation.kernels.layers import Norm, Projection
+from tendril.generation.loop import FUSED_PROMPT_TOKENS
 from tendril.generation.noise import draw_key
 from tests.generation.kernel_cases import (
     check_argmax,
@@ -20,6 +21,7 @@ from tests.generation.kernel_cases import (
     check_attention_through_rows,
     check_greedy_choice,
     check_linear,
+    check_prompt_attention,
 )
 from tests.generation.models import hf_generate, left_padded, tiny_model
 
@@ -51,6 +53,16 @@ def test_attention_kernel_matches_reference_without_spilling(dtype):
     forget_compiled(attention._decode_attention_kernel)
     assert check_attention(dtype, "cuda") > 0
     spilled = {key: spills for key, spills in compiled_spills(attention._decode_attention_kernel).items() if spills}
+    assert not spilled, spilled
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_prompt_attention_kernel_matches_reference_without_spilling(dtype):
+    from tendril.generation.kernels import prompt_kernel
+
+    forget_compiled(prompt_kernel._prompt_attention_kernel)
+    assert check_prompt_attention(dtype, "cuda") > 0
+    spilled = {key: spills for key, spills in compiled_spills(prompt_kernel._prompt_attention_kernel).items() if spills}
     assert not spilled, spilled
 
 
@@ -162,6 +174,15 @@ def test_fused_generation_is_graphed_and_matches_hf(family, num_beams):
 def test_fused_fp16_greedy_matches_hf(family):
     model = tiny_model(family, device="cuda", dtype=torch.float16)
     ids, mask = left_padded([6, 4], device="cuda")
+    expected = hf_generate(model, ids, mask, None, max_new_tokens=NEW)
+    got = generate(model, ids, mask, max_new_tokens=NEW, eos_token_id=[], pad_token_id=0, step="fused")
+    assert torch.equal(got, expected)
+
+
+def test_fused_generation_leaves_a_long_prompt_to_the_model_and_matches_hf():
+    """A prompt longer than `FUSED_PROMPT_TOKENS` runs the model's own forward, then the fused decode steps."""
+    model = tiny_model("llama", device="cuda")
+    ids, mask = left_padded([FUSED_PROMPT_TOKENS + 3, FUSED_PROMPT_TOKENS - 5], device="cuda")
     expected = hf_generate(model, ids, mask, None, max_new_tokens=NEW)
     got = generate(model, ids, mask, max_new_tokens=NEW, eos_token_id=[], pad_token_id=0, step="fused")
     assert torch.equal(got, expected)

@@ -1,11 +1,12 @@
 """The decode path of a tensor-parallel Llama shard (see `sharding.py` for what each rank holds).
 
 Prompt pass: the architecture's own forward over the sharded modules, whose row-parallel projections and
-vocab-parallel head reduce and gather by themselves. One-token steps (`step="fused"`): the fused kernels of
-`Llama.fused_step` over this rank's heads and features, with the `Shard` as its `parallel` (an all-reduce
-after each row-parallel projection and an all-gather of the logits). Rank 0 adds the residual inside its
-o_proj / down kernel and the other ranks add nothing, so the all-reduce of the partial outputs is the next
-hidden state: no kernel is added for the residual. The KV cache of a rank holds its kv heads only.
+vocab-parallel head reduce and gather by themselves; with `step="fused"` a short prompt
+(`loop.FUSED_PROMPT_TOKENS`) runs the fused kernels instead, as one-token steps do. One-token steps (`step="fused"`):
+the fused kernels of `Llama.fused_step` over this rank's heads and features, with the `Shard` as its `parallel` (an
+all-reduce after each row-parallel projection and an all-gather of the logits). Rank 0 adds the residual inside its
+o_proj / down kernel and the other ranks add nothing, so the all-reduce of the partial outputs is the next hidden
+state: no kernel is added for the residual. The KV cache of a rank holds its kv heads only.
 
 On CUDA the collectives are NCCL's, enqueued on the current stream's capture like any kernel, so they land
 inside the loop graph (the WHILE node's body included); the first, uncaptured call creates the

@@ -7,7 +7,8 @@ plan's `step`, one of `STEPS`:
 - "eager": the architecture's own forward, captured as is (PyTorch's kernels);
 - "compiled": that forward through `torch.compile` (Inductor), one graph with no breaks; the first call per
   shape pays the compilation;
-- "fused": tendril's Triton decode kernels (`tendril.generation.kernels`), no compilation of the forward.
+- "fused": tendril's Triton decode kernels (`tendril.generation.kernels`), no compilation of the forward; they
+  also run prompts of up to `FUSED_PROMPT_TOKENS` tokens (all rows counted), longer ones the model's own forward.
 
 With "compiled" or "fused" on CUDA, beam search also runs its per-step bookkeeping through Inductor
 (`BeamSearch(compile_bookkeeping=True)`): there the forward is a few kernels per layer and the bookkeeping's several
@@ -34,6 +35,13 @@ from tendril.graphs.control import while_loop
 Step = Literal["eager", "compiled", "fused"]
 STEPS: tuple[Step, ...] = get_args(Step)
 """How the one-token forward runs inside the loop (see the module docstring)."""
+
+
+FUSED_PROMPT_TOKENS = 32
+"""The longest prompt (tokens of all rows together) that `step="fused"` runs through its kernels. Their projections
+read the weights once for every 16 tokens (one tensor-core row block, `kernels.launch`), where the model's own
+forward reads them once in cuBLAS's matrix products: past two row blocks the own forward's fewer weight reads
+outweigh the fused kernels' fewer launches."""
 
 
 def check_step(step: object) -> Step:
@@ -116,8 +124,10 @@ class DecodeLoop:
         # beam search reorders the cache through a row table when the fused kernels read it (a gather of a
         # small int32 table instead of every layer's keys and values); PyTorch's attention needs the copy
         row_table = plan.num_beams > 1 and plan.step == "fused" and self.arch.fused_step_reads_row_table
+        fused_prompt = plan.step == "fused" and prompt.numel() <= FUSED_PROMPT_TOKENS
         decoder = Decoder.build(self.arch, prompt, mask, plan.max_new_tokens, plan.processing, self.eos, noise_key,
-                                self.cache_dtype, self.step_forward, row_table)
+                                self.cache_dtype, self.step_forward, row_table,
+                                self.step_forward if fused_prompt else None)
         if plan.num_beams == 1:
             return TokenSearch(decoder, plan.pad_token_id, self.ring)
         return BeamSearch(decoder, prompt.shape[0] // plan.num_beams, plan.num_beams, plan.length_penalty,

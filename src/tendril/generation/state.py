@@ -33,6 +33,8 @@ class Decoder:
     """0-d int64 key of the counter-based sampler (see noise.py)."""
     step_forward: StepForward | None = None
     """What runs the one-token decode forward (e.g. a `torch.compile`d `arch.forward`); `arch.forward` if None."""
+    prompt_forward: StepForward | None = None
+    """What runs the prompt pass (a fused step, which takes prompts too); `arch.forward` if None."""
 
     @classmethod
     def build(
@@ -47,6 +49,7 @@ class Decoder:
         cache_dtype: torch.dtype,
         step_forward: StepForward | None = None,
         row_table: bool = False,
+        prompt_forward: StepForward | None = None,
     ) -> Decoder:
         """`row_table`: the cache is reordered through a row table (see `StaticKVCache`); only for a
         `step_forward` that reads through it (the fused steps do)."""
@@ -56,7 +59,7 @@ class Decoder:
         key_valid = torch.cat([mask != 0, generated], dim=1)
         cache = StaticKVCache(layout.num_layers, rows, layout.kv_heads, prompt_len + max_new_tokens, layout.head_dim,
                               cache_dtype, prompt.device, key_valid, row_table)
-        return cls(arch, cache, prompt, mask, max_new_tokens, processing, eos, noise_key, step_forward)
+        return cls(arch, cache, prompt, mask, max_new_tokens, processing, eos, noise_key, step_forward, prompt_forward)
 
     def __post_init__(self) -> None:
         self.position_base = self.mask.sum(-1) - self.prompt_len
@@ -77,7 +80,8 @@ class Decoder:
         """Run the prompt through the model, filling cache slots 0..P-1; logits of the last position."""
         self.cache.reset_order()
         positions = (self.mask.cumsum(-1) - 1).masked_fill(self.mask == 0, 0)
-        return self.arch.forward(self.prompt, positions, self.cache.slots[: self.prompt_len], self.cache)
+        forward = self.prompt_forward or self.arch.forward
+        return forward(self.prompt, positions, self.cache.slots[: self.prompt_len], self.cache)
 
     def step(self, last_tokens: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
         """Forward one token per row ([rows] long) stored at cache `slot` (0-d long); logits [rows, vocab]."""

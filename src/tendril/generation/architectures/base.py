@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from tendril.generation.cache import StaticKVCache
+from tendril.generation.kernels import decode_attention, prompt_attention
 
 
 class UnsupportedModelError(ValueError):
@@ -25,7 +26,8 @@ class CacheLayout:
 
 
 StepForward = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, StaticKVCache], torch.Tensor]
-"""(tokens [rows, 1], positions [rows, 1], query_slots [1], cache) -> float32 logits [rows, vocab]."""
+"""(tokens [rows, T], positions [rows, T], query_slots [T], cache) -> float32 logits of the last token [rows, vocab]:
+a decode step (T = 1) or, for forwards that take one (the fused ones), a prompt (`Decoder.prefill`)."""
 
 
 class DecoderArchitecture(ABC):
@@ -71,7 +73,8 @@ class DecoderArchitecture(ABC):
     def fused_step(self) -> StepForward:
         """`forward` for one-token steps through tendril's fused kernels (`generation.kernels`): per layer
         one kernel per projection (norm, bias, activation and residual fused in) and one attention kernel
-        (cache write included). Built once per model; raises `UnsupportedModelError` when the
+        (cache write included, `fused_attention`). It also runs a prompt into an empty cache, the same kernels over
+        every token of every row (`Decoder.prefill`). Built once per model; raises `UnsupportedModelError` when the
         architecture (or one of its options) has no fused path."""
         raise UnsupportedModelError(f"step='fused' has no fused decode kernels for {type(self).__name__} "
                                     f"(model types {', '.join(self.model_types)}); use step='compiled'")
@@ -138,10 +141,33 @@ def merge_heads(x: torch.Tensor) -> torch.Tensor:
     return x.transpose(1, 2).reshape(rows, length, -1)
 
 
-def one_token(tokens: torch.Tensor) -> None:
-    """Fused steps decode one token per row: check `tokens` is [rows, 1]."""
-    if tokens.dim() != 2 or tokens.shape[1] != 1:
-        raise ValueError(f"fused decode steps take one token per row ([rows, 1]), got {tuple(tokens.shape)}")
+def fused_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cache: StaticKVCache,
+    layer: int,
+    query_slots: torch.Tensor,
+    scale: float,
+    rotary: tuple[str, torch.Tensor, torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """A fused forward's attention in `layer` for `query` ([rows * T, heads * head_dim], T tokens a row): one token a
+    row is a decode step at `query_slots` (`decode_attention`, through the cache's row table); several are the prompt,
+    at slots 0..T-1 of an empty cache, as `Decoder.prefill` passes it (`prompt_attention`)."""
+    keys, values = cache.keys[layer], cache.values[layer]
+    rows = keys.shape[0]
+    if query.shape[0] == rows:
+        return decode_attention(query, key, value, keys, values, cache.key_valid, query_slots, scale, rotary,
+                                source_rows=cache.source_rows)
+    if query.shape[0] != rows * query_slots.numel():
+        raise ValueError(f"{query.shape[0]} query tokens for {rows} rows at {query_slots.numel()} slots: a fused "
+                         f"forward takes one token a row, or a prompt of one token a slot")
+    return prompt_attention(query, key, value, keys, values, cache.key_valid, scale, rotary)
+
+
+def last_positions(hidden: torch.Tensor, rows: int) -> torch.Tensor:
+    """The last token of each row of a fused forward's `hidden` ([rows * T, width]), as [rows, width]."""
+    return hidden.view(rows, -1, hidden.shape[-1])[:, -1]
 
 
 def last_logits(lm_head: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor) -> torch.Tensor:

@@ -14,15 +14,16 @@ from tendril.generation.architectures.base import (
     CacheLayout,
     DecoderArchitecture,
     StepForward,
+    fused_attention,
     last_logits,
+    last_positions,
     merge_heads,
-    one_token,
     register,
     require,
     split_heads,
 )
 from tendril.generation.cache import StaticKVCache
-from tendril.generation.kernels import Norm, Projection, activation_for, decode_attention, fused_linear
+from tendril.generation.kernels import Norm, Projection, activation_for, fused_linear
 
 
 @register
@@ -80,16 +81,15 @@ class GPT2(DecoderArchitecture):
         def forward(
             tokens: torch.Tensor, positions: torch.Tensor, query_slots: torch.Tensor, cache: StaticKVCache
         ) -> torch.Tensor:
-            one_token(tokens)
-            hidden = (transformer.wte(tokens) + transformer.wpe(positions))[:, 0]
+            rows, length = tokens.shape
+            hidden = (transformer.wte(tokens) + transformer.wpe(positions)).view(rows * length, -1)
             width = hidden.shape[-1]
             for index, (ln_1, qkv, attn_out, ln_2, fc, mlp_out, scale) in enumerate(layers):
                 query, key, value = fused_linear(hidden, qkv, norm=ln_1).split(width, dim=1)
-                out = decode_attention(query, key, value, cache.keys[index], cache.values[index], cache.key_valid,
-                                       query_slots, scale, source_rows=cache.source_rows)
+                out = fused_attention(query, key, value, cache, index, query_slots, scale)
                 hidden = fused_linear(out, attn_out, addends=(hidden,))
                 hidden = fused_linear(fused_linear(hidden, fc, norm=ln_2, activation=activation), mlp_out,
                                       addends=(hidden,))
-            return fused_linear(hidden, head, norm=final_norm, out_dtype=torch.float32)
+            return fused_linear(last_positions(hidden, rows), head, norm=final_norm, out_dtype=torch.float32)
 
         return forward

@@ -21,14 +21,15 @@ from tendril.generation.architectures.base import (
     CacheLayout,
     DecoderArchitecture,
     StepForward,
+    fused_attention,
     last_logits,
+    last_positions,
     merge_heads,
-    one_token,
     register,
     require,
 )
 from tendril.generation.cache import StaticKVCache
-from tendril.generation.kernels import Norm, Projection, activation_for, decode_attention, fused_linear
+from tendril.generation.kernels import Norm, Projection, activation_for, fused_linear
 
 
 @register
@@ -97,18 +98,17 @@ class GPTJ(DecoderArchitecture):
         def forward(
             tokens: torch.Tensor, positions: torch.Tensor, query_slots: torch.Tensor, cache: StaticKVCache
         ) -> torch.Tensor:
-            one_token(tokens)
-            hidden = transformer.wte(tokens)[:, 0]
+            rows, length = tokens.shape
+            hidden = transformer.wte(tokens).view(rows * length, -1)
             sin, cos = self._sin_cos(positions, hidden.dtype)
-            rotary = ("interleaved", cos[:, 0, 0], sin[:, 0, 0])
+            rotary = ("interleaved", cos.view(rows * length, -1), sin.view(rows * length, -1))
             for index, (ln_1, qkv, attn_out, fc_in, fc_out) in enumerate(layers):
                 query, key, value = fused_linear(hidden, qkv, norm=ln_1).split(qkv.out_sizes, dim=1)
-                out = decode_attention(query, key, value, cache.keys[index], cache.values[index], cache.key_valid,
-                                       query_slots, self.scale, rotary, source_rows=cache.source_rows)
+                out = fused_attention(query, key, value, cache, index, query_slots, self.scale, rotary)
                 attended = fused_linear(out, attn_out)
                 hidden = fused_linear(fused_linear(hidden, fc_in, norm=ln_1, activation=activation), fc_out,
                                       addends=(attended, hidden))
-            return fused_linear(hidden, head, norm=final_norm, out_dtype=torch.float32)
+            return fused_linear(last_positions(hidden, rows), head, norm=final_norm, out_dtype=torch.float32)
 
         return forward
 

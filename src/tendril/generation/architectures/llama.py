@@ -18,15 +18,16 @@ from tendril.generation.architectures.base import (
     CacheLayout,
     DecoderArchitecture,
     StepForward,
+    fused_attention,
     last_logits,
+    last_positions,
     merge_heads,
-    one_token,
     register,
     require,
     split_heads,
 )
 from tendril.generation.cache import StaticKVCache
-from tendril.generation.kernels import Norm, Projection, activation_for, decode_attention, fused_linear
+from tendril.generation.kernels import Norm, Projection, activation_for, fused_linear
 
 FusedLayer = tuple[Norm, Projection, Projection, Norm, Projection, Projection, float]
 """One decoder layer as the fused step reads it (see `Llama.fused_weights`)."""
@@ -70,7 +71,7 @@ class RotaryTable:
         """Every table built, [positions, 2, head_dim] each: cos then sin, in the activations' dtype."""
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin [rows, head_dim] for `positions` ([rows, 1] long, each below `length`), in `x`'s dtype."""
+        """cos and sin [rows * T, head_dim] for `positions` ([rows, T] long, each below `length`), in `x`'s dtype."""
         table = next((t for t in self.tables if t.shape[0] >= length and t.dtype == x.dtype and t.device == x.device),
                      None)
         if table is None:
@@ -168,17 +169,17 @@ class Llama(DecoderArchitecture):
         def forward(
             tokens: torch.Tensor, positions: torch.Tensor, query_slots: torch.Tensor, cache: StaticKVCache
         ) -> torch.Tensor:
-            one_token(tokens)
+            rows, length = tokens.shape
             hidden = base.embed_tokens(tokens)
             rotary = ("half", *rotary_table(hidden, positions, cache.max_len))
-            hidden = hidden[:, 0]
+            hidden = hidden.view(rows * length, -1)
             for index, (norm_1, qkv, attn_out, norm_2, gate_up, down, scale) in enumerate(layers):
                 query, key, value = fused_linear(hidden, qkv, norm=norm_1).split(qkv.out_sizes, dim=1)
-                out = decode_attention(query, key, value, cache.keys[index], cache.values[index], cache.key_valid,
-                                       query_slots, scale, rotary, source_rows=cache.source_rows)
+                out = fused_attention(query, key, value, cache, index, query_slots, scale, rotary)
                 hidden = parallel.reduce(fused_linear(out, attn_out, addends=parallel.residual(hidden)))
                 gated = fused_linear(hidden, gate_up, norm=norm_2, activation=activation, gated=True)
                 hidden = parallel.reduce(fused_linear(gated, down, addends=parallel.residual(hidden)))
-            return parallel.gather(fused_linear(hidden, head, norm=final_norm, out_dtype=torch.float32))
+            last = last_positions(hidden, rows)
+            return parallel.gather(fused_linear(last, head, norm=final_norm, out_dtype=torch.float32))
 
         return forward

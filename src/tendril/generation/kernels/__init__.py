@@ -1,8 +1,9 @@
-"""Fused kernels of one-token decode steps (`generate(step="fused")`).
+"""Fused kernels of one-token decode steps and short prompt passes (`generate(step="fused")`).
 
 `linear.py` (norm + projection + activation + residual adds; `launch.py` its default launch), `attention.py`
-(cache write + rotary + attention of one query over the static cache), `argmax_kernel.py` (the token choice, alone
-or with the rest of a greedy step's bookkeeping), `topk_kernel.py` (beam search's top-k over all beams),
+(cache write + rotary + attention of one query over the static cache), `prompt_kernel.py` (the same for a short
+prompt into an empty cache), `argmax_kernel.py` (the token choice, alone or with the rest of a greedy step's
+bookkeeping), `topk_kernel.py` (beam search's top-k over all beams),
 `reference.py` (plain PyTorch with the same numerics), `layers.py` (norms and projections read from HF modules),
 `pdl.py` (how consecutive kernels overlap). The functions here run the Triton kernels on
 CUDA tensors and the references elsewhere (the CPU), so a fused decode path runs, slowly, without a GPU;
@@ -20,7 +21,16 @@ import torch
 from tendril.generation.kernels import reference
 from tendril.generation.kernels.layers import Norm, Projection, activation_for
 
-__all__ = ["Norm", "Projection", "activation_for", "beam_top_k", "decode_attention", "fused_linear", "greedy_choice"]
+__all__ = [
+    "Norm",
+    "Projection",
+    "activation_for",
+    "beam_top_k",
+    "decode_attention",
+    "fused_linear",
+    "greedy_choice",
+    "prompt_attention",
+]
 
 
 def _use_triton(x: torch.Tensor) -> bool:
@@ -111,3 +121,22 @@ def decode_attention(
         return attention.decode_attention(q, k, v, keys, values, key_valid, slot, scale, rotary,
                                           source_rows=source_rows)
     return reference.decode_attention(q, k, v, keys, values, key_valid, slot, scale, rotary, source_rows=source_rows)
+
+
+def prompt_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    key_valid: torch.Tensor,
+    scale: float,
+    rotary: tuple[str, torch.Tensor, torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """A prompt of a few tokens per row into an empty cache (slots 0..P-1), each token attending to the valid tokens
+    before it and itself; see `reference.prompt_attention`."""
+    if _use_triton(q):
+        from tendril.generation.kernels import prompt_kernel
+
+        return prompt_kernel.prompt_attention(q, k, v, keys, values, key_valid, scale, rotary)
+    return reference.prompt_attention(q, k, v, keys, values, key_valid, scale, rotary)

@@ -204,19 +204,8 @@ def decode_attention(
     ([rows, heads * head_dim], contiguous rows) when given. `block_s` slots per block default to the cache
     length up to `MAX_BLOCK_S`; `pdl` as in `pdl.enabled`; `source_rows` as in the reference."""
     rows, kv_heads, max_len, head_dim = keys.shape
-    if values.shape != keys.shape or values.stride() != keys.stride() or keys.stride(3) != 1:
-        raise ValueError(f"keys and values must share shape and strides with contiguous head_dim, got "
-                         f"{tuple(keys.shape)} {keys.stride()} and {tuple(values.shape)} {values.stride()}")
+    check_operands(q, k, v, keys, values, key_valid, rows)
     heads = q.shape[1] // head_dim
-    for name, t, width in (("q", q, heads * head_dim), ("k", k, kv_heads * head_dim), ("v", v, kv_heads * head_dim)):
-        if t.shape != (rows, width) or t.stride(1) != 1:
-            raise ValueError(f"{name} must be [{rows}, {width}] with contiguous rows, got {tuple(t.shape)} "
-                             f"strides {t.stride()}")
-    if heads % kv_heads != 0:
-        raise ValueError(f"{heads} query heads are not a multiple of {kv_heads} kv heads")
-    if key_valid.shape != (rows, max_len) or key_valid.dtype != torch.bool or key_valid.stride(1) != 1:
-        raise ValueError(f"key_valid must be a bool [{rows}, {max_len}] tensor, got {key_valid.dtype} "
-                         f"{tuple(key_valid.shape)}")
     if source_rows is not None and (source_rows.shape != (rows, max_len) or source_rows.dtype != torch.int32
                                     or source_rows.stride(1) != 1):
         raise ValueError(f"source_rows must be an int32 [{rows}, {max_len}] tensor with contiguous rows, got "
@@ -224,11 +213,7 @@ def decode_attention(
     if slot.numel() != 1 or slot.dtype != torch.long:
         raise ValueError(f"slot must be a one-element int64 tensor, got {slot.dtype} {tuple(slot.shape)}")
     kind, cos, sin = rotary if rotary is not None else (None, q, q)
-    rotary_dim = cos.shape[-1] if rotary is not None else 0
-    if rotary is not None and (cos.shape != (rows, rotary_dim) or sin.stride() != cos.stride() or cos.stride(1) != 1
-                               or rotary_dim > head_dim or rotary_dim % 2):
-        raise ValueError(f"rotary cos/sin must be [{rows}, R] (R even, <= {head_dim}) with equal strides, got "
-                         f"{tuple(cos.shape)} and {tuple(sin.shape)}")
+    rotary_dim = check_rotary(rotary, rows, head_dim)
     if block_s is None:
         block_s = min(triton.next_power_of_2(max_len), MAX_BLOCK_S)
     pdl = programmatic.resolve(pdl, q.device, _decode_attention_kernel)
@@ -258,3 +243,38 @@ def decode_attention(
         launch_pdl=pdl,
     )
     return out
+
+
+def check_operands(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                   key_valid: torch.Tensor, queries: int) -> None:
+    """Raise a ValueError unless q, k and v hold `queries` query tokens ([queries, heads * head_dim] and
+    [queries, kv_heads * head_dim], contiguous rows) over the cache `keys`/`values` ([rows, kv_heads, max_len,
+    head_dim], one layout) with its `key_valid` flags (bool [rows, max_len])."""
+    rows, kv_heads, max_len, head_dim = keys.shape
+    if values.shape != keys.shape or values.stride() != keys.stride() or keys.stride(3) != 1:
+        raise ValueError(f"keys and values must share shape and strides with contiguous head_dim, got "
+                         f"{tuple(keys.shape)} {keys.stride()} and {tuple(values.shape)} {values.stride()}")
+    heads = q.shape[1] // head_dim
+    for name, t, width in (("q", q, heads * head_dim), ("k", k, kv_heads * head_dim), ("v", v, kv_heads * head_dim)):
+        if t.shape != (queries, width) or t.stride(1) != 1:
+            raise ValueError(f"{name} must be [{queries}, {width}] with contiguous rows, got {tuple(t.shape)} "
+                             f"strides {t.stride()}")
+    if heads % kv_heads != 0:
+        raise ValueError(f"{heads} query heads are not a multiple of {kv_heads} kv heads")
+    if key_valid.shape != (rows, max_len) or key_valid.dtype != torch.bool or key_valid.stride(1) != 1:
+        raise ValueError(f"key_valid must be a bool [{rows}, {max_len}] tensor, got {key_valid.dtype} "
+                         f"{tuple(key_valid.shape)}")
+
+
+def check_rotary(rotary: tuple[str, torch.Tensor, torch.Tensor] | None, queries: int, head_dim: int) -> int:
+    """The rotary embedding's width R (0 without one); a ValueError unless its cos and sin are [queries, R] with
+    equal strides and contiguous rows, R even and at most `head_dim`."""
+    if rotary is None:
+        return 0
+    _, cos, sin = rotary
+    rotary_dim = cos.shape[-1]
+    if (cos.shape != (queries, rotary_dim) or sin.stride() != cos.stride() or cos.stride(1) != 1
+            or rotary_dim > head_dim or rotary_dim % 2):
+        raise ValueError(f"rotary cos/sin must be [{queries}, R] (R even, <= {head_dim}) with equal strides, got "
+                         f"{tuple(cos.shape)} and {tuple(sin.shape)}")
+    return rotary_dim

@@ -140,6 +140,34 @@ def decode_attention(
     return out.to(q.dtype).reshape(rows, -1)
 
 
+def prompt_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    key_valid: torch.Tensor,
+    scale: float,
+    rotary: tuple[str, torch.Tensor, torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """A prompt of P tokens per row into an empty cache: what `decode_attention` computes for each token in turn at
+    slots 0..P-1 (token p sees the valid tokens before it and itself, and its key and value are written at slot p).
+
+    q: [rows * P, heads * D]; k, v: [rows * P, kv_heads * D], row r's tokens at r * P .. r * P + P - 1 (so are
+    `rotary`'s cos and sin); keys/values and key_valid as in `decode_attention`. Returns [rows * P, heads * D]."""
+    rows = keys.shape[0]
+    tokens = q.shape[0] // rows
+    q, k, v = (t.view(rows, tokens, -1) for t in (q, k, v))
+    tables = None if rotary is None else (rotary[1].view(rows, tokens, -1), rotary[2].view(rows, tokens, -1))
+    outputs = []
+    for token in range(tokens):
+        rotated = None if rotary is None or tables is None else (rotary[0], tables[0][:, token], tables[1][:, token])
+        slot = torch.tensor(token, device=keys.device)
+        outputs.append(decode_attention(q[:, token], k[:, token], v[:, token], keys, values, key_valid, slot, scale,
+                                        rotated))
+    return torch.stack(outputs, dim=1).reshape(rows * tokens, -1)
+
+
 def _read_rows(cache: torch.Tensor, source_rows: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
     """[rows, kv_heads, max_len, D] with slot `s` of row `r` taken from row `source_rows[r, s]` for `s < slot`
     and from row `r` for later slots (gathered explicitly: the oracle of the kernel's indirection)."""
