@@ -30,6 +30,7 @@ from tendril.generation.greedy import TokenSearch
 from tendril.generation.processors import LogitsProcessing
 from tendril.generation.state import Decoder, StepForward
 from tendril.generation.streaming import TokenRing
+from tendril.graphs.capture import capturing
 from tendril.graphs.control import while_loop
 
 Step = Literal["eager", "compiled", "fused"]
@@ -113,7 +114,7 @@ class DecodeLoop:
     def __call__(self, prompt: torch.Tensor, mask: torch.Tensor, noise_key: torch.Tensor) -> tuple[torch.Tensor, ...]:
         search = self.search(prompt, mask, noise_key)
         carried = search.start(search.decoder.prefill())
-        if self.step_forward is not None and not _capturing():
+        if self.step_forward is not None and not capturing():
             _warm_step(search.decoder)
         return while_loop(search.cond, search.body, carried, max_iterations=self.plan.max_new_tokens,
                           name=f"generate ({type(search).__name__})")
@@ -133,10 +134,6 @@ class DecodeLoop:
         return BeamSearch(decoder, prompt.shape[0] // plan.num_beams, plan.num_beams, plan.length_penalty,
                           plan.early_stopping, plan.beam_fill_token_id,
                           compile_bookkeeping=plan.step != "eager" and prompt.is_cuda)
-
-
-def _capturing() -> bool:
-    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
 def _warm_step(decoder: Decoder) -> None:

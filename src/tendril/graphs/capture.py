@@ -85,6 +85,11 @@ _abandoned_pools: set[Any] = set()
 to mempool_id") because the pinned-host allocator's routing to it was never ended."""
 
 
+def capturing() -> bool:
+    """Whether the current CUDA stream is being captured into a graph (False where there is no CUDA)."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
 def accepts_captures(pool: Any) -> bool:
     """Whether a capture may begin into `pool` (False once a capture into it was invalidated by CUDA)."""
     return pool not in _abandoned_pools

@@ -28,6 +28,7 @@ from tendril.generation.architectures.base import (
 )
 from tendril.generation.cache import StaticKVCache
 from tendril.generation.kernels import Norm, Projection, activation_for, fused_linear
+from tendril.graphs.capture import capturing
 
 FusedLayer = tuple[Norm, Projection, Projection, Norm, Projection, Projection, float]
 """One decoder layer as the fused step reads it (see `Llama.fused_weights`)."""
@@ -75,7 +76,7 @@ class RotaryTable:
         table = next((t for t in self.tables if t.shape[0] >= length and t.dtype == x.dtype and t.device == x.device),
                      None)
         if table is None:
-            if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            if capturing():
                 raise RuntimeError(f"the fused step's rotary table for {length} positions is built outside a "
                                    f"CUDA graph capture: run the step once before capturing it")
             cos, sin = self.rotary_emb(x, torch.arange(length, device=x.device)[None])

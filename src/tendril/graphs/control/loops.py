@@ -36,6 +36,7 @@ from typing import Any, Literal
 import torch
 
 from tendril.cuda import runtime
+from tendril.graphs import capture as graph_capture
 from tendril.graphs.control import capture, stats
 from tendril.graphs.control.checks import (
     as_pred,
@@ -137,7 +138,7 @@ def _choose_lowering(
     """(lowering, why): "eager", "conditional_node" or "predication"."""
     if lowering not in ("auto", "predication"):
         raise ValueError(f"lowering must be 'auto' or 'predication', got {lowering!r}")
-    capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+    capturing = graph_capture.capturing()
     if capturing:
         device = torch.device("cuda", torch.cuda.current_device())
         for name, t in tensors:
@@ -165,7 +166,7 @@ def _conditional_support(needs_else: bool) -> runtime.Support:
 
 
 def _sync_guard_when_capturing(fn: Callable[..., Any], what: str) -> contextlib.AbstractContextManager[None]:
-    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+    if graph_capture.capturing():
         return capture.host_sync_guard(fn, what)
     return contextlib.nullcontext()
 
@@ -209,7 +210,7 @@ def _while_predicated(loop: _Loop, state: list[torch.Tensor], max_iterations: in
         new = loop.step(state)
         state = [torch.where(running, n, s) for n, s in zip(new, state, strict=True)]
         running = running & loop.test(state).reshape(())
-    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+    if graph_capture.capturing():
         stats.record_bound_check(LoopBoundCheck(loop.label, max_iterations, running))
     elif bool(running):
         raise LoopBoundExceeded(f"{loop.label} still running after max_iterations={max_iterations}")
