@@ -143,6 +143,15 @@ def check_greedy_choice(device: str) -> int:
     return checked
 
 
+def _rotary(kind: str | None, tokens: int, dims: int, dtype: torch.dtype,
+            device: str) -> tuple[str, torch.Tensor, torch.Tensor] | None:
+    """Random rotary tables of `kind` ([tokens, dims] cos and sin, angles in [0, 6)); None without a kind."""
+    if kind is None:
+        return None
+    angles = torch.rand(tokens, dims // 2, device=device) * 6
+    return kind, angles.cos().repeat(1, 2).to(dtype), angles.sin().repeat(1, 2).to(dtype)
+
+
 SLOTS = (0, 5, 20)
 """Query slots of the attention checks: the first, inside the first block of 8, the last (past two blocks)."""
 
@@ -166,10 +175,7 @@ def check_attention(dtype: torch.dtype, device: str, slots=SLOTS, exact_cache: b
                 q = torch.randn(rows, heads * head_dim, device=device).to(dtype)
                 k = torch.randn(rows, kv_heads * head_dim, device=device).to(dtype)
                 v = torch.randn(rows, kv_heads * head_dim, device=device).to(dtype)
-                rotary = None
-                if kind is not None:
-                    angles = torch.rand(rows, dims // 2, device=device) * 6
-                    rotary = (kind, angles.cos().repeat(1, 2).to(dtype), angles.sin().repeat(1, 2).to(dtype))
+                rotary = _rotary(kind, rows, dims, dtype, device)
                 slot = torch.tensor([slot_value], device=device)
                 ref_keys, ref_values = keys.clone(), values.clone()
                 expected = reference.decode_attention(q, k, v, ref_keys, ref_values, key_valid, slot, 0.25, rotary)
@@ -209,10 +215,7 @@ def check_attention_through_rows(dtype: torch.dtype, device: str, slots=(0, 5, 2
             q = torch.randn(rows, heads * head_dim, device=device).to(dtype)
             k = torch.randn(rows, kv_heads * head_dim, device=device).to(dtype)
             v = torch.randn(rows, kv_heads * head_dim, device=device).to(dtype)
-            rotary = None
-            if kind is not None:
-                angles = torch.rand(rows, head_dim // 2, device=device) * 6
-                rotary = (kind, angles.cos().repeat(1, 2).to(dtype), angles.sin().repeat(1, 2).to(dtype))
+            rotary = _rotary(kind, rows, head_dim, dtype, device)
             slot = torch.tensor([slot_value], device=device)
             read = torch.zeros(rows, max_len, dtype=torch.bool, device=device)
             seen = key_valid & (torch.arange(max_len, device=device) < slot_value)
@@ -256,10 +259,7 @@ def check_prompt_attention(dtype: torch.dtype, device: str, tokens=PROMPT_TOKENS
                 q = torch.randn(queries, heads * head_dim, device=device).to(dtype)
                 k = torch.randn(queries, kv_heads * head_dim, device=device).to(dtype)
                 v = torch.randn(queries, kv_heads * head_dim, device=device).to(dtype)
-                rotary = None
-                if kind is not None:
-                    angles = torch.rand(queries, dims // 2, device=device) * 6
-                    rotary = (kind, angles.cos().repeat(1, 2).to(dtype), angles.sin().repeat(1, 2).to(dtype))
+                rotary = _rotary(kind, queries, dims, dtype, device)
                 ref_keys = torch.zeros(rows, kv_heads, max_len, head_dim, device=device, dtype=dtype)
                 ref_values = torch.zeros_like(ref_keys)
                 expected = reference.prompt_attention(q, k, v, ref_keys, ref_values, key_valid, 0.25, rotary)
