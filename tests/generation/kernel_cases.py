@@ -152,6 +152,15 @@ def _rotary(kind: str | None, tokens: int, dims: int, dtype: torch.dtype,
     return kind, angles.cos().repeat(1, 2).to(dtype), angles.sin().repeat(1, 2).to(dtype)
 
 
+def _assert_cache_matches(cache: torch.Tensor, expected: torch.Tensor, exact: bool) -> None:
+    """The kernel's cache entries equal the reference's bit for bit, or (not `exact`) within two ulps of its dtype."""
+    if exact:
+        assert torch.equal(cache, expected)
+    else:
+        ulps = 2 * torch.finfo(cache.dtype).eps
+        torch.testing.assert_close(cache.float(), expected.float(), rtol=ulps, atol=ulps)
+
+
 SLOTS = (0, 5, 20)
 """Query slots of the attention checks: the first, inside the first block of 8, the last (past two blocks)."""
 
@@ -189,12 +198,7 @@ def check_attention(dtype: torch.dtype, device: str, slots=SLOTS, exact_cache: b
                 assert not got.isnan().any()
                 torch.testing.assert_close(got, expected, **_tolerance(dtype))
                 for cache, ref_cache in ((keys, ref_keys), (values, ref_values)):
-                    cache, ref_cache = cache.masked_fill(unused, 0), ref_cache.masked_fill(unused, 0)
-                    if exact_cache:
-                        assert torch.equal(cache, ref_cache)
-                    else:
-                        ulps = 2 * torch.finfo(dtype).eps
-                        torch.testing.assert_close(cache.float(), ref_cache.float(), rtol=ulps, atol=ulps)
+                    _assert_cache_matches(cache.masked_fill(unused, 0), ref_cache.masked_fill(unused, 0), exact_cache)
                 checked += 1
     return checked
 
@@ -272,11 +276,6 @@ def check_prompt_attention(dtype: torch.dtype, device: str, tokens=PROMPT_TOKENS
                 torch.testing.assert_close(got, expected, **_tolerance(dtype))
                 for cache, ref_cache in ((keys, ref_keys), (values, ref_values)):
                     assert cache[:, :, length:].isnan().all()
-                    written, ref_written = cache[:, :, :length], ref_cache[:, :, :length]
-                    if exact_cache:
-                        assert torch.equal(written, ref_written)
-                    else:
-                        ulps = 2 * torch.finfo(dtype).eps
-                        torch.testing.assert_close(written.float(), ref_written.float(), rtol=ulps, atol=ulps)
+                    _assert_cache_matches(cache[:, :, :length], ref_cache[:, :, :length], exact_cache)
                 checked += 1
     return checked
