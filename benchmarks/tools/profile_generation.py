@@ -18,10 +18,13 @@ For each step variant (`generate`'s `step`, the compiled one optionally with Ind
 `sweep_configs`) for the model's five projection shapes (`SWEEP_SHAPES`) at `--beams` rows against cuBLAS (each
 in a CUDA graph of repeated launches, weights rotated through more memory than L2 holds), about two minutes.
 `--sweep-layout linear` times them all with nn.Linear's weight layout (K contiguous), as a one-time copy of GPT-2's
-Conv1D weights would hold them.
+Conv1D weights would hold them; `--sweep-grid` (several rows) times every tensor-core launch of a grid
+(`tensor_core_grid`) instead of a random draw, about six minutes for Llama-1B.
 
     PYTHONPATH=src:. python3 -m benchmarks.tools.profile_generation --out OUT [--variants eager,compiled,fused]
-        [--model gpt2|llama1b] [--beams N] [--sweep [--sweep-layout model|linear]] [--fused-prompt-tokens N]
+        [--model gpt2|llama1b] [--beams N] [--sweep [--sweep-layout model|linear] [--sweep-grid]
+        [--sweep-shapes LABEL,...]]
+        [--fused-prompt-tokens N]
 
 Writes OUT/profile_generation.json and OUT/profile_generation.md.
 """
@@ -35,7 +38,7 @@ import json
 import statistics
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
@@ -249,14 +252,15 @@ SWEEP_SIZE = 16
 
 
 def sweep_configs(out_f: int, in_f: int, k_contiguous: bool, rows: int = 1, size: int = SWEEP_SIZE,
-                  normed: bool = False, segments: int = 1,
-                  sm_count: int | None = None) -> list[tuple[int, int, int, int, bool]]:
+                  normed: bool = False, segments: int = 1, sm_count: int | None = None,
+                  grid: bool = False) -> list[tuple[int, int, int, int, bool]]:
     """(BLOCK_N, BLOCK_K, SPLIT_K, num_warps, dot) tried by `--sweep` for one shape and row count, the default first,
     for several rows the other path's default (CUDA cores or tensor cores, `launch.launch_config`) second, at one
     row on nn.Linear weights every deep one-row launch (`deep_one_row_configs`) next, then `size` others drawn
     (with a fixed seed) from the plausible ones (all of them when `size` is larger): tiles of 2-16K elements, at
     least 64 programs, at most 8 tiles a program, K split into whole non-empty shares, on either path for several
-    rows. `sm_count`: the GPU's (None: device 0's)."""
+    rows. `grid` (several rows): every tensor-core launch of `tensor_core_grid` instead of the drawn ones.
+    `sm_count`: the GPU's (None: device 0's)."""
     import random
 
     from tendril.generation.kernels import launch
@@ -272,6 +276,8 @@ def sweep_configs(out_f: int, in_f: int, k_contiguous: bool, rows: int = 1, size
     chosen = [(d.block_n, d.block_k, d.split_k, d.num_warps, d.dot) for d in defaults]
     if rows == 1 and k_contiguous:
         chosen += [c for c in deep_one_row_configs(in_f, segments) if c not in chosen]
+    if grid and rows > 1:
+        return [*chosen, *[c for c in tensor_core_grid(in_f, segments) if c not in chosen]]
     pool = []
     for block_n, block_k, split_k, warps, dot in itertools.product((8, 16, 32, 64, 256), (64, 128, 256, 512),
                                                                   (1, 2, 3, 4, 6, 8, 12, 16), (4, 8), (False, True)):
@@ -284,6 +290,15 @@ def sweep_configs(out_f: int, in_f: int, k_contiguous: bool, rows: int = 1, size
             pool.append((block_n, block_k, split_k, warps, dot))
     random.Random(0).shuffle(pool)
     return [*chosen, *[c for c in pool if c not in chosen][:size]]
+
+
+def tensor_core_grid(in_f: int, segments: int = 1) -> list[tuple[int, int, int, int, bool]]:
+    """Every tensor-core launch of 16-64 columns, 32-256 deep, K split 1-8 ways (into at most its tiles), 4 or 8
+    warps, holding 1-8K weight elements a tile over its `segments` matrices (`--sweep-grid`)."""
+    return [(block_n, block_k, split_k, warps, True)
+            for block_n, block_k, split_k, warps in itertools.product((16, 32, 64), (32, 64, 128, 256), (1, 2, 4, 8),
+                                                                      (4, 8))
+            if 1024 <= block_n * block_k * segments <= 8192 and split_k <= -(-in_f // block_k)]
 
 
 def deep_one_row_configs(in_f: int, segments: int = 1) -> list[tuple[int, int, int, int, bool]]:
@@ -305,7 +320,8 @@ def deep_one_row_configs(in_f: int, segments: int = 1) -> list[tuple[int, int, i
 
 
 def _sweep_shape(label: str, out_f: int, in_f: int, layout: str, norm_kind: str | None, activation: str,
-                 residual: bool, gated: bool = False, *, rows: int, dtype: torch.dtype, size: int) -> dict[str, Any]:
+                 residual: bool, gated: bool = False, *, rows: int, dtype: torch.dtype, size: int,
+                 grid: bool = False) -> dict[str, Any]:
     from tendril.generation.kernels import linear
     from tendril.generation.kernels.layers import Norm, Projection
 
@@ -335,7 +351,8 @@ def _sweep_shape(label: str, out_f: int, in_f: int, layout: str, norm_kind: str 
     moved = element * (segments * out_f * in_f + rows * in_f + rows * out_f * (1 + len(addends)))
     entry: dict[str, Any] = {"shape": label, "layout": layout, "rows": rows, "bytes_per_launch": moved,
                              "cublas_us": _graph_time_us(cublas, copies), "configs": []}
-    configs = sweep_configs(out_f, in_f, layout == "linear", rows, size, normed=norm is not None, segments=segments)
+    configs = sweep_configs(out_f, in_f, layout == "linear", rows, size, normed=norm is not None, segments=segments,
+                            grid=grid)
     for index, (block_n, block_k, split_k, warps, dot) in enumerate(configs):
         def fused(i: int, bn: int = block_n, bk: int = block_k, sk: int = split_k, nw: int = warps,
                   dt: bool = dot) -> torch.Tensor:
@@ -356,15 +373,22 @@ def _sweep_shape(label: str, out_f: int, in_f: int, layout: str, norm_kind: str 
     return entry
 
 
-def sweep_linear(model: str = "gpt2", rows: int = 1, size: int = SWEEP_SIZE,
-                 layout: str = "model") -> list[dict[str, Any]]:
-    """Every projection shape of `model` swept (`_sweep_shape`); `layout` "linear" holds every weight as nn.Linear
-    does (K contiguous), "model" as the model does."""
+def sweep_linear(model: str = "gpt2", rows: int = 1, size: int = SWEEP_SIZE, layout: str = "model",
+                 grid: bool = False, shapes: Sequence[str] | None = None) -> list[dict[str, Any]]:
+    """The projection shapes of `model` (those labelled in `shapes`; None: all) swept (`_sweep_shape`); `layout`
+    "linear" holds every weight as nn.Linear does (K contiguous), "model" as the model does; `grid` as in
+    `sweep_configs`."""
     dtype = torch.float16 if model == "gpt2" else torch.bfloat16
+    labels = [shape[0] for shape in SWEEP_SHAPES[model]]
+    unknown = sorted(set(shapes or ()) - set(labels))
+    if unknown:
+        raise ValueError(f"no {model} projection labelled {', '.join(unknown)}; expected some of {', '.join(labels)}")
     results = []
     for label, out_f, in_f, weight_layout, *rest in SWEEP_SHAPES[model]:
+        if shapes is not None and label not in shapes:
+            continue
         entry = _sweep_shape(label, out_f, in_f, weight_layout if layout == "model" else layout, *rest, rows=rows,
-                             dtype=dtype, size=size)
+                             dtype=dtype, size=size, grid=grid)
         results.append(entry)
         defaults = {("dot" if c["dot"] else "fma"): c.get("us") for c in entry["configs"]
                     if c["default"] or c["other_path_default"]}
@@ -444,6 +468,10 @@ def main() -> None:
                         help="launch configurations drawn per shape besides the defaults")
     parser.add_argument("--sweep-layout", choices=("model", "linear"), default="model",
                         help="linear: sweep every projection with its weights K-contiguous (nn.Linear's layout)")
+    parser.add_argument("--sweep-shapes", help="comma-separated labels of the projections to sweep (default: all)")
+    parser.add_argument("--sweep-grid", action="store_true",
+                        help="with --beams > 1: sweep every tensor-core launch of a grid (about 80 a shape) instead of "
+                             "--sweep-size drawn ones")
     parser.add_argument("--model", choices=sorted(MODELS), default="gpt2")
     parser.add_argument("--beams", type=int, default=1, help="beam search with this many beams (1: greedy)")
     parser.add_argument("--fused-prompt-tokens", type=int, default=decode_loop.FUSED_PROMPT_TOKENS,
@@ -476,7 +504,9 @@ def main() -> None:
         print(json.dumps({k: v for k, v in result.items() if k != "step"}), flush=True)
         (args.out / "profile_generation.json").write_text(json.dumps(report, indent=1))
     if args.sweep:
-        report["sweep"] = sweep_linear(args.model, args.beams, args.sweep_size, args.sweep_layout)
+        shapes = args.sweep_shapes.split(",") if args.sweep_shapes else None
+        report["sweep"] = sweep_linear(args.model, args.beams, args.sweep_size, args.sweep_layout, args.sweep_grid,
+                                       shapes)
     (args.out / "profile_generation.json").write_text(json.dumps(report, indent=1))
     (args.out / "profile_generation.md").write_text(markdown(report))
     print(markdown(report))

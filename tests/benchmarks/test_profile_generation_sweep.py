@@ -44,3 +44,22 @@ def test_a_projection_swept_in_another_layout_says_so():
     text = tool.markdown(report)
     assert "| ln_1+c_attn, weights K-contiguous | 3.50 |" in text
     assert "| ln_f+lm_head | 3.50 |" in text  # nn.Linear in the model already
+
+
+def test_a_grid_sweep_tries_the_defaults_then_every_tensor_core_launch_of_the_grid_once():
+    configs = tool.sweep_configs(8192, 2048, True, rows=16, normed=True, segments=2, sm_count=132, grid=True)
+    default = launch.launch_config(2 * 8192, 2048, 16, k_contiguous=True, normed=True, matrices=2, sm_count=132)
+    assert configs[0] == (default.block_n, default.block_k, default.split_k, default.num_warps, default.dot)
+    assert not configs[1][4]  # the CUDA-core path's default, then the grid
+    grid = tool.tensor_core_grid(2048, segments=2)
+    assert configs[2:] == [c for c in grid if c not in configs[:2]] and len(set(configs)) == len(configs)
+    assert all(c[4] and 1024 <= c[0] * c[1] * 2 <= 8192 for c in grid)
+    assert {c[2] for c in grid} == {1, 2, 4, 8} and {c[3] for c in grid} == {4, 8}
+    assert max(c[2] for c in tool.tensor_core_grid(64)) == 2  # no more shares than tiles (64 / 32)
+    assert tool.sweep_configs(8192, 2048, True, rows=1, size=0, grid=True, sm_count=132) == tool.sweep_configs(
+        8192, 2048, True, rows=1, size=0, sm_count=132)  # one row: no tensor cores, the grid is not used
+
+
+def test_a_sweep_refuses_projection_labels_the_model_lacks():
+    with pytest.raises(ValueError, match="no llama1b projection labelled c_fc; expected some of norm\\+qkv"):
+        tool.sweep_linear("llama1b", rows=16, shapes=["norm+qkv", "c_fc"])

@@ -9,7 +9,7 @@ a slot another is writing), and runs an online softmax over the valid slots befo
 blocks of `BLOCK_S`, seeded with its own key. The slot is read on the device: the loop covers only slots
 written so far, and one compiled kernel serves every step. A block's keys, values and validity flags load
 at once (the flags mask the scores and values afterwards, not the loads), and by default a block is the
-whole cache up to `MAX_BLOCK_S` slots: one memory round trip per step for GPT-2. Under programmatic
+whole cache up to `MAX_BLOCK_S` slots: one memory round trip per step for short caches. Under programmatic
 dependent launch (`pdl.py`) the kernel starts during the projection before it, and before waiting for it loads
 what was written before the step's last PyTorch kernel: the slot index (the positions and embeddings are
 computed from it afterwards) and the first block of earlier slots with their flags and row table (earlier steps
@@ -179,8 +179,10 @@ INTERPRETED = not isinstance(_decode_attention_kernel, triton.runtime.JITFunctio
 """True when Triton runs kernels in its interpreter (`tendril.settings.triton_interpret`, TRITON_INTERPRET=1, when
 this module was imported): told by what Triton made of the kernel, not by reading the variable again."""
 
-MAX_BLOCK_S = 256
-"""Largest default slot block: a GPT-2 cache of up to 256 slots is read in one block (one memory round trip)."""
+MAX_BLOCK_S = 128
+"""Largest default slot block. Every slot of a block costs registers and arithmetic whether or not it is written yet
+(slots at or past the query's are masked, not skipped), so a block sized for a long cache slows every early step;
+past this size that costs more than walking a second block (one more memory round trip)."""
 
 
 def decode_attention(

@@ -28,16 +28,16 @@ PLAIN_DOT_TILE_K = 256
 """The tensor-core tile and its deepest extent when the input needs no norm: its tile is loaded as it is, in
 the 16-bit dtype, so a tile twice as large and as deep fits the registers (fewer, longer loads a program)."""
 DOT_FILL = 2
-"""A tensor-core launch splits K until it has 1/`DOT_FILL` as many programs as SMs, not one per SM: every split
-adds float32 partials that the column block's last program reads back (a round trip through L2 on the critical
-path), which costs more than the SMs left idle read."""
+"""A tensor-core launch on Conv1D weights splits K until it has 1/`DOT_FILL` as many programs as SMs, not one per
+SM: every split adds float32 partials that the column block's last program reads back (a round trip through L2 on the
+critical path), which for those small launches costs more than the SMs left idle read."""
 DOT_WAVE_TILE = 8192
-"""Weight elements of the tiles an SM holds at once in `DOT_WIDE_WARPS`-warp tensor-core programs (two
-`DOT_TILE` programs, one `PLAIN_DOT_TILE` program): a launch of more such programs than one wave of SMs holds
+"""Weight elements of the tiles an SM holds at once in `DOT_WIDE_WARPS`-warp tensor-core programs on Conv1D weights
+(two `DOT_TILE` programs, one `PLAIN_DOT_TILE` program): a launch of more such programs than one wave of SMs holds
 runs a second, nearly empty wave, so its split is lowered to fit one wave when that still fills `DOT_FILL`."""
 DOT_WIDE_WARPS = 8
-"""Warps of a tensor-core program when the launch fits one wave (`DOT_WAVE_TILE`): four warps leave its
-loads' latency uncovered; larger launches keep four, which an SM holds more of."""
+"""Warps of a tensor-core program on Conv1D weights when the launch fits one wave (`DOT_WAVE_TILE`): four warps leave
+its loads' latency uncovered; larger launches keep four, which an SM holds more of."""
 CONTIGUOUS_K_DEPTH = 512
 """The deepest CUDA-core tile when the inputs are contiguous in memory (nn.Linear) and this many divide them
 (no masked tail tile) and the tile stays at least 16 columns wide: longer contiguous runs per weight row."""
@@ -61,6 +61,17 @@ tiles in flight (its share's first two at most), of every matrix it reads (two w
 spills registers at 4 warps."""
 ONE_ROW_DEPTH = 8192
 """The deepest one-row tile on contiguous inputs (nn.Linear)."""
+DOT_COLUMNS = 32
+"""Columns of a 4-warp tensor-core program on nn.Linear weights (`_dot_k_contiguous`): two MMA tiles wide."""
+DOT_NORMED_WARPS = 8
+"""Warps of a tensor-core program on nn.Linear weights that norms its input: each program computes the norm's
+statistics of its rows and norms its input tiles, so a program of twice the columns (and warps) does that once
+where two would each do it."""
+DOT_WARPS_PER_SM = 8
+"""A tensor-core launch on nn.Linear weights splits K until its programs hold this many warps per SM
+(`_dot_k_contiguous`)..."""
+DOT_SHARE_DEPTH = 1024
+"""... and until no program's share of K is deeper than this."""
 ONE_ROW_PROGRAMS_PER_SM = 32
 """A deep-tile launch of more programs per SM than this (an LM head) runs many waves; there a program's share is two
 tiles of half the depth, so the second tile's loads overlap the first's products."""
@@ -120,10 +131,11 @@ def launch_config(
     to `MAX_ROWS_PER_PROGRAM` rows): more, smaller tiles. The tensor-core path (`dot`, the default for more than
     one row of half inputs) pads the rows to a `DOT_ROWS` block and accumulates `tl.dot` products in float32:
     an MMA instruction takes 16 rows at once and the padding is never loaded, so up to 16 rows share each
-    weight tile, read once, and the launch is the same for any of them: tiles of `DOT_TILE` elements, at most
-    `DOT_TILE_K` deep (`PLAIN_DOT_TILE`, `PLAIN_DOT_TILE_K` without a norm), K split no further than
-    `DOT_PARTIALS` allows and than 1/`DOT_FILL` of the SMs needs, lowered to fit one wave (`DOT_WAVE_TILE`), and
-    `DOT_WIDE_WARPS` for a launch of one wave. Its products are exact (DTYPE x DTYPE in float32; the normed
+    weight tile, read once, and the launch is the same for any of them. On nn.Linear weights it is
+    `_dot_k_contiguous`'s; on Conv1D weights tiles of `DOT_TILE` elements, at most `DOT_TILE_K` deep
+    (`PLAIN_DOT_TILE`, `PLAIN_DOT_TILE_K` without a norm), K split no further than `DOT_PARTIALS` allows and than
+    1/`DOT_FILL` of the SMs needs, lowered to fit one wave (`DOT_WAVE_TILE`), and `DOT_WIDE_WARPS` for a launch of
+    one wave. Its products are exact (DTYPE x DTYPE in float32; the normed
     input is rounded to DTYPE before them either way), so only the summation order differs between the paths.
     float32 inputs keep the CUDA-core path: `tl.dot` on float32 rounds its inputs to TF32.
 
@@ -147,6 +159,8 @@ def launch_config(
         one_row = _one_row_deep(columns, in_features, k_contiguous, sm_count, matrices)
         if one_row is not None:
             return one_row
+    if dot and k_contiguous:
+        return _dot_k_contiguous(columns, in_features, rows, sm_count, matrices, normed)
     block_m = DOT_ROWS if dot else min(triton.next_power_of_2(max(rows, 1)), MAX_ROWS_PER_PROGRAM)
     tile = TILE_BYTES // element_size // block_m
     if dot:
@@ -197,6 +211,31 @@ def one_row_held(block_n: int, block_k: int, in_features: int, matrices: int = 1
     """Weight elements a one-row program of this launch holds in registers at once, what `ONE_ROW_TILE` bounds: its
     share's tiles in flight (the first `PREFETCHED_TILES` at most), of every matrix it reads."""
     return block_n * block_k * matrices * min(share_tiles(in_features, block_k, split_k), PREFETCHED_TILES)
+
+
+def _dot_k_contiguous(columns: int, in_features: int, rows: int, sm_count: int, matrices: int,
+                      normed: bool) -> LaunchConfig:
+    """The tensor-core launch on nn.Linear weights (`launch_config`): 4-warp programs of `DOT_COLUMNS` columns whose
+    tiles are `DOT_TILE // DOT_COLUMNS` deep over every matrix they read (a gated program's tiles are half as deep).
+    A launch of more column blocks than `layers.SPLIT_K_LOCKS` (an LM head) fills the GPU many times over and keeps
+    these small programs, unsplit. A smaller one takes programs of twice the columns and `DOT_NORMED_WARPS` when they
+    norm their input, and splits K in powers of two until its programs hold `DOT_WARPS_PER_SM` warps per SM and no
+    share is deeper than `DOT_SHARE_DEPTH` (as far as `DOT_PARTIALS` lets the reduction hold the partials in
+    registers): many programs of short shares keep every SM streaming weights, and what a split's reduction costs
+    is less than what the SMs a shallower split leaves idle, or a deep share's single program, would cost."""
+    block_k = max(min(triton.next_power_of_2(in_features), DOT_TILE // (DOT_COLUMNS * matrices)), DOT_MIN)
+    k_tiles = triton.cdiv(in_features, block_k)
+    row_groups = triton.cdiv(rows, DOT_ROWS)
+    if triton.cdiv(columns // matrices, DOT_COLUMNS) * row_groups > SPLIT_K_LOCKS:
+        return LaunchConfig(DOT_ROWS, DOT_COLUMNS, block_k, 1, dot=True)
+    block_n, num_warps = (DOT_COLUMNS * 2, DOT_NORMED_WARPS) if normed else (DOT_COLUMNS, 4)
+    column_blocks = triton.cdiv(columns // matrices, block_n) * row_groups
+    most = min(k_tiles, _pow2_at_most(DOT_PARTIALS // (DOT_ROWS * block_n)))
+    split_k = 1
+    while split_k * 2 <= most and (column_blocks * split_k * num_warps < DOT_WARPS_PER_SM * sm_count
+                                   or triton.cdiv(k_tiles, split_k) * block_k > DOT_SHARE_DEPTH):
+        split_k *= 2
+    return LaunchConfig(DOT_ROWS, block_n, block_k, _without_empty_shares(k_tiles, split_k), num_warps, dot=True)
 
 
 def _one_row_deep(columns: int, in_features: int, k_contiguous: bool, sm_count: int,
