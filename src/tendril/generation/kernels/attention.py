@@ -206,8 +206,7 @@ def decode_attention(
     ([rows, heads * head_dim], contiguous rows) when given. `block_s` slots per block default to the cache
     length up to `MAX_BLOCK_S`; `pdl` as in `pdl.enabled`; `source_rows` as in the reference."""
     rows, kv_heads, max_len, head_dim = keys.shape
-    check_operands(q, k, v, keys, values, key_valid, rows)
-    heads = q.shape[1] // head_dim
+    heads = check_operands(q, k, v, keys, values, key_valid, rows)
     if source_rows is not None and (source_rows.shape != (rows, max_len) or source_rows.dtype != torch.int32
                                     or source_rows.stride(1) != 1):
         raise ValueError(f"source_rows must be an int32 [{rows}, {max_len}] tensor with contiguous rows, got "
@@ -248,8 +247,8 @@ def decode_attention(
 
 
 def check_operands(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                   key_valid: torch.Tensor, queries: int) -> None:
-    """Raise a ValueError unless q, k and v hold `queries` query tokens ([queries, heads * head_dim] and
+                   key_valid: torch.Tensor, queries: int) -> int:
+    """The query heads; a ValueError unless q, k and v hold `queries` query tokens ([queries, heads * head_dim] and
     [queries, kv_heads * head_dim], contiguous rows) over the cache `keys`/`values` ([rows, kv_heads, max_len,
     head_dim], one layout) with its `key_valid` flags (bool [rows, max_len])."""
     rows, kv_heads, max_len, head_dim = keys.shape
@@ -266,6 +265,7 @@ def check_operands(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: torc
     if key_valid.shape != (rows, max_len) or key_valid.dtype != torch.bool or key_valid.stride(1) != 1:
         raise ValueError(f"key_valid must be a bool [{rows}, {max_len}] tensor, got {key_valid.dtype} "
                          f"{tuple(key_valid.shape)}")
+    return heads
 
 
 def check_rotary(rotary: tuple[str, torch.Tensor, torch.Tensor] | None, queries: int, head_dim: int) -> int:

@@ -158,8 +158,7 @@ def prompt_attention(
     tokens = queries // rows
     if tokens > max_len:
         raise ValueError(f"a prompt of {tokens} tokens does not fit a cache of {max_len} slots")
-    check_operands(q, k, v, keys, values, key_valid, queries)
-    heads = q.shape[1] // head_dim
+    heads = check_operands(q, k, v, keys, values, key_valid, queries)
     kind, cos, sin = rotary if rotary is not None else (None, q, q)
     rotary_dim = check_rotary(rotary, queries, head_dim)
     if block_s is None:
