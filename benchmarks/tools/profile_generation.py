@@ -10,9 +10,10 @@ For each step variant (`generate`'s `step`, the compiled one optionally with Ind
   mean and total microseconds, busy time (sum of kernel durations) and the idle gaps between kernels (launch latency);
 - the whole loop graph under the profiler: GPU operations per call outside the loop's body (a conditional node's
   body is not traced), grouped by name as the step's are: what a call adds to its steps;
-- the call's time split: a call of one new token (time to first token: setup, prompt pass and first choice) and
-  the rest per loop iteration, `(ms per call - first token ms) / (new tokens - 1)`, beside the step graph alone
-  (replayed over as many steps as its state allows).
+- the call's time split: a call of one new token (time to first token: setup, prompt pass and first choice), a loop
+  iteration as the difference between calls of all and of half the new tokens over the tokens between them, beside
+  the step graph alone (replayed over as many steps as its state allows), and what is left of the call ("other":
+  ms per call less the first token and the iterations after it).
 `--sweep` also times the fused linear kernel over launch configurations (block sizes, split-K, warps, with
 `--beams` > 1 its tensor-core and CUDA-core paths, at one row on nn.Linear weights the deep one-row tiles; see
 `sweep_configs`) for the model's five projection shapes (`SWEEP_SHAPES`) at `--beams` rows against cuBLAS (each
@@ -160,9 +161,17 @@ def run_variant(variant: str, model: nn.Module, prompts: list[torch.Tensor], ref
     release_graphs(model)
     torch._dynamo.reset()
 
-    def call(prompt: torch.Tensor) -> torch.Tensor:
-        return generate(model, prompt, max_new_tokens=new_tokens, num_beams=beams, eos_token_id=[], pad_token_id=0,
-                        step=step)
+    def call_of(tokens: int) -> Callable[[torch.Tensor], torch.Tensor]:
+        def call(prompt: torch.Tensor) -> torch.Tensor:
+            return generate(model, prompt, max_new_tokens=tokens, num_beams=beams, eos_token_id=[], pad_token_id=0,
+                            step=step)
+        return call
+
+    def ms_per_call(tokens: int) -> float:
+        call_of(tokens)(prompts[0])
+        return time_callable(call_of(tokens), [(p,) for p in prompts], device="cuda", warmup=1, reps=reps).median_ms
+
+    call = call_of(new_tokens)
 
     torch.cuda.synchronize()
     begin = time.perf_counter()
@@ -181,13 +190,11 @@ def run_variant(variant: str, model: nn.Module, prompts: list[torch.Tensor], ref
     result["outside_loop_kernels"] = [{"name": g.name, "per_call": g.per_call, "mean_us": g.mean_us,
                                        "total_us": g.total_us_per_call} for g in loop.groups]
 
-    def first_token(prompt: torch.Tensor) -> torch.Tensor:
-        return generate(model, prompt, max_new_tokens=1, num_beams=beams, eos_token_id=[], pad_token_id=0, step=step)
-
-    first_token(prompts[0])
-    result["first_token_ms"] = time_callable(first_token, [(p,) for p in prompts], device="cuda", warmup=1,
-                                             reps=reps).median_ms
-    result["loop_ms_per_step"] = (timing.median_ms - result["first_token_ms"]) / max(new_tokens - 1, 1)
+    result["first_token_ms"] = ms_per_call(1)
+    half = max(new_tokens // 2, 1)
+    result["half_call_ms"] = ms_per_call(half)
+    result["loop_ms_per_step"] = (timing.median_ms - result["half_call_ms"]) / max(new_tokens - half, 1)
+    result["other_ms"] = timing.median_ms - result["first_token_ms"] - (new_tokens - 1) * result["loop_ms_per_step"]
     step_graph = StepGraph(model, prompts[0], new_tokens, step, beams)
     replays = step_graph.max_replays
     result["step_graph_ms"] = step_graph.ms_per_step(replays)
@@ -409,17 +416,18 @@ def markdown(report: dict[str, Any]) -> str:
              f"{'yes' if report.get('programmatic_launch') else 'no'} (then a kernel's traced time includes its wait "
              "for the one before, so busy and mean times overlap)"]
     if report["variants"]:
-        lines += ["", "| variant | tok/s | ms/token | warm-up s | = HF | first token ms | loop ms/step | "
+        lines += ["", "| variant | tok/s | ms/token | warm-up s | = HF | first token ms | loop ms/step | other ms | "
                   "step graph ms | ops/step | busy us/step | gaps us/step | ops/call outside the loop |",
-                  "|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
+                  "|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in report["variants"]:
         if "error" in r:
-            lines.append(f"| {r['variant']} | failed: {r['error'][:120]} |||||||||||")
+            lines.append(f"| {r['variant']} | failed: {r['error'][:120]} ||||||||||||")
             continue
         s = r["step"]
         lines.append(f"| {r['variant']} | {r['tok_per_s']:.0f} | {r['ms_per_token']:.4f} | {r['warmup_s']:.2f} | "
                      f"{'yes' if r['matches_hf'] else 'NO'} | {r['first_token_ms']:.3f} | "
-                     f"{r['loop_ms_per_step']:.4f} | {r['step_graph_ms']:.4f} | {s['operations']:.1f} | "
+                     f"{r['loop_ms_per_step']:.4f} | {r.get('other_ms', float('nan')):.3f} | "
+                     f"{r['step_graph_ms']:.4f} | {s['operations']:.1f} | "
                      f"{s['busy_us']:.1f} | {s['gap_us']:.1f} | {r['loop_operations_per_call']:.0f} |")
     for r in report["variants"]:
         if "error" in r:

@@ -22,7 +22,8 @@ def test_markdown_reports_variants_failures_and_sweep():
         "device": "test", "torch": torch.__version__, "new_tokens": 8, "prompt_len": 4,
         "variants": [
             {"variant": "fused", "tok_per_s": 1000.0, "ms_per_token": 1.0, "warmup_s": 0.5, "matches_hf": True,
-             "first_token_ms": 2.5, "loop_ms_per_step": 0.95, "step_graph_ms": 0.9, "loop_operations_per_call": 12.0,
+             "first_token_ms": 2.5, "loop_ms_per_step": 0.95, "other_ms": 0.85, "step_graph_ms": 0.9,
+             "loop_operations_per_call": 12.0,
              "outside_loop_kernels": [{"name": "gemm", "per_call": 3.0, "mean_us": 2.0, "total_us": 6.0}],
              "step": {"operations": 5.0, "busy_us": 3.0, "gap_us": 1.0, "kernels": [kernel]}},
             {"variant": "compiled", "error": "RuntimeError: boom"},
@@ -32,7 +33,7 @@ def test_markdown_reports_variants_failures_and_sweep():
                    "configs": [{"us": 4.5, "default": True}]}],
     }
     text = markdown(report)
-    assert "| fused | 1000 | 1.0000 | 0.50 | yes | 2.500 | 0.9500 | 0.9000 | 5.0 | 3.0 | 1.0 | 12 |" in text
+    assert "| fused | 1000 | 1.0000 | 0.50 | yes | 2.500 | 0.9500 | 0.850 | 0.9000 | 5.0 | 3.0 | 1.0 | 12 |" in text
     assert "| `gemm` | 3.00 | 2.00 | 6.00 |" in text
     assert "| compiled | failed: RuntimeError: boom |" in text
     assert "`triton_\\|fused`" in text
