@@ -1,12 +1,13 @@
-"""The CPU-runnable parts of `profile_generation --sweep`: which launches it tries per projection, and how its report
-names a projection swept with weights in another layout than its model's."""
+"""The CPU-runnable parts of `profile_generation --sweep` (`linear_sweep.py`): which launches it tries per projection,
+and how its report names a projection swept with weights in another layout than its model's."""
 
 from __future__ import annotations
 
 import pytest
 import triton
 
-from benchmarks.tools import profile_generation as tool
+from benchmarks.tools import linear_sweep as tool
+from benchmarks.tools import profile_generation
 from tendril.generation.kernels import launch
 
 
@@ -41,7 +42,7 @@ def test_a_projection_swept_in_another_layout_says_so():
              "best": {"us": 2.5, "block_n": 4, "block_k": 1024, "split_k": 1, "warps": 4, "dot": False}}
     report = {"device": "d", "torch": "t", "model": "gpt2", "new_tokens": 1, "prompt_len": 1, "variants": [],
               "sweep": [entry, {**entry, "shape": "ln_f+lm_head"}]}
-    text = tool.markdown(report)
+    text = profile_generation.markdown(report)
     assert "| ln_1+c_attn, weights K-contiguous | 3.50 |" in text
     assert "| ln_f+lm_head | 3.50 |" in text  # nn.Linear in the model already
 

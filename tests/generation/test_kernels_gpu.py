@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from benchmarks.cases.decode_models import TIE_ULPS, tie_gap_ulps
-from benchmarks.tools.profile_generation import SWEEP_SHAPES
+from benchmarks.tools.linear_sweep import SWEEP_SHAPES
 from tendril.generation import generate
 from tendril.generation.api import graphed_runners, release_graphs
 from tendril.generation.kernels import launch, linear, reference
