@@ -158,13 +158,15 @@ def prompt_attention(
     rows = keys.shape[0]
     tokens = q.shape[0] // rows
     q, k, v = (t.view(rows, tokens, -1) for t in (q, k, v))
-    tables = None if rotary is None else (rotary[1].view(rows, tokens, -1), rotary[2].view(rows, tokens, -1))
+    rotaries: list[tuple[str, torch.Tensor, torch.Tensor] | None] = [None] * tokens
+    if rotary is not None:
+        kind, cos, sin = rotary[0], rotary[1].view(rows, tokens, -1), rotary[2].view(rows, tokens, -1)
+        rotaries = [(kind, cos[:, token], sin[:, token]) for token in range(tokens)]
     outputs = []
     for token in range(tokens):
-        rotated = None if rotary is None or tables is None else (rotary[0], tables[0][:, token], tables[1][:, token])
         slot = torch.tensor(token, device=keys.device)
         outputs.append(decode_attention(q[:, token], k[:, token], v[:, token], keys, values, key_valid, slot, scale,
-                                        rotated))
+                                        rotaries[token]))
     return torch.stack(outputs, dim=1).reshape(rows * tokens, -1)
 
 
