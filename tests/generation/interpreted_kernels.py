@@ -16,6 +16,7 @@ from tests.generation.kernel_cases import (
     check_greedy_choice,
     check_linear,
     check_prompt_attention,
+    check_step_inputs,
 )
 from tests.generation.topk_cases import check_beam_top_k
 
@@ -58,6 +59,10 @@ def main() -> None:
     assert check_argmax("cpu") > 0
     assert check_greedy_choice("cpu") > 0
     assert check_beam_top_k("cpu") > 0
+    for dtype in (torch.float32, torch.float16):
+        assert check_step_inputs(dtype, "cpu") > 0
+    # bf16 without learned positions: the interpreter rounds their float32 sum to bf16 toward zero (check_attention)
+    assert check_step_inputs(torch.bfloat16, "cpu", learned_positions=False) > 0
     print("interpreted checks passed")
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from tendril.generation.kernels import argmax_kernel, attention, linear, prompt_kernel, reference
+from tendril.generation.kernels import argmax_kernel, attention, linear, prompt_kernel, reference, step_inputs_kernel
 from tendril.generation.kernels.layers import Norm, Projection
 
 
@@ -96,7 +96,7 @@ def check_argmax(device: str) -> int:
     no_eos = torch.zeros(0, dtype=torch.long, device=device)
 
     def tokens(scores: torch.Tensor, chunk: int | None) -> torch.Tensor:
-        return argmax_kernel.greedy_choice(scores, step, sequences, unfinished, no_eos, 0, 1, chunk=chunk)[3]
+        return argmax_kernel.greedy_choice(scores, step, sequences, unfinished, no_eos, 0, 1, 8, chunk=chunk)[3]
 
     checked = 0
     for columns in sizes:
@@ -116,8 +116,9 @@ def check_argmax(device: str) -> int:
 
 def check_greedy_choice(device: str) -> int:
     """`argmax_kernel.greedy_choice` equals `reference.greedy_choice` exactly (new step, sequences, unfinished,
-    tokens), without eos ids and with two, on rows that finish, rows already finished, a row whose first largest
-    score is tied, and a step whose column clamps to the last; its inputs stay as they were."""
+    tokens, the loop's condition), without eos ids and with two, on rows that finish, rows already finished, a row
+    whose first largest score is tied, steps with steps left and without, and a step whose column clamps to the
+    last; its inputs stay as they were."""
     torch.manual_seed(3)
     checked = 0
     vocab, width, prompt_len = 37, 12, 5
@@ -133,12 +134,45 @@ def check_greedy_choice(device: str) -> int:
                 eos = torch.tensor(eos_ids, dtype=torch.long, device=device)
                 step = torch.tensor(step_value, device=device)
                 inputs = [t.clone() for t in (scores, step, sequences, unfinished)]
-                got = argmax_kernel.greedy_choice(scores, step, sequences, unfinished, eos, 2, prompt_len)
-                want = reference.greedy_choice(scores, step, sequences, unfinished, eos, 2, prompt_len)
+                got = argmax_kernel.greedy_choice(scores, step, sequences, unfinished, eos, 2, prompt_len, 4)
+                want = reference.greedy_choice(scores, step, sequences, unfinished, eos, 2, prompt_len, 4)
                 for have, expected in zip(got, want, strict=True):
                     assert have.dtype == expected.dtype and torch.equal(have, expected), (rows, eos_ids, step_value)
                 for before, now in zip(inputs, (scores, step, sequences, unfinished), strict=True):
                     assert torch.equal(before, now)
+                checked += 1
+    return checked
+
+
+def check_step_inputs(dtype: torch.dtype, device: str, learned_positions: bool = True) -> int:
+    """`step_inputs_kernel.step_inputs` equals `reference.step_inputs` exactly: token embeddings alone, with learned
+    positions (unless not `learned_positions`) and with a rotary table; sequences read in place and through a
+    transposed view; counters and offsets whose slot, tokens or positions fall outside their tables (clamped).
+    Outputs come from memory just filled with NaN, so an element left unwritten shows."""
+    torch.manual_seed(4)
+    rows, width, vocab, hidden_size, positions_held, rotary_width = 3, 9, 11, 40, 7, 6
+    tokens = torch.randn(vocab, hidden_size, device=device).to(dtype)
+    positions = torch.randn(positions_held, hidden_size, device=device).to(dtype)
+    rotary = torch.randn(positions_held + 2, 2, rotary_width, device=device).to(dtype)
+    checked = 0
+    for position_table, rotary_table in ((None, None), (positions, None), (None, rotary), (positions, rotary)):
+        if position_table is not None and not learned_positions:
+            continue
+        for transposed in (False, True):
+            for counter_value, offset in ((0, 4), (3, -1), (2, 20), (0, -5)):  # in range; past the end; before
+                sequences = torch.randint(-2, vocab + 3, (rows, width), device=device)  # some ids out of range
+                if transposed:
+                    sequences = sequences.t().contiguous().t()
+                counter = torch.tensor(counter_value, device=device)
+                base = torch.tensor([-3, 0, 2], device=device)
+                torch.full((1 << 16,), float("nan"), device=device)  # freed at once: the outputs' memory
+                tables = (tokens, position_table, rotary_table)
+                got = step_inputs_kernel.step_inputs(sequences, counter, offset, base, *tables)
+                want = reference.step_inputs(sequences, counter, offset, base, *tables)
+                for have, expected in zip(got, want, strict=True):
+                    assert (have is None) == (expected is None)
+                    if have is not None:
+                        assert have.dtype == expected.dtype and torch.equal(have, expected), (counter_value, offset)
                 checked += 1
     return checked
 
@@ -166,7 +200,8 @@ SLOTS = (0, 5, 20)
 
 
 def check_attention(dtype: torch.dtype, device: str, slots=SLOTS, exact_cache: bool = True) -> int:
-    """MHA and GQA, no/half/interleaved rotary, slots at 0, inside and past a block; cache writes exact
+    """MHA and GQA, no/half/interleaved rotary, slots at 0, inside and past a block (given as a tensor and an
+    offset, as decode loops give them), with the default tail block, a shorter one and none; cache writes exact
     (bit for bit, as HF's eager ops write them: in float32 that needs the kernel's products and sums of the
     rotary embedding left uncontracted, which only the GPU run can check; the interpreter does not fuse).
     `exact_cache=False` allows a cache value two ulps off: Triton's interpreter rounds float32 to bfloat16
@@ -193,8 +228,10 @@ def check_attention(dtype: torch.dtype, device: str, slots=SLOTS, exact_cache: b
                     None, None, :, None]
                 keys, values = keys.masked_fill(unused, float("nan")), values.masked_fill(unused, float("nan"))
                 out = torch.full_like(expected, float("nan"))
-                got = attention.decode_attention(q, k, v, keys, values, key_valid, slot, 0.25, rotary, out=out,
-                                                 block_s=8)
+                offset = slot_value % 3  # the slot as a decode loop passes it: its step counter and an offset
+                tail_s = (None, 4, 0)[(checked // 3) % 3]  # the default tail (16 slots here), a short one, none
+                got = attention.decode_attention(q, k, v, keys, values, key_valid, slot - offset, 0.25, rotary,
+                                                 out=out, block_s=8, tail_s=tail_s, slot_offset=offset)
                 assert not got.isnan().any()
                 torch.testing.assert_close(got, expected, **_tolerance(dtype))
                 for cache, ref_cache in ((keys, ref_keys), (values, ref_values)):

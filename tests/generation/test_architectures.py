@@ -87,7 +87,7 @@ def test_gpt2_scale_is_derived_from_the_config_where_hf_has_no_scaling_attribute
                                          "high_freq_factor": 4.0, "original_max_position_embeddings": 16}])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_the_rotary_table_holds_what_the_model_computes_per_step(rope, dtype):
-    from tendril.generation.architectures.llama import RotaryTable
+    from tendril.generation.architectures.fused import RotaryTable
 
     model = tiny_model("llama")
     if rope is not None:
@@ -95,7 +95,7 @@ def test_the_rotary_table_holds_what_the_model_computes_per_step(rope, dtype):
         config.rope_parameters = {**rope, "rope_theta": 10000.0}
         model = transformers.LlamaForCausalLM(config).eval()
     rotary_emb = model.model.rotary_emb
-    table = RotaryTable(rotary_emb)
+    table = RotaryTable(decoder_for(model)._rotary_rows)
     x = torch.zeros(3, 1, 64, dtype=dtype)
     for length in (9, 5, 30):  # a table for a longer cache, a shorter one served from a longer table
         positions = torch.randint(0, length, (3, 1))

@@ -225,7 +225,7 @@ def _gpt2_projection(out_f: int, in_f: int, conv1d: bool, dtype: torch.dtype = t
 def test_decode_kernels_compile_for_hopper():
     """The kernels as a GPT-2 / Llama decode launches them (PDL on) compile for sm_90: type errors the
     interpreter cannot see (hopper_compile.py)."""
-    from tendril.generation.kernels import argmax_kernel, attention, linear
+    from tendril.generation.kernels import argmax_kernel, attention, linear, step_inputs_kernel
     from tests.generation.hopper_compile import hopper_compile
 
     half = torch.float16
@@ -261,13 +261,16 @@ def test_decode_kernels_compile_for_hopper():
         assert hopper_compile(argmax_kernel._greedy_kernel, lambda eos=eos: hopper_compile(
             argmax_kernel._chunk_argmax_kernel, lambda: argmax_kernel.greedy_choice(
                 torch.zeros(1, 50257), torch.zeros((), dtype=torch.long), torch.zeros(1, 144, dtype=torch.long),
-                torch.ones(1, dtype=torch.bool), eos, 50256, 16, pdl=True))) == 1
+                torch.ones(1, dtype=torch.bool), eos, 50256, 16, 128, pdl=True))) == 1
+    assert hopper_compile(step_inputs_kernel._step_inputs_kernel, lambda: step_inputs_kernel.step_inputs(
+        torch.zeros(4, 144, dtype=torch.long), torch.zeros(1, dtype=torch.long), 15, torch.zeros(4, dtype=torch.long),
+        torch.zeros(50257, 768, dtype=half), torch.zeros(1024, 768, dtype=half), None, pdl=True)) == 1
 
 
 def test_bf16_llama_kernels_compile_for_hopper():
     """A bf16 Llama step's launches (RMSNorm + q/k/v, rotary attention over a bf16 cache, RMSNorm + gated
     SiLU, down + residual, the LM head widened to float32) and its prompt pass's compile for sm_90 with PDL on."""
-    from tendril.generation.kernels import attention, linear, prompt_kernel
+    from tendril.generation.kernels import attention, linear, prompt_kernel, step_inputs_kernel
     from tests.generation.hopper_compile import hopper_compile
 
     bf16 = torch.bfloat16
@@ -290,7 +293,10 @@ def test_bf16_llama_kernels_compile_for_hopper():
     tables = torch.zeros(1, 16, dtype=bf16)
     assert hopper_compile(attention._decode_attention_kernel, lambda: attention.decode_attention(
         q, k, v, cache, cache.clone(), torch.ones(1, 144, dtype=torch.bool), torch.zeros(1, dtype=torch.long),
-        0.25, ("half", tables, tables), pdl=True)) == 1
+        0.25, ("half", tables, tables), pdl=True, slot_offset=15)) == 1
+    assert hopper_compile(step_inputs_kernel._step_inputs_kernel, lambda: step_inputs_kernel.step_inputs(
+        torch.zeros(1, 144, dtype=torch.long), torch.zeros(1, dtype=torch.long), 15, torch.zeros(1, dtype=torch.long),
+        torch.zeros(128256, 64, dtype=bf16), None, torch.zeros(144, 2, 16, dtype=bf16), pdl=True)) == 1
     # the prompt pass: 16 tokens through the tensor-core projection and the prompt's attention
     prompt = torch.zeros(16, 64, dtype=bf16)
     assert hopper_compile(linear._fused_linear_kernel,

@@ -22,6 +22,7 @@ from tests.generation.kernel_cases import (
     check_greedy_choice,
     check_linear,
     check_prompt_attention,
+    check_step_inputs,
 )
 from tests.generation.models import hf_generate, left_padded, tiny_model
 
@@ -43,6 +44,11 @@ def test_argmax_kernel_matches_torch():
 
 def test_greedy_choice_kernel_matches_its_reference():
     assert check_greedy_choice("cuda") > 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_step_inputs_kernel_matches_its_reference(dtype):
+    assert check_step_inputs(dtype, "cuda") > 0
 
 
 

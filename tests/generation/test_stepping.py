@@ -27,8 +27,8 @@ def test_decode_step_steps_and_resets_like_generate(step):
     for _ in range(2):  # the second round starts from `reset`, which must undo the first round's steps
         for _ in range(NEW - 1):  # the state after prefill holds the first token: NEW - 1 steps remain
             state.step()
-        step_count, sequences, unfinished = state.buffers
-        assert int(step_count) == NEW and bool(unfinished.all())
+        step_count, sequences, unfinished, running = state.buffers
+        assert int(step_count) == NEW and bool(unfinished.all()) and not bool(running)
         assert torch.equal(sequences, expected)
         state.reset()
         for buffer, start in zip(state.buffers, state.start, strict=True):

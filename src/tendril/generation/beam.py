@@ -243,10 +243,8 @@ class BeamSearch:
 
     def body(self, *carried: torch.Tensor) -> Carried:
         cur_len, running_sequences = carried[0], carried[1]
-        slot = cur_len - 1
         flat = running_sequences.view(-1, running_sequences.shape[-1])
-        last = flat.gather(1, slot.expand(flat.shape[0], 1)).squeeze(1)
-        return self.choose(self.decoder.step(last, slot), *carried)
+        return self.choose(self.decoder.step_at(flat, cur_len, -1), *carried)  # the last token, at cur_len - 1
 
     def choose(self, logits: torch.Tensor, *carried: torch.Tensor) -> Carried:
         d, b, k = self.decoder, self.batch_size, self.num_beams

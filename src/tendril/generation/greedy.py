@@ -1,11 +1,13 @@
 """Greedy decoding and multinomial sampling as a device loop (HF's `_sample`).
 
-Carried state: (step, sequences, unfinished):
+Carried state: (step, sequences, unfinished, running):
 - step: 0-d long, tokens generated so far;
 - sequences: [rows, P + max_new_tokens] long, the prompt then the generated tokens (pad beyond);
-- unfinished: [rows] bool, rows that have not produced eos (finished rows emit the pad token, as HF).
-The loop runs while `step < max_new_tokens` and some row is unfinished; one iteration forwards the last
-token, processes the logits, picks the next token and updates the stop mask, all on the device.
+- unfinished: [rows] bool, rows that have not produced eos (finished rows emit the pad token, as HF);
+- running: 0-d bool, `step < max_new_tokens` and some row is unfinished: the loop's condition, computed with the
+  choice that changes it (in the token choice's kernel at batch 1), so testing it takes no kernel of its own.
+The loop runs while `running`; one iteration forwards the last token, processes the logits, picks the next
+token and updates the stop mask and the condition, all on the device.
 
 With a `TokenRing`, each chosen token of the (single) row is also published for a streamer (see
 `streaming.py`); without one the loop is unchanged.
@@ -23,7 +25,7 @@ from tendril.generation.noise import gumbel
 from tendril.generation.state import Decoder
 from tendril.generation.streaming import TokenRing
 
-Carried = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+Carried = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 
 
 class TokenSearch:
@@ -42,19 +44,21 @@ class TokenSearch:
         sequences[:, : self.decoder.prompt_len] = prompt
         step = torch.zeros((), dtype=torch.long, device=device)
         unfinished = torch.ones(rows, dtype=torch.bool, device=device)
-        return self.choose(prefill_logits, step, sequences, unfinished)
+        running = torch.full((), self.decoder.max_new_tokens > 0, dtype=torch.bool, device=device)
+        return self.choose(prefill_logits, step, sequences, unfinished, running)
 
-    def cond(self, step: torch.Tensor, sequences: torch.Tensor, unfinished: torch.Tensor) -> torch.Tensor:
-        return (step < self.decoder.max_new_tokens) & unfinished.any()
+    def cond(self, step: torch.Tensor, sequences: torch.Tensor, unfinished: torch.Tensor,
+             running: torch.Tensor) -> torch.Tensor:
+        return running
 
-    def body(self, step: torch.Tensor, sequences: torch.Tensor, unfinished: torch.Tensor) -> Carried:
-        slot = step + (self.decoder.prompt_len - 1)
-        last = sequences.gather(1, slot.expand(sequences.shape[0], 1)).squeeze(1)
-        return self.choose(self.decoder.step(last, slot), step, sequences, unfinished)
+    def body(self, step: torch.Tensor, sequences: torch.Tensor, unfinished: torch.Tensor,
+             running: torch.Tensor) -> Carried:
+        # the last token written, at column prompt_len + step - 1
+        logits = self.decoder.step_at(sequences, step, self.decoder.prompt_len - 1)
+        return self.choose(logits, step, sequences, unfinished, running)
 
-    def choose(
-        self, logits: torch.Tensor, step: torch.Tensor, sequences: torch.Tensor, unfinished: torch.Tensor
-    ) -> Carried:
+    def choose(self, logits: torch.Tensor, step: torch.Tensor, sequences: torch.Tensor, unfinished: torch.Tensor,
+               running: torch.Tensor) -> Carried:
         decoder = self.decoder
         scores = logits
         if decoder.processing.changes_scores:
@@ -62,15 +66,16 @@ class TokenSearch:
             scores = decoder.process(scores, sequences, length)
         if decoder.processing.do_sample:
             scores = scores + gumbel(decoder.noise_key, step, *scores.shape)
-        next_step, written, still_unfinished, tokens = kernels.greedy_choice(
-            scores, step, sequences, unfinished, decoder.eos, self.pad_token_id, decoder.prompt_len
+        next_step, written, still_unfinished, tokens, still_running = kernels.greedy_choice(
+            scores, step, sequences, unfinished, decoder.eos, self.pad_token_id, decoder.prompt_len,
+            decoder.max_new_tokens,
         )
         if self.ring is not None:  # publish only while the loop runs (a predicated body also runs after it stops)
-            self.ring.publish(self.cond(step, sequences, unfinished), next_step, tokens[:1])
-        return next_step, written, still_unfinished
+            self.ring.publish(running, next_step, tokens[:1])
+        return next_step, written, still_unfinished, still_running
 
 
 def greedy_result(carried: tuple[torch.Tensor, ...], prompt_len: int) -> torch.Tensor:
     """The prompt and generated tokens, cropped to the steps run (one host sync, after the loop)."""
-    step, sequences, _ = carried
+    step, sequences = carried[:2]
     return sequences[:, : prompt_len + int(step.item())]

@@ -13,6 +13,7 @@ import torch
 
 from tendril.generation.architectures import DecoderArchitecture
 from tendril.generation.architectures.base import StepForward
+from tendril.generation.architectures.fused import FusedStep
 from tendril.generation.cache import StaticKVCache
 from tendril.generation.processors import LogitsProcessing, seen_tokens
 
@@ -88,6 +89,16 @@ class Decoder:
         positions = self.position_base + slot
         forward = self.step_forward or self.arch.forward
         return forward(last_tokens[:, None], positions[:, None], slot.view(1), self.cache)
+
+    def step_at(self, sequences: torch.Tensor, counter: torch.Tensor, offset: int) -> torch.Tensor:
+        """`step` for the token at column `slot = counter + offset` of each row of `sequences` ([rows, width] long;
+        `counter` 0-d long), stored at cache slot `slot`: how the decode loops call the step. A fused step
+        (`FusedStep`) reads the tokens and positions from these tensors itself; other forwards get them computed."""
+        forward = self.step_forward or self.arch.forward
+        if isinstance(forward, FusedStep):
+            return forward.step_at(sequences, counter, offset, self.position_base, self.cache)
+        slot = counter + offset
+        return self.step(sequences.gather(1, slot.expand(sequences.shape[0], 1)).squeeze(1), slot)
 
     def process(self, scores: torch.Tensor, tokens: torch.Tensor, length: torch.Tensor) -> torch.Tensor:
         """Apply the logits processors; `tokens` [rows, max_len] holds `length` (0-d) tokens so far."""

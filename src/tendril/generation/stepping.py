@@ -21,9 +21,10 @@ class DecodeStep:
     """A decode loop's carried state in fixed buffers, advanced one loop iteration (one token) per `step()`.
 
     After construction `buffers` hold the state after the prompt pass and the first token choice (for greedy
-    search: step counter, sequences, unfinished flags); `reset()` puts that state back, `restart(prompt)` runs
-    the prompt pass again for another prompt of the same shape. The buffers are inference tensors (the loop
-    runs under `torch.inference_mode`, as `generate` does), so every method writes them in inference mode.
+    search: step counter, sequences, unfinished flags, whether the loop goes on); `reset()` puts that state back,
+    `restart(prompt)` runs the prompt pass again for another prompt of the same shape. The buffers are inference
+    tensors (the loop runs under `torch.inference_mode`, as `generate` does), so every method writes them in
+    inference mode.
     """
 
     def __init__(self, loop: DecodeLoop, prompt: torch.Tensor, seed: int = 0) -> None:

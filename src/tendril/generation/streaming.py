@@ -108,6 +108,7 @@ class TokenRing:
         self.words, self.stamps = device_words[: slots + 1], device_words[slots + 1 :]
         self.host_words, self.host_stamps = host_words[: slots + 1], host_words[slots + 1 :]
         self._host = host_words.numpy()
+        self.reset()  # page-locked memory comes back from the allocator as it was left: a new ring holds no word
         if device.type == "cuda":
             self._load_kernel()
 

@@ -150,15 +150,18 @@ def fused_attention(
     query_slots: torch.Tensor,
     scale: float,
     rotary: tuple[str, torch.Tensor, torch.Tensor] | None = None,
+    slot_offset: int = 0,
 ) -> torch.Tensor:
     """A fused forward's attention in `layer` for `query` ([rows * T, heads * head_dim], T tokens a row): one token a
-    row is a decode step at `query_slots` (`decode_attention`, through the cache's row table); several are the prompt,
-    at slots 0..T-1 of an empty cache, as `Decoder.prefill` passes it (`prompt_attention`)."""
+    row is a decode step at `query_slots + slot_offset` (`decode_attention`, through the cache's row table); several
+    are the prompt, at slots 0..T-1 of an empty cache, as `Decoder.prefill` passes it (`prompt_attention`)."""
     keys, values = cache.keys[layer], cache.values[layer]
     rows = keys.shape[0]
     if query.shape[0] == rows:
         return decode_attention(query, key, value, keys, values, cache.key_valid, query_slots, scale, rotary,
-                                source_rows=cache.source_rows)
+                                source_rows=cache.source_rows, slot_offset=slot_offset)
+    if slot_offset:
+        raise ValueError(f"a prompt fills slots 0..T-1 of an empty cache; slot_offset must be 0, got {slot_offset}")
     if query.shape[0] != rows * query_slots.numel():
         raise ValueError(f"{query.shape[0]} query tokens for {rows} rows at {query_slots.numel()} slots: a fused "
                          f"forward takes one token a row, or a prompt of one token a slot")

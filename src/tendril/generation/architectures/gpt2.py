@@ -13,7 +13,6 @@ import torch
 from tendril.generation.architectures.base import (
     CacheLayout,
     DecoderArchitecture,
-    StepForward,
     fused_attention,
     last_logits,
     last_positions,
@@ -22,6 +21,7 @@ from tendril.generation.architectures.base import (
     require,
     split_heads,
 )
+from tendril.generation.architectures.fused import Embedding, FusedStep, Rotary
 from tendril.generation.cache import StaticKVCache
 from tendril.generation.kernels import Norm, Projection, activation_for, fused_linear
 
@@ -65,7 +65,7 @@ class GPT2(DecoderArchitecture):
             hidden = hidden + block.mlp(block.ln_2(hidden))
         return last_logits(self.model.lm_head, transformer.ln_f(hidden))
 
-    def fused_step(self) -> StepForward:
+    def fused_step(self) -> FusedStep:
         activation = activation_for(self.config.activation_function)
         require(activation is not None, f"step='fused' does not reproduce GPT-2's activation "
                 f"{self.config.activation_function!r}; use step='compiled'")
@@ -78,18 +78,15 @@ class GPT2(DecoderArchitecture):
         ]
         final_norm, head = Norm.of(transformer.ln_f), Projection.of(self.model.lm_head)
 
-        def forward(
-            tokens: torch.Tensor, positions: torch.Tensor, query_slots: torch.Tensor, cache: StaticKVCache
-        ) -> torch.Tensor:
-            rows, length = tokens.shape
-            hidden = (transformer.wte(tokens) + transformer.wpe(positions)).view(rows * length, -1)
+        def run_layers(hidden: torch.Tensor, rotary: Rotary | None, query_slots: torch.Tensor, slot_offset: int,
+                       cache: StaticKVCache, rows: int) -> torch.Tensor:
             width = hidden.shape[-1]
             for index, (ln_1, qkv, attn_out, ln_2, fc, mlp_out, scale) in enumerate(layers):
                 query, key, value = fused_linear(hidden, qkv, norm=ln_1).split(width, dim=1)
-                out = fused_attention(query, key, value, cache, index, query_slots, scale)
+                out = fused_attention(query, key, value, cache, index, query_slots, scale, slot_offset=slot_offset)
                 hidden = fused_linear(out, attn_out, addends=(hidden,))
                 hidden = fused_linear(fused_linear(hidden, fc, norm=ln_2, activation=activation), mlp_out,
                                       addends=(hidden,))
             return fused_linear(last_positions(hidden, rows), head, norm=final_norm, out_dtype=torch.float32)
 
-        return forward
+        return FusedStep(Embedding(transformer.wte, transformer.wpe), run_layers)

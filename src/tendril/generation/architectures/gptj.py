@@ -6,8 +6,9 @@ rotation uses its `rotate_every_two`, with HF's formula `x * cos + rotate_every_
 per-pair duplication of sin/cos is an `expand` here instead of HF's `repeat_interleave` (same values;
 `repeat_interleave` may compute its output size on the host).
 
-The fused step rotates inside the attention kernel (pairs, first `rotary_dim` channels) and runs five
-kernels a layer: LN + q/k/v, attention, out_proj, LN + fc_in + GELU, fc_out + attention output + residual.
+The fused step gathers sin/cos from a table of those values in the model's dtype (`RotaryTable`), rotates inside
+the attention kernel (pairs, first `rotary_dim` channels) and runs five kernels a layer: LN + q/k/v, attention,
+out_proj, LN + fc_in + GELU, fc_out + attention output + residual.
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ import torch
 from tendril.generation.architectures.base import (
     CacheLayout,
     DecoderArchitecture,
-    StepForward,
     fused_attention,
     last_logits,
     last_positions,
@@ -28,6 +28,7 @@ from tendril.generation.architectures.base import (
     register,
     require,
 )
+from tendril.generation.architectures.fused import Embedding, FusedStep, Rotary, RotaryTable
 from tendril.generation.cache import StaticKVCache
 from tendril.generation.kernels import Norm, Projection, activation_for, fused_linear
 
@@ -82,7 +83,12 @@ class GPTJ(DecoderArchitecture):
         sin, cos = (_pairs(t) for t in torch.split(sincos, sincos.shape[-1] // 2, dim=-1))
         return sin, cos
 
-    def fused_step(self) -> StepForward:
+    def _rotary_rows(self, x: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin [length, rotary_dim] of positions 0..length-1 (pairs duplicated), as `_sin_cos`."""
+        sin, cos = self._sin_cos(torch.arange(length, device=x.device)[None], x.dtype)
+        return cos.view(length, -1), sin.view(length, -1)
+
+    def fused_step(self) -> FusedStep:
         activation = activation_for(self.config.activation_function)
         require(activation is not None, f"step='fused' does not reproduce GPT-J's activation "
                 f"{self.config.activation_function!r}; use step='compiled'")
@@ -95,22 +101,18 @@ class GPTJ(DecoderArchitecture):
         ]
         final_norm, head = Norm.of(transformer.ln_f), Projection.of(self.model.lm_head)
 
-        def forward(
-            tokens: torch.Tensor, positions: torch.Tensor, query_slots: torch.Tensor, cache: StaticKVCache
-        ) -> torch.Tensor:
-            rows, length = tokens.shape
-            hidden = transformer.wte(tokens).view(rows * length, -1)
-            sin, cos = self._sin_cos(positions, hidden.dtype)
-            rotary = ("interleaved", cos.view(rows * length, -1), sin.view(rows * length, -1))
+        def run_layers(hidden: torch.Tensor, rotary: Rotary | None, query_slots: torch.Tensor, slot_offset: int,
+                       cache: StaticKVCache, rows: int) -> torch.Tensor:
             for index, (ln_1, qkv, attn_out, fc_in, fc_out) in enumerate(layers):
                 query, key, value = fused_linear(hidden, qkv, norm=ln_1).split(qkv.out_sizes, dim=1)
-                out = fused_attention(query, key, value, cache, index, query_slots, self.scale, rotary)
+                out = fused_attention(query, key, value, cache, index, query_slots, self.scale, rotary, slot_offset)
                 attended = fused_linear(out, attn_out)
                 hidden = fused_linear(fused_linear(hidden, fc_in, norm=ln_1, activation=activation), fc_out,
                                       addends=(attended, hidden))
             return fused_linear(last_positions(hidden, rows), head, norm=final_norm, out_dtype=torch.float32)
 
-        return forward
+        return FusedStep(Embedding(transformer.wte, rotary=("interleaved", RotaryTable(self._rotary_rows))),
+                         run_layers)
 
 
 def _pairs(table: torch.Tensor) -> torch.Tensor:

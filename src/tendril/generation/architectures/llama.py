@@ -17,7 +17,6 @@ import torch
 from tendril.generation.architectures.base import (
     CacheLayout,
     DecoderArchitecture,
-    StepForward,
     fused_attention,
     last_logits,
     last_positions,
@@ -26,9 +25,9 @@ from tendril.generation.architectures.base import (
     require,
     split_heads,
 )
+from tendril.generation.architectures.fused import Embedding, FusedStep, Rotary, RotaryTable
 from tendril.generation.cache import StaticKVCache
 from tendril.generation.kernels import Norm, Projection, activation_for, fused_linear
-from tendril.graphs.capture import capturing
 
 FusedLayer = tuple[Norm, Projection, Projection, Norm, Projection, Projection, float]
 """One decoder layer as the fused step reads it (see `Llama.fused_weights`)."""
@@ -54,36 +53,6 @@ class Unsharded:
 
 _STATIC_ROPE = {"default", "linear", "llama3", "yarn"}
 """RoPE types whose frequencies do not depend on the sequence length (no host decision per step)."""
-
-
-class RotaryTable:
-    """The fused step's cos and sin: rows of a table over a cache's positions, gathered in one kernel a step.
-
-    The model's `rotary_emb` computes them from the positions in about eight kernels, each a launch the step
-    waits for. Its operations are elementwise per position (each angle is one float32 product), and a static RoPE
-    (`_STATIC_ROPE`) does not depend on the length, so the table it computes once for positions
-    `0..length - 1` holds, row for row, what it computes per step. Tables are built outside a CUDA graph capture
-    (the decode loop runs its step once before capturing it) and never freed: a graph captured with one keeps
-    reading it, so a longer cache adds a table instead of replacing one."""
-
-    def __init__(self, rotary_emb: torch.nn.Module) -> None:
-        self.rotary_emb = rotary_emb
-        self.tables: list[torch.Tensor] = []
-        """Every table built, [positions, 2, head_dim] each: cos then sin, in the activations' dtype."""
-
-    def __call__(self, x: torch.Tensor, positions: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin [rows * T, head_dim] for `positions` ([rows, T] long, each below `length`), in `x`'s dtype."""
-        table = next((t for t in self.tables if t.shape[0] >= length and t.dtype == x.dtype and t.device == x.device),
-                     None)
-        if table is None:
-            if capturing():
-                raise RuntimeError(f"the fused step's rotary table for {length} positions is built outside a "
-                                   f"CUDA graph capture: run the step once before capturing it")
-            cos, sin = self.rotary_emb(x, torch.arange(length, device=x.device)[None])
-            table = torch.stack([cos[0], sin[0]], dim=1)
-            self.tables.append(table)
-        rows = table.index_select(0, positions.reshape(-1))
-        return rows[:, 0], rows[:, 1]
 
 
 @register
@@ -161,26 +130,25 @@ class Llama(DecoderArchitecture):
     parallel: Any = Unsharded
     """How row projections combine across devices (`Unsharded`, or a `tendril.distributed.Shard`)."""
 
-    def fused_step(self) -> StepForward:
+    def _rotary_rows(self, x: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin [length, head_dim] of positions 0..length-1, from the model's `rotary_emb`."""
+        cos, sin = self.model.model.rotary_emb(x, torch.arange(length, device=x.device)[None])
+        return cos[0], sin[0]
+
+    def fused_step(self) -> FusedStep:
         activation, layers, final_norm, head = self.fused_weights()
         base = self.model.model
         parallel = self.parallel
-        rotary_table = RotaryTable(base.rotary_emb)
 
-        def forward(
-            tokens: torch.Tensor, positions: torch.Tensor, query_slots: torch.Tensor, cache: StaticKVCache
-        ) -> torch.Tensor:
-            rows, length = tokens.shape
-            hidden = base.embed_tokens(tokens)
-            rotary = ("half", *rotary_table(hidden, positions, cache.max_len))
-            hidden = hidden.view(rows * length, -1)
+        def run_layers(hidden: torch.Tensor, rotary: Rotary | None, query_slots: torch.Tensor, slot_offset: int,
+                       cache: StaticKVCache, rows: int) -> torch.Tensor:
             for index, (norm_1, qkv, attn_out, norm_2, gate_up, down, scale) in enumerate(layers):
                 query, key, value = fused_linear(hidden, qkv, norm=norm_1).split(qkv.out_sizes, dim=1)
-                out = fused_attention(query, key, value, cache, index, query_slots, scale, rotary)
+                out = fused_attention(query, key, value, cache, index, query_slots, scale, rotary, slot_offset)
                 hidden = parallel.reduce(fused_linear(out, attn_out, addends=parallel.residual(hidden)))
                 gated = fused_linear(hidden, gate_up, norm=norm_2, activation=activation, gated=True)
                 hidden = parallel.reduce(fused_linear(gated, down, addends=parallel.residual(hidden)))
             last = last_positions(hidden, rows)
             return parallel.gather(fused_linear(last, head, norm=final_norm, out_dtype=torch.float32))
 
-        return forward
+        return FusedStep(Embedding(base.embed_tokens, rotary=("half", RotaryTable(self._rotary_rows))), run_layers)

@@ -1,14 +1,14 @@
 """Fused kernels of one-token decode steps and short prompt passes (`generate(step="fused")`).
 
-`linear.py` (norm + projection + activation + residual adds; `launch.py` its default launch), `attention.py`
-(cache write + rotary + attention of one query over the static cache), `prompt_kernel.py` (the same for a short
-prompt into an empty cache), `argmax_kernel.py` (the token choice, alone or with the rest of a greedy step's
-bookkeeping), `topk_kernel.py` (beam search's top-k over all beams),
-`reference.py` (plain PyTorch with the same numerics), `layers.py` (norms and projections read from HF modules),
-`pdl.py` (how consecutive kernels overlap). The functions here run the Triton kernels on
-CUDA tensors and the references elsewhere (the CPU), so a fused decode path runs, slowly, without a GPU;
-on the CPU under Triton's interpreter (`TRITON_INTERPRET=1`) they run the kernels (that is how CI tests
-them without a GPU).
+`linear.py` (norm + projection + activation + residual adds; `launch.py` its default launch), `attention.py` (cache
+write + rotary + attention of one query over the static cache), `prompt_kernel.py` (the same for a short prompt into
+an empty cache), `argmax_kernel.py` (the token choice, alone or with the rest of a greedy step's bookkeeping),
+`topk_kernel.py` (beam search's top-k over all beams), `reference.py` (plain PyTorch with the same numerics),
+`layers.py` (norms and projections read from HF modules), `step_inputs_kernel.py` (a step's embedding and rotary
+rows read from the loop's state), `pdl.py` (how consecutive kernels overlap). The functions here run the Triton
+kernels on CUDA tensors and the references elsewhere (the CPU), so a fused decode path runs, slowly, without a GPU;
+on the CPU under Triton's interpreter (`TRITON_INTERPRET=1`) they run the kernels (that is how CI tests them without
+a GPU).
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ __all__ = [
     "fused_linear",
     "greedy_choice",
     "prompt_attention",
+    "step_inputs",
 ]
 
 
@@ -65,6 +66,24 @@ def fused_linear(
     return result if out_dtype is None else result.to(out_dtype)
 
 
+def step_inputs(
+    sequences: torch.Tensor,
+    counter: torch.Tensor,
+    offset: int,
+    position_base: torch.Tensor,
+    tokens: torch.Tensor,
+    positions: torch.Tensor | None = None,
+    rotary: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A one-token step's first hidden state and rotary rows from the loop's state; see `reference.step_inputs`.
+    One Triton kernel on CUDA (`step_inputs_kernel.py`)."""
+    if _use_triton(tokens):
+        from tendril.generation.kernels import step_inputs_kernel
+
+        return step_inputs_kernel.step_inputs(sequences, counter, offset, position_base, tokens, positions, rotary)
+    return reference.step_inputs(sequences, counter, offset, position_base, tokens, positions, rotary)
+
+
 def greedy_choice(
     scores: torch.Tensor,
     step: torch.Tensor,
@@ -73,15 +92,16 @@ def greedy_choice(
     eos: torch.Tensor,
     pad: int,
     prompt_len: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    max_new_tokens: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """A greedy (or Gumbel-max sampling) step's choice from its final scores: `(step + 1, sequences with the
-    tokens written, unfinished after the eos test, tokens)`; two Triton kernels on CUDA (`argmax_kernel.py`),
-    `reference.greedy_choice` elsewhere."""
+    tokens written, unfinished after the eos test, tokens, whether the loop goes on)`; two Triton kernels on CUDA
+    (`argmax_kernel.py`), `reference.greedy_choice` elsewhere."""
     if _use_triton(scores) and scores.dim() == 2 and scores.stride(1) == 1 and sequences.is_contiguous():
         from tendril.generation.kernels import argmax_kernel
 
-        return argmax_kernel.greedy_choice(scores, step, sequences, unfinished, eos, pad, prompt_len)
-    return reference.greedy_choice(scores, step, sequences, unfinished, eos, pad, prompt_len)
+        return argmax_kernel.greedy_choice(scores, step, sequences, unfinished, eos, pad, prompt_len, max_new_tokens)
+    return reference.greedy_choice(scores, step, sequences, unfinished, eos, pad, prompt_len, max_new_tokens)
 
 
 def beam_top_k(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -112,15 +132,17 @@ def decode_attention(
     rotary: tuple[str, torch.Tensor, torch.Tensor] | None = None,
     *,
     source_rows: torch.Tensor | None = None,
+    slot_offset: int = 0,
 ) -> torch.Tensor:
-    """One query token per row over the static cache, writing its key and value at `slot`, reading earlier
-    slots through `source_rows` when given; see `reference.decode_attention`."""
+    """One query token per row over the static cache, writing its key and value at `slot + slot_offset`, reading
+    earlier slots through `source_rows` when given; see `reference.decode_attention`."""
     if _use_triton(q):
         from tendril.generation.kernels import attention
 
         return attention.decode_attention(q, k, v, keys, values, key_valid, slot, scale, rotary,
-                                          source_rows=source_rows)
-    return reference.decode_attention(q, k, v, keys, values, key_valid, slot, scale, rotary, source_rows=source_rows)
+                                          source_rows=source_rows, slot_offset=slot_offset)
+    return reference.decode_attention(q, k, v, keys, values, key_valid, slot, scale, rotary, source_rows=source_rows,
+                                      slot_offset=slot_offset)
 
 
 def prompt_attention(

@@ -12,8 +12,9 @@ during the one before and waits for it first: everything either reads is written
 
 Around the merge, in the same kernel, is what `greedy.TokenSearch.choose` does with the token: finished rows take the
 pad token, the eos test updates the rows still running, the token is written at its column of a new copy of the
-sequences, and the step count goes up by one. Those would otherwise be about eight PyTorch kernels, each a launch
-boundary of its own in the decode loop.
+sequences, and the step count goes up by one; for one row it also stores the loop's condition (steps left and the
+row unfinished). Those would otherwise be about eleven PyTorch kernels, each a launch boundary of its own in the
+decode loop.
 """
 
 from __future__ import annotations
@@ -47,8 +48,9 @@ def _chunk_argmax_kernel(scores_ptr, stride_row, columns, best_ptr, index_ptr, c
 
 @triton.jit
 def _greedy_kernel(best_ptr, index_ptr, chunks, step_ptr, sequences_ptr, width, unfinished_ptr, eos_ptr,
-                   eos_count, pad, prompt_len, tokens_ptr, new_sequences_ptr, new_unfinished_ptr, new_step_ptr,
-                   CHUNKS: tl.constexpr, COPY: tl.constexpr, HAS_EOS: tl.constexpr, PDL: tl.constexpr):
+                   eos_count, pad, prompt_len, max_new_tokens, tokens_ptr, new_sequences_ptr, new_unfinished_ptr,
+                   new_step_ptr, running_ptr, CHUNKS: tl.constexpr, COPY: tl.constexpr, HAS_EOS: tl.constexpr,
+                   ONE_ROW: tl.constexpr, PDL: tl.constexpr):
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
@@ -58,8 +60,8 @@ def _greedy_kernel(best_ptr, index_ptr, chunks, step_ptr, sequences_ptr, width, 
     first = tl.load(index_ptr + row * chunks + of_row, mask=of_row < chunks, other=2147483647)
     token = tl.min(tl.where(best == tl.max(best, axis=0), first, 2147483647), axis=0).to(tl.int64)
     step = tl.load(step_ptr)
+    running = tl.load(unfinished_ptr + row) != 0
     if HAS_EOS:
-        running = tl.load(unfinished_ptr + row) != 0
         token = tl.where(running, token, pad)
         for e in range(eos_count):
             running = running & (token != tl.load(eos_ptr + e))
@@ -73,6 +75,8 @@ def _greedy_kernel(best_ptr, index_ptr, chunks, step_ptr, sequences_ptr, width, 
         tl.store(new_sequences_ptr + row * width + index, tl.where(index == column, token, value), mask=index < width)
     if row == 0:
         tl.store(new_step_ptr, step + 1)
+        if ONE_ROW:  # the loop's condition: this row is all the rows there are
+            tl.store(running_ptr, (running & (step + 1 < max_new_tokens)).to(tl.int8))
 
 
 CHUNK = 4096
@@ -89,14 +93,17 @@ def greedy_choice(
     eos: torch.Tensor,
     pad: int,
     prompt_len: int,
+    max_new_tokens: int,
     *,
     pdl: bool | None = None,
     chunk: int | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Two kernels for a greedy step's choice: `(step + 1, sequences with the tokens written at column
-    min(prompt_len + step, width - 1), unfinished after the eos test, tokens)`, new tensors (the inputs are left
-    as they are). With eos ids, finished rows take `pad` and rows that choose an eos id stop; without, `unfinished`
-    is returned as it is. `scores` [rows, vocab] float with contiguous rows; `sequences` [rows, width] long,
+    min(prompt_len + step, width - 1), unfinished after the eos test, tokens, running)`, new tensors (the inputs are
+    left as they are). With eos ids, finished rows take `pad` and rows that choose an eos id stop; without,
+    `unfinished` is returned as it is. `running` (0-d bool) is the decode loop's condition after the step:
+    `step + 1 < max_new_tokens` and some row unfinished, stored by the second kernel for one row (two PyTorch
+    kernels after it for several). `scores` [rows, vocab] float with contiguous rows; `sequences` [rows, width] long,
     contiguous; `unfinished` [rows] bool; `eos` [E] long; `step` 0-d long. `chunk` (a power of two, default
     `CHUNK`) sets the scores a program of the first kernel reduces."""
     if scores.dim() != 2 or scores.stride(1) != 1 or not scores.is_floating_point():
@@ -114,6 +121,7 @@ def greedy_choice(
     # `step` (of the same dtype) stands in for them
     new_unfinished = torch.empty_like(unfinished) if has_eos else unfinished
     new_step = torch.empty_like(step)
+    running = torch.empty((), dtype=torch.bool, device=scores.device)
     if chunk is not None and (chunk < 1 or chunk & (chunk - 1)):
         raise ValueError(f"chunk must be a power of two, got {chunk}")
     chunk = min(triton.next_power_of_2(columns), chunk or CHUNK)
@@ -125,9 +133,11 @@ def greedy_choice(
                                          PDL=pdl, num_warps=4, launch_pdl=pdl)
     _greedy_kernel[(rows,)](
         best, index, chunks, step, sequences, sequences.shape[1], unfinished.view(torch.int8),
-        eos if has_eos else step, eos.numel(), pad, prompt_len, tokens, new_sequences, new_unfinished.view(torch.int8),
-        new_step,
-        CHUNKS=triton.next_power_of_2(chunks), COPY=COPY_BLOCK, HAS_EOS=has_eos, PDL=pdl, num_warps=4,
-        launch_pdl=pdl,
+        eos if has_eos else step, eos.numel(), pad, prompt_len, max_new_tokens, tokens, new_sequences,
+        new_unfinished.view(torch.int8), new_step, running.view(torch.int8),
+        CHUNKS=triton.next_power_of_2(chunks), COPY=COPY_BLOCK, HAS_EOS=has_eos, ONE_ROW=rows == 1, PDL=pdl,
+        num_warps=4, launch_pdl=pdl,
     )  # fmt: skip
-    return new_step, new_sequences, new_unfinished, tokens
+    if rows > 1:
+        running = (new_step < max_new_tokens) & new_unfinished.any()
+    return new_step, new_sequences, new_unfinished, tokens, running

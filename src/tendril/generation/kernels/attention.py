@@ -1,21 +1,21 @@
 """Attention of one query token per row over tendril's static KV cache, with the cache write, in one kernel.
 
-The unfused step builds a [rows, 1, 1, max_len] mask from the cache's `key_valid` and the query slot,
-writes the new key and value with two `index_copy_`s and calls SDPA: several kernels per layer. Here one
-program per (row, query head) loads its query and its kv head's new key and value (from the projection's
-output, in place), applies the rotary embedding when there is one, stores the key and value at the slot
-(the first query head of each kv group does; the others use the values in registers, so no program reads
-a slot another is writing), and runs an online softmax over the valid slots before the query's, in
-blocks of `BLOCK_S`, seeded with its own key. The slot is read on the device: the loop covers only slots
-written so far, and one compiled kernel serves every step. A block's keys, values and validity flags load
-at once (the flags mask the scores and values afterwards, not the loads), and by default a block is the
-whole cache up to `MAX_BLOCK_S` slots: one memory round trip per step for short caches. Under programmatic
-dependent launch (`pdl.py`) the kernel starts during the projection before it, and before waiting for it loads
-what was written before the step's last PyTorch kernel: the slot index (the positions and embeddings are
-computed from it afterwards) and the first block of earlier slots with their flags and row table (earlier steps
-wrote those; this step writes only the slot at `slot`, which the block excludes). After the wait it loads the
-projection's q, k and v with the rotary embedding's cos and sin, so a cache of up to a block costs one memory
-round trip after the wait.
+The unfused step builds a [rows, 1, 1, max_len] mask from the cache's `key_valid` and the query slot, writes the new
+key and value with two `index_copy_`s and calls SDPA: several kernels per layer. Here one program per (row, query
+head) loads its query and its kv head's new key and value (from the projection's output, in place), applies the
+rotary embedding when there is one, stores the key and value at the slot (the first query head of each kv group
+does; the others use the values in registers, so no program reads a slot another is writing), and runs an online
+softmax over the valid slots before the query's, in blocks of `BLOCK_S`, seeded with its own key. The slot is read
+on the device: the loop covers only slots written so far, and one compiled kernel serves every step. A block's keys,
+values and validity flags load at once (the flags mask the scores and values afterwards, not the loads), and by
+default a block is the whole cache up to `MAX_BLOCK_S` slots, and a short tail block (`MAX_TAIL_S`) holds the next
+slots: one memory round trip per step for caches of up to both. Under programmatic dependent launch (`pdl.py`) the
+kernel starts during the projection before it, and before waiting for it loads what no kernel of the step writes:
+the slot (`slot + slot_offset`, from a slot tensor computed before the step's kernels or from the loop's step
+counter) and the first block and the tail of earlier slots with their flags and row table (earlier steps wrote
+those; this step writes only the slot at `slot`, which the blocks exclude). After the wait it loads the projection's
+q, k and v with the rotary embedding's cos and sin, so a cache of up to a block and its tail costs one memory round
+trip after the wait.
 
 The kernel is compiled with `enable_fp_fusion=False`: in float32 the compiler would otherwise contract the
 rotary embedding's `x * cos + rotate(x) * sin` into a fused multiply-add, one rounding where HF's eager ops
@@ -62,6 +62,7 @@ def _decode_attention_kernel(
     table_ptr,
     stride_table,
     slot_ptr,
+    slot_offset,
     out_ptr,
     stride_om,
     scale,
@@ -69,6 +70,7 @@ def _decode_attention_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_S: tl.constexpr,
+    TAIL_S: tl.constexpr,
     ROTARY: tl.constexpr,
     ROTARY_DIM: tl.constexpr,
     INDIRECT: tl.constexpr,
@@ -83,14 +85,20 @@ def _decode_attention_kernel(
     d_mask = d < HEAD_DIM
     cache_row = row * stride_cr + kv_head * stride_ch
 
-    # before the wait, what was written before the step's last PyTorch kernel (module docstring): the slot and
-    # the first block of earlier slots with their flags (and row table)
+    # before the wait, what no kernel of the step writes (module docstring): the slot, the first block of earlier
+    # slots with their flags (and row table), and the tail block after it
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
-    slot = tl.load(slot_ptr)
+    slot = tl.load(slot_ptr) + slot_offset
     valid, keys, values = _earlier_slots(keys_ptr, values_ptr, stride_cr, stride_ch, stride_cs, valid_ptr,
                                          stride_valid, table_ptr, stride_table, row, kv_head, cache_row, slot, 0,
                                          d, d_mask, BLOCK_S, INDIRECT)
+    tail_valid, tail_keys, tail_values = valid, keys, values
+    if TAIL_S > 0:
+        tail_valid, tail_keys, tail_values = _earlier_slots(keys_ptr, values_ptr, stride_cr, stride_ch, stride_cs,
+                                                            valid_ptr, stride_valid, table_ptr, stride_table, row,
+                                                            kv_head, cache_row, slot, BLOCK_S, d, d_mask, TAIL_S,
+                                                            INDIRECT)
     if PDL:
         tl.extra.cuda.gdc_wait()  # q, k and v are the projection's; cos and sin may be the last PyTorch kernel's
 
@@ -131,7 +139,10 @@ def _decode_attention_kernel(
     denominator = m * 0.0 + 1.0
     acc = v_new
     m, acc, denominator = _softmax_block(q, valid, keys, values, scale, m, acc, denominator)
-    for start in range(BLOCK_S, slot, BLOCK_S):
+    if TAIL_S > 0:  # noqa: SIM102 (a compile-time test, then a run-time one)
+        if slot > BLOCK_S:  # earlier steps skip the tail's arithmetic (its loads were masked: no memory traffic)
+            m, acc, denominator = _softmax_block(q, tail_valid, tail_keys, tail_values, scale, m, acc, denominator)
+    for start in range(BLOCK_S + TAIL_S, slot, BLOCK_S):
         valid, keys, values = _earlier_slots(keys_ptr, values_ptr, stride_cr, stride_ch, stride_cs, valid_ptr,
                                              stride_valid, table_ptr, stride_table, row, kv_head, cache_row, slot,
                                              start, d, d_mask, BLOCK_S, INDIRECT)
@@ -183,6 +194,10 @@ MAX_BLOCK_S = 128
 """Largest default slot block. Every slot of a block costs registers and arithmetic whether or not it is written yet
 (slots at or past the query's are masked, not skipped), so a block sized for a long cache slows every early step;
 past this size that costs more than walking a second block (one more memory round trip)."""
+MAX_TAIL_S = 32
+"""Largest default tail block: the slots just past the first block, loaded with it before the wait, so that a cache
+a little longer than a block costs no second round trip after the wait. Steps before the tail skip its arithmetic
+but hold its registers, so it stays short."""
 
 
 def decode_attention(
@@ -197,14 +212,17 @@ def decode_attention(
     rotary: tuple[str, torch.Tensor, torch.Tensor] | None = None,
     *,
     source_rows: torch.Tensor | None = None,
+    slot_offset: int = 0,
     out: torch.Tensor | None = None,
     block_s: int | None = None,
+    tail_s: int | None = None,
     num_warps: int = 4,
     pdl: bool | None = None,
 ) -> torch.Tensor:
     """The Triton kernel of `reference.decode_attention` (same arguments and result), writing into `out`
     ([rows, heads * head_dim], contiguous rows) when given. `block_s` slots per block default to the cache
-    length up to `MAX_BLOCK_S`; `pdl` as in `pdl.enabled`; `source_rows` as in the reference."""
+    length up to `MAX_BLOCK_S`; `tail_s` slots of a tail block (a power of two, 0 for none) to the rest of the
+    cache up to `MAX_TAIL_S`; `pdl` as in `pdl.enabled`; `source_rows` and `slot_offset` as in the reference."""
     rows, kv_heads, max_len, head_dim = keys.shape
     heads = check_operands(q, k, v, keys, values, key_valid, rows)
     if source_rows is not None and (source_rows.shape != (rows, max_len) or source_rows.dtype != torch.int32
@@ -217,6 +235,10 @@ def decode_attention(
     rotary_dim = check_rotary(rotary, rows, head_dim)
     if block_s is None:
         block_s = min(triton.next_power_of_2(max_len), MAX_BLOCK_S)
+    if tail_s is None:
+        tail_s = min(triton.next_power_of_2(max_len - block_s), MAX_TAIL_S) if max_len > block_s else 0
+    elif tail_s < 0 or tail_s & (tail_s - 1):
+        raise ValueError(f"tail_s must be 0 or a power of two, got {tail_s}")
     pdl = programmatic.resolve(pdl, q.device, _decode_attention_kernel)
     if out is None:
         out = torch.empty(rows, heads * head_dim, dtype=q.dtype, device=q.device)
@@ -228,13 +250,14 @@ def decode_attention(
         keys, values, keys.stride(0), keys.stride(1), keys.stride(2),
         key_valid.view(torch.uint8), key_valid.stride(0),
         source_rows if source_rows is not None else slot, source_rows.stride(0) if source_rows is not None else 0,
-        slot,
+        slot, slot_offset,
         out, out.stride(0),
         float(scale),
         GROUP=heads // kv_heads,
         HEAD_DIM=head_dim,
         BLOCK_D=triton.next_power_of_2(head_dim),
         BLOCK_S=block_s,
+        TAIL_S=tail_s,
         ROTARY=_ROTARY[kind],
         ROTARY_DIM=rotary_dim,
         INDIRECT=source_rows is not None,

@@ -9,13 +9,15 @@ projection's first weight tile) and block in `gdc_wait` until the previous kerne
 writes are visible; everything else, including every store, comes after the wait. Waiting is
 transitive (a kernel finishes only after its own wait), so after `gdc_wait` all earlier kernels are done.
 
-The rule that keeps it correct: before `gdc_wait` a kernel writes nothing, and reads only tensors that stay
-constant while the step runs (weights, biases, norm gains) or that were written before the step's last PyTorch
-kernel started. Every decode step begins with PyTorch kernels (the slot and position arithmetic, the
-embedding), launched without PDL: each starts only when every kernel before it has finished and its writes are
-visible, and every kernel after the last of them starts after it has started. What that last kernel writes,
-and what any kernel of the step's PDL chain writes, may be read only after the wait. Attention reads this way
-the cache slots earlier steps wrote and the slot index (`attention.py`). CUDA graph capture records the
+The rule that keeps it correct: before `gdc_wait` a kernel writes nothing, and reads only tensors that stay constant
+while the step runs (weights, biases, norm gains) or that were written before the step's chain of PDL kernels began:
+by an earlier step, or by PyTorch kernels at the head of the step (the slot and position arithmetic, the embedding).
+Those launch without PDL: each starts only when every kernel before it has finished and its writes are visible, and
+every kernel after the last of them starts after it has started. In the decode loops of `step="fused"` the step
+begins instead with `step_inputs_kernel.py`'s kernel, the first of the chain, which reads the loop's state after its
+own wait. What any kernel of the chain writes may be read only after the wait. Attention reads before it the cache
+slots earlier steps wrote and its slot index: a tensor the PyTorch kernels computed, or the loop's step counter,
+which only the loop's copy of its state after the step writes (`attention.py`). CUDA graph capture records the
 launches as programmatic edges, so replays keep the overlap.
 
 `enabled(device)` says whether the kernels launch this way: on CUDA devices of compute capability 9.0 or

@@ -110,14 +110,15 @@ def decode_attention(
     rotary: tuple[str, torch.Tensor, torch.Tensor] | None = None,
     *,
     source_rows: torch.Tensor | None = None,
+    slot_offset: int = 0,
 ) -> torch.Tensor:
     """One query token per row over a static cache, writing its own key and value first.
 
-    q: [rows, heads * D]; k, v: [rows, kv_heads * D]; keys/values: [rows, kv_heads, max_len, D] (written
-    at `slot`, a one-element long tensor); key_valid: [rows, max_len] bool. The query sees valid slots
-    before its own and its own. `rotary`: (kind, cos, sin) applied to q and k. `source_rows` ([rows,
-    max_len] int, `StaticKVCache`'s row table): slot `s < slot` of row `r` is read from row
-    `source_rows[r, s]` (the own slot always from row `r`, where it is written). Returns [rows, heads * D].
+    q: [rows, heads * D]; k, v: [rows, kv_heads * D]; keys/values: [rows, kv_heads, max_len, D] (written at `slot +
+    slot_offset`, `slot` a one-element long tensor); key_valid: [rows, max_len] bool. The query sees valid slots
+    before its own and its own. `rotary`: (kind, cos, sin) applied to q and k. `source_rows` ([rows, max_len] int,
+    `StaticKVCache`'s row table): slot `s < slot` of row `r` is read from row `source_rows[r, s]` (the own slot
+    always from row `r`, where it is written). Returns [rows, heads * D].
     """
     rows, kv_heads, _, head_dim = keys.shape
     q = q.reshape(rows, -1, head_dim)
@@ -126,7 +127,7 @@ def decode_attention(
     if rotary is not None:
         kind, cos, sin = rotary
         q, k = rotate(q, cos, sin, kind), rotate(k, cos, sin, kind)
-    slot = slot.reshape(1)
+    slot = slot.reshape(1) + slot_offset
     keys.index_copy_(2, slot, k[:, :, None].to(keys.dtype))
     values.index_copy_(2, slot, v[:, :, None].to(values.dtype))
     slots = torch.arange(keys.shape[2], device=keys.device)
@@ -180,6 +181,32 @@ def _read_rows(cache: torch.Tensor, source_rows: torch.Tensor, slot: torch.Tenso
     return cache[table, :, slots[None, :].expand(rows, max_len)].permute(0, 2, 1, 3)
 
 
+def step_inputs(
+    sequences: torch.Tensor,
+    counter: torch.Tensor,
+    offset: int,
+    position_base: torch.Tensor,
+    tokens: torch.Tensor,
+    positions: torch.Tensor | None,
+    rotary: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A one-token step's inputs from a decode loop's state (`step_inputs_kernel.py`): the token at column `slot =
+    counter + offset` of each row of `sequences` ([rows, width] long; `counter` one-element long), at position
+    `position_base + slot` (`position_base` [rows] long). Returns its embedding `tokens[token]` ([vocab, hidden]
+    table), plus `positions[position]` with learned positions (a table like `tokens`, summed as PyTorch adds), and
+    the rows `rotary[position]` ([rows, 2, R]: cos then sin) of a rotary table ([positions, 2, R]) when there is
+    one. The slot is clamped into the columns, tokens into the vocabulary and positions into the position tables."""
+    rows, width = sequences.shape
+    slot = (counter.reshape(()) + offset).clamp(0, width - 1)
+    token = sequences.gather(1, slot.expand(rows, 1)).squeeze(1).clamp(0, tokens.shape[0] - 1)
+    limit = min([t.shape[0] for t in (positions, rotary) if t is not None], default=1)
+    position = (position_base + slot).clamp(0, limit - 1)
+    hidden = tokens[token]
+    if positions is not None:
+        hidden = hidden + positions[position]
+    return hidden, None if rotary is None else rotary[position]
+
+
 def greedy_choice(
     scores: torch.Tensor,
     step: torch.Tensor,
@@ -188,7 +215,8 @@ def greedy_choice(
     eos: torch.Tensor,
     pad: int,
     prompt_len: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    max_new_tokens: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """A greedy step's choice in PyTorch ops (`argmax_kernel.greedy_choice` documents the contract): the first
     largest score per row; with eos ids, finished rows take `pad` and rows choosing an eos id stop."""
     tokens = scores.argmax(-1)
@@ -198,7 +226,7 @@ def greedy_choice(
         tokens = torch.where(unfinished, tokens, pad)
         still_unfinished = unfinished & (tokens[:, None] != eos).all(-1)
     written = sequences.scatter(1, column.expand(sequences.shape[0], 1), tokens[:, None])
-    return step + 1, written, still_unfinished, tokens
+    return step + 1, written, still_unfinished, tokens, (step + 1 < max_new_tokens) & still_unfinished.any()
 
 
 def beam_top_k(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
