@@ -38,10 +38,10 @@ STEPS: tuple[Step, ...] = get_args(Step)
 """How the one-token forward runs inside the loop (see the module docstring)."""
 
 
-FUSED_PROMPT_TOKENS = 32
+FUSED_PROMPT_TOKENS = 64
 """The longest prompt (tokens of all rows together) that `step="fused"` runs through its kernels. Their projections
 read the weights once for every 16 tokens (one tensor-core row block, `kernels.launch`), where the model's own
-forward reads them once in cuBLAS's matrix products: past two row blocks the own forward's fewer weight reads
+forward reads them once in cuBLAS's matrix products: past four row blocks the own forward's fewer weight reads
 outweigh the fused kernels' fewer launches."""
 
 
