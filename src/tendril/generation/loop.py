@@ -137,12 +137,12 @@ class DecodeLoop:
 
 
 def _warm_step(decoder: Decoder) -> None:
-    """Run the step once for these shapes, so it is never compiled while a graph is being captured
-    (a loop that stops at once would otherwise first call it during capture). It writes the last cache
-    slot, which no step reads: queries only see earlier slots, and the last token is never forwarded."""
-    rows = decoder.prompt.shape[0]
-    last_slot = torch.full((), decoder.max_len - 1, dtype=torch.long, device=decoder.prompt.device)
-    decoder.step(torch.zeros(rows, dtype=torch.long, device=decoder.prompt.device), last_slot)
+    """Run the step once for these shapes as the loop calls it (`Decoder.step_at`), so it is never compiled while a
+    graph is being captured (a loop that stops at once would otherwise first call it during capture). It writes the
+    last cache slot, which no step reads: queries only see earlier slots, and the last token is never forwarded."""
+    rows, device = decoder.prompt.shape[0], decoder.prompt.device
+    last_slot = torch.full((), decoder.max_len - 1, dtype=torch.long, device=device)
+    decoder.step_at(torch.zeros(rows, decoder.max_len, dtype=torch.long, device=device), last_slot, 0)
 
 
 COMPILE_BACKEND = "inductor"

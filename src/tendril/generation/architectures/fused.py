@@ -36,11 +36,10 @@ class RotaryTable:
     """A fused step's cos and sin: rows of a table over a cache's positions, gathered in one kernel a step.
 
     A model computes them from the positions in several kernels, each a launch the step waits for. Its operations
-    are elementwise per position and, for the RoPE types the architectures accept, do not depend on the length, so the
-    table
-    `rows` computes once for positions `0..length - 1` holds, row for row, what it computes per step. Tables are
-    built outside a CUDA graph capture (the decode loop runs its step once before capturing it) and never freed: a
-    graph captured with one keeps reading it, so a longer cache adds a table instead of replacing one."""
+    are elementwise per position and, for the RoPE types the architectures accept, do not depend on the length, so
+    the table `rows` computes once for positions `0..length - 1` holds, row for row, what it computes per step.
+    Tables are built outside a CUDA graph capture (the decode loop runs its step once before capturing it) and never
+    freed: a graph captured with one keeps reading it, so a longer cache adds a table instead of replacing one."""
 
     def __init__(self, rows: RotaryRows) -> None:
         self.rows = rows

@@ -100,7 +100,7 @@ def _decode_attention_kernel(
                                                             kv_head, cache_row, slot, BLOCK_S, d, d_mask, TAIL_S,
                                                             INDIRECT)
     if PDL:
-        tl.extra.cuda.gdc_wait()  # q, k and v are the projection's; cos and sin may be the last PyTorch kernel's
+        tl.extra.cuda.gdc_wait()  # q, k and v are the projection's; cos and sin the step's inputs
 
     q_base = q_ptr + row * stride_qm + head * HEAD_DIM
     k_base = k_ptr + row * stride_km + kv_head * HEAD_DIM
