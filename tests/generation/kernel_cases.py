@@ -148,7 +148,7 @@ def check_step_inputs(dtype: torch.dtype, device: str, learned_positions: bool =
     """`step_inputs_kernel.step_inputs` equals `reference.step_inputs` exactly: token embeddings alone, with learned
     positions (unless not `learned_positions`) and with a rotary table; sequences read in place and through a
     transposed view; counters and offsets whose slot, tokens or positions fall outside their tables (clamped).
-    Outputs come from memory just filled with NaN, so an element left unwritten shows."""
+    The outputs are filled with NaN first, so an element left unwritten shows."""
     torch.manual_seed(4)
     rows, width, vocab, hidden_size, positions_held, rotary_width = 3, 9, 11, 40, 7, 6
     tokens = torch.randn(vocab, hidden_size, device=device).to(dtype)
@@ -165,9 +165,12 @@ def check_step_inputs(dtype: torch.dtype, device: str, learned_positions: bool =
                     sequences = sequences.t().contiguous().t()
                 counter = torch.tensor(counter_value, device=device)
                 base = torch.tensor([-3, 0, 2], device=device)
-                torch.full((1 << 16,), float("nan"), device=device)  # freed at once: the outputs' memory
                 tables = (tokens, position_table, rotary_table)
-                got = step_inputs_kernel.step_inputs(sequences, counter, offset, base, *tables)
+                out = (torch.full((rows, hidden_size), float("nan"), device=device, dtype=dtype),
+                       None if rotary_table is None else torch.full((rows, 2, rotary_width), float("nan"),
+                                                                    device=device, dtype=dtype))
+                got = step_inputs_kernel.step_inputs(sequences, counter, offset, base, *tables, out=out)
+                assert all(a is b for a, b in zip(got, out, strict=True))
                 want = reference.step_inputs(sequences, counter, offset, base, *tables)
                 for have, expected in zip(got, want, strict=True):
                     assert (have is None) == (expected is None)

@@ -106,6 +106,29 @@ def test_decode_attention_refuses_malformed_operands(change, match):
         attention.decode_attention(**operands)
 
 
+def _step_inputs_operands() -> dict:
+    return dict(sequences=torch.zeros(2, 9, dtype=torch.long), counter=torch.zeros((), dtype=torch.long), offset=4,
+                position_base=torch.zeros(2, dtype=torch.long), tokens=torch.zeros(11, 8),
+                positions=torch.zeros(7, 8), rotary=torch.zeros(7, 2, 4))
+
+
+@pytest.mark.parametrize("change, match", [
+    (dict(sequences=torch.zeros(2, 9)), "sequences must be an int64"),
+    (dict(counter=torch.zeros(2, dtype=torch.long)), "counter must be a one-element int64"),
+    (dict(position_base=torch.zeros(3, dtype=torch.long)), r"position_base must be a contiguous int64 \[2\]"),
+    (dict(positions=torch.zeros(7, 6)), "positions must be a contiguous"),
+    (dict(rotary=torch.zeros(7, 3, 4)), "rotary must be a"),
+    (dict(out=(torch.zeros(2, 8), None)), "out's rotary rows must be"),
+    (dict(out=(torch.zeros(2, 8, dtype=torch.float16), torch.zeros(2, 2, 4))), "out's hidden must be"),
+])
+def test_step_inputs_refuses_malformed_operands(change, match):
+    """Checked before any launch (here on the CPU, where none could run)."""
+    from tendril.generation.kernels import step_inputs_kernel
+
+    with pytest.raises(ValueError, match=match):
+        step_inputs_kernel.step_inputs(**{**_step_inputs_operands(), **change})
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_fused_step_matches_the_architecture_forward(family):
     """The fused forward over a left-padded prompt (the prompt pass) and then over one token a row (decode steps):

@@ -199,12 +199,17 @@ def step_inputs(
     rows, width = sequences.shape
     slot = (counter.reshape(()) + offset).clamp(0, width - 1)
     token = sequences.gather(1, slot.expand(rows, 1)).squeeze(1).clamp(0, tokens.shape[0] - 1)
-    limit = min([t.shape[0] for t in (positions, rotary) if t is not None], default=1)
-    position = (position_base + slot).clamp(0, limit - 1)
+    position = (position_base + slot).clamp(0, position_limit(positions, rotary) - 1)
     hidden = tokens[token]
     if positions is not None:
         hidden = hidden + positions[position]
     return hidden, None if rotary is None else rotary[position]
+
+
+def position_limit(positions: torch.Tensor | None, rotary: torch.Tensor | None) -> int:
+    """The positions every given position table of `step_inputs` holds (positions are clamped below it); 1 without
+    tables."""
+    return min([t.shape[0] for t in (positions, rotary) if t is not None], default=1)
 
 
 def greedy_choice(

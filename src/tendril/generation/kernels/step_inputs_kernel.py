@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from tendril.generation.kernels import pdl as programmatic
+from tendril.generation.kernels import reference
 
 BLOCK_HIDDEN = 2048
 """Hidden features a program copies per pass (a few per thread of its 4 warps)."""
@@ -65,16 +66,21 @@ def step_inputs(
     positions: torch.Tensor | None,
     rotary: torch.Tensor | None,
     *,
+    out: tuple[torch.Tensor, torch.Tensor | None] | None = None,
     pdl: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """`reference.step_inputs` in one kernel (same arguments and results)."""
+    """`reference.step_inputs` in one kernel (same arguments and results), written into `out` (hidden [rows,
+    hidden] in the token table's dtype and, with a rotary table, its rows [rows, 2, R] in that table's; contiguous) when
+    given."""
     check_operands(sequences, counter, position_base, tokens, positions, rotary)
     rows, width = sequences.shape
     vocab, hidden_size = tokens.shape
-    table_positions = _table_positions(positions, rotary)
-    hidden = torch.empty(rows, hidden_size, dtype=tokens.dtype, device=tokens.device)
-    rotary_rows = None if rotary is None else torch.empty(rows, 2, rotary.shape[2], dtype=rotary.dtype,
-                                                          device=rotary.device)
+    table_positions = reference.position_limit(positions, rotary)
+    given_hidden, given_rows = out if out is not None else (None, None)
+    if out is not None and (given_rows is None) != (rotary is None):
+        raise ValueError("out's rotary rows must be given exactly when there is a rotary table")
+    hidden = _output(given_hidden, (rows, hidden_size), tokens, "hidden")
+    rotary_rows = None if rotary is None else _output(given_rows, (rows, 2, rotary.shape[2]), rotary, "rotary rows")
     pdl = programmatic.resolve(pdl, tokens.device, _step_inputs_kernel)
     _step_inputs_kernel[(rows,)](
         sequences, sequences.stride(0), sequences.stride(1), width, counter, offset, position_base, tokens, vocab,
@@ -90,9 +96,14 @@ def step_inputs(
     return hidden, rotary_rows
 
 
-def _table_positions(positions: torch.Tensor | None, rotary: torch.Tensor | None) -> int:
-    """The positions every given position table holds (positions are clamped below it); 1 without tables."""
-    return min([t.shape[0] for t in (positions, rotary) if t is not None], default=1)
+def _output(given: torch.Tensor | None, shape: tuple[int, ...], like: torch.Tensor, name: str) -> torch.Tensor:
+    """`given` if it is a contiguous tensor of `shape` in `like`'s dtype (a ValueError otherwise), else a new one."""
+    if given is None:
+        return torch.empty(shape, dtype=like.dtype, device=like.device)
+    if given.shape != shape or given.dtype != like.dtype or not given.is_contiguous():
+        raise ValueError(f"out's {name} must be a contiguous {like.dtype} {shape} tensor, got {given.dtype} "
+                         f"{tuple(given.shape)}")
+    return given
 
 
 def check_operands(
