@@ -1,5 +1,7 @@
 """The CPU implementations of compression, convolution and the FC layer against their references."""
 
+import itertools
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -351,3 +353,55 @@ def test_direct_bands_split_the_rows_as_evenly_as_their_count_allows():
             band = _even_band_rows(rows, most)
             bands = -(-rows // most)
             assert band <= most and -(-rows // band) == bands and rows - (bands - 1) * band >= band - bands + 1
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_direct_conv_takes_every_count_of_weights_per_channel(threads):
+    """Output channel k holds exactly k nonzero weights (0 to 20): every mix of eight-weight passes, the four-weight
+    pass and the zero padding, against F.conv2d in float64."""
+    from tendril.sparse.format import ConvGeometry, SparseConvWeights
+
+    g = ConvGeometry(6, 21, (2, 2), (1, 1), (1, 1), 1, (5, 7))
+    generator = torch.Generator().manual_seed(3)
+    weight = torch.zeros(21, 24)
+    for k in range(21):
+        weight[k, torch.randperm(24, generator=generator)[:k]] = torch.randn(k, generator=generator)
+    weight = weight.view(21, 6, 2, 2)
+    weights = SparseConvWeights.from_dense(weight, g)
+    plan = conv_cpu.CpuConvPlan.prepare(weights)
+    assert (plan.k_ptr.diff() % conv_cpu.DIRECT_PAD == 0).all()
+    x = torch.randn(6, 5, 7, generator=generator).relu()
+    bias = torch.randn(21, generator=generator)
+    out = torch.full((21, *g.out_hw), float("nan"))
+    conv_cpu.conv_dense_input(x, plan, bias, out=out, layout=ActivationLayout.for_conv(g), threads=threads,
+                              method="direct")
+    ref = torch.nn.functional.conv2d(x[None].double(), weight.double(), bias.double(), padding=1)[0]
+    assert relative_error(out, ref) <= REL_TOL
+
+
+def test_direct_channel_blocks_split_the_padded_weights_evenly():
+    """The threads take the direct kernel's units statically: blocks of equal channel counts would leave the block with
+    the most weights setting the time, so the blocks are cut by each channel's cost instead."""
+    counts = torch.tensor([40, 0, 0, 4, 4, 4, 4, 4, 4, 4, 4, 36, 8, 8, 8, 8])
+    k_ptr = torch.cat([torch.zeros(1, dtype=torch.int64), counts.cumsum(0)])
+    cost = counts + conv_cpu.WRITE_WEIGHTS
+    for blocks in (1, 2, 3, 4, 16):
+        starts = conv_cpu.channel_blocks(k_ptr, blocks)
+        assert len(starts) == blocks + 1 and starts[0] == 0 and starts[-1] == len(counts)
+        assert (starts[1:] >= starts[:-1]).all()
+        block_costs = [int(cost[a:b].sum()) for a, b in itertools.pairwise(starts)]
+        assert max(block_costs) <= cost.sum() / blocks + cost.max()
+    halves = conv_cpu.channel_blocks(k_ptr, 2)
+    assert max(int(cost[: halves[1]].sum()), int(cost[halves[1] :].sum())) < int(cost[8:].sum())  # 8 + 8 channels
+
+
+def test_direct_reach_bounds_every_weight_of_its_channel():
+    """The direct kernel rounds a channel's band up only where `reach` (its weights' largest base, the padding's
+    included) plus the rounded band stays inside the planes: reach must cover every weight the loop reads."""
+    case = ConvCase(5, 9, (6, 7), 3, 1, 1, 1, 0.3, 0.5, seed=11)
+    weights, *_ = conv_operands(case, CPU)
+    plan = conv_cpu.CpuConvPlan.prepare(weights)
+    reach = conv_cpu._reach(plan)
+    for k in range(weights.geometry.out_channels):
+        bases = plan.direct_base[plan.k_ptr[k] : plan.k_ptr[k + 1]]
+        assert reach[k] == (int(bases.max()) if bases.numel() else 0)

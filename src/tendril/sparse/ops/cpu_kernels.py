@@ -22,14 +22,16 @@ about equal cost (never over a dimension as small as a layer's input channels).
   the product is added at `weight base + activation address`: work = nonzero weights × nonzero
   activations, but each product is a scalar read-modify-write at a scattered address.
 - `conv_direct`: the output-stationary sparse-weight dataflow. A work unit is (a band of output rows,
-  a block of output channels). For each output channel of the block, its accumulators for the band
-  (≤ `band_rows × row` floats, in the L1 cache) start at zero and every nonzero weight adds
+  a block of output channels, `k_starts[b]` to `k_starts[b + 1]`). For each output channel of the block, its
+  accumulators for the band (≤ `band_rows × row` floats, in the L1 cache) start at zero and every nonzero weight adds
   `w × (a contiguous slice of its channel's plane)`, eight weights per pass (one load and store of the
-  accumulators per eight FMAs; each channel's weights are padded with zeros to a multiple of eight, so that
-  channels with few weights need no one-weight passes). The pass is vectorized over the band: its indices
-  are unsigned (`_at`), and its length is rounded up to a multiple of `vector` except in the last band, so
-  no scalar remainder loop runs (the extra accumulators read the next rows, still inside the channel's
-  plane, and are never written out). The band's input
+  accumulators per eight FMAs), then one pass of four: each channel's weights are padded with zeros to a multiple of
+  four, so no channel needs one-weight passes, and one with few weights (a 1×1 layer of few input channels has a
+  handful) pays for at most three zero weights, not seven. The pass is vectorized over the band: its indices
+  are unsigned (`_at`), and its length is rounded up to a multiple of `vector`, so no scalar remainder loop runs:
+  the extra accumulators read on past the band (the next rows, or the next channels' planes) and are never written
+  out. Only a channel whose reads would run past the end of the planes (`reach[k]`, its weights' largest base,
+  says) takes the band's exact length. The band's input
   rows of every channel (reused by all output channels of the unit) stay in the L2 cache. Bias, the
   residual and ReLU are applied when the band is written out, cropped to the output width, into a `[K, ·]` output
   whose channel rows hold each row of the output grid at `out_at + y × out_row` (a contiguous `[K, OH, OW]` output:
@@ -151,12 +153,11 @@ def conv_cartesian(acc, values, base, block_ptr, act_values, act_address, counts
 
 @njit(parallel=True, cache=True, fastmath=True)
 def conv_direct(
-    out, residual, planes, band_counts, out_at, out_row, out_h, out_w, bias, relu, values, base, k_ptr, row, band_rows,
-    k_block, vector,
+    out, residual, planes, band_counts, out_at, out_row, out_h, out_w, bias, relu, values, base, k_ptr, reach, row,
+    band_rows, k_starts, vector,
 ):
-    channels = out.shape[0]
     bands = (out_h + band_rows - 1) // band_rows
-    k_blocks = (channels + k_block - 1) // k_block
+    k_blocks = k_starts.shape[0] - 1
     has_residual = residual.shape[0] > 0
     flat_residual = residual.reshape(-1)
     counted = band_counts.shape[0] > 0
@@ -165,14 +166,13 @@ def conv_direct(
         y0 = band * band_rows
         rows = min(band_rows, out_h - y0)
         t0 = y0 * row
-        m = -(-rows * row // vector) * vector
-        if t0 + m > out_h * row:
-            m = rows * row
+        rounded = -(-rows * row // vector) * vector
         acc = np.empty(-(-band_rows * row // vector) * vector, dtype=np.float32)
-        for k in range(kb * k_block, min(channels, (kb + 1) * k_block)):
+        for k in range(k_starts[kb], k_starts[kb + 1]):
+            m = rounded if reach[k] + t0 + rounded <= planes.shape[0] else rows * row
             acc[:m] = 0
             i, last = k_ptr[k], k_ptr[k + 1]
-            while i < last:
+            while i + 8 <= last:
                 b0, b1, b2, b3 = _at(base[i], t0), _at(base[i + 1], t0), _at(base[i + 2], t0), _at(base[i + 3], t0)
                 b4, b5, b6, b7 = _at(base[i + 4], t0), _at(base[i + 5], t0), _at(base[i + 6], t0), _at(base[i + 7], t0)
                 w0, w1, w2, w3 = values[i], values[i + 1], values[i + 2], values[i + 3]
@@ -182,6 +182,11 @@ def conv_direct(
                     high = (w4 * planes[b4 + q] + w5 * planes[b5 + q]) + (w6 * planes[b6 + q] + w7 * planes[b7 + q])
                     acc[q] += low + high
                 i += 8
+            if i < last:  # the last four (each channel's list is padded to a multiple of four)
+                b0, b1, b2, b3 = _at(base[i], t0), _at(base[i + 1], t0), _at(base[i + 2], t0), _at(base[i + 3], t0)
+                w0, w1, w2, w3 = values[i], values[i + 1], values[i + 2], values[i + 3]
+                for q in range(np.uint64(m)):
+                    acc[q] += (w0 * planes[b0 + q] + w1 * planes[b1 + q]) + (w2 * planes[b2 + q] + w3 * planes[b3 + q])
             written = write_band(
                 out[k], out_at, out_row, out_w, acc, bias[k], flat_residual, k * out_h * out_w, has_residual, relu, y0,
                 rows, row,

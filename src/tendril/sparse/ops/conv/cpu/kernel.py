@@ -11,9 +11,9 @@ blocks whose accumulators fit in `CARTESIAN_ACC_FLOATS` (the L2 cache), at least
 planes of row width `R = max(plane_w, out_w + s' - 1)`, and for every output channel and band of
 output rows (about `BAND_FLOATS` accumulators on a grid of row width R, whose extra columns are
 cropped) each nonzero weight `(v, r', s')` adds `w × planes[v, r'R + s' + band]`, a contiguous
-vectorized FMA stream (eight weights per pass over the accumulators). A work unit is (band, block of
-output channels), enough units for `UNITS_PER_THREAD` per thread; the band's input rows stay in the L2
-cache across the block.
+vectorized FMA stream (eight weights per pass over the accumulators, then four). A work unit is (band,
+block of output channels), enough units for `UNITS_PER_THREAD` per thread, the blocks of about equal work
+(`channel_blocks`); the band's input rows stay in the L2 cache across the block.
 (Dropping the weights of channels with no nonzero activation costs more in the gather than it
 saves: few channels are empty in real networks' layers.)
 
@@ -61,10 +61,15 @@ CARTESIAN_ACC_FLOATS = 1 << 16
 CARTESIAN_MIN_BLOCKS = 16
 BAND_FLOATS = 1024
 UNITS_PER_THREAD = 4
-DIRECT_PASS = 8
-VECTOR_FLOATS = 64
-"""The direct dataflow's bands (but the last) are rounded up to this many floats (a multiple of the compiled
-loop's vector width × unrolling), so that its vectorized loop covers them without a scalar remainder."""
+DIRECT_PAD = 4
+"""Each output channel's weight list in the direct dataflow is padded with zero weights to a multiple of this: its
+loop takes eight weights per pass, then four."""
+WRITE_WEIGHTS = 2
+"""What zeroing a channel's band accumulators and writing them out costs the direct kernel, counted in weights: a
+channel's share of a unit's work is its padded weights plus this (`channel_blocks`)."""
+VECTOR_FLOATS = 8
+"""The direct dataflow's bands are rounded up to this many floats (a multiple of the compiled loop's vector width),
+where the reads stay inside the planes, so that its vectorized loop covers them without a scalar remainder."""
 NS_PER_PRODUCT = {"cartesian": 1.0, "direct": 0.08}
 METHODS = ("auto", "cartesian", "direct", "spmm")
 
@@ -90,7 +95,7 @@ class CpuConvPlan:
     """Where each weight's slice starts in the flat planes: `v × plane_stride + r' × R + s'`."""
     k_ptr: torch.Tensor
     """Output channel k's weights are `direct_*[k_ptr[k] : k_ptr[k + 1]]`, padded with zero weights (at the
-    channel's first slice) to a multiple of `DIRECT_PASS`, the direct loop's weights per pass."""
+    channel's first slice) to a multiple of `DIRECT_PAD`."""
     band_rows: int
     """Output rows per band of the direct dataflow: as many as fit `BAND_FLOATS`, then evened out over the bands
     that takes (`_even_band_rows`)."""
@@ -197,11 +202,11 @@ def _padded_by_channel(
     values: torch.Tensor, base: torch.Tensor, k: torch.Tensor, out_channels: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The direct dataflow's weights (sorted by output channel `k`) with each channel's list padded to a multiple
-    of `DIRECT_PASS` by zero weights reading the channel's first slice; returns values, bases and `k_ptr`."""
+    of `DIRECT_PAD` by zero weights reading the channel's first slice; returns values, bases and `k_ptr`."""
     counts = torch.bincount(k, minlength=out_channels)
     ptr = torch.zeros(out_channels + 1, dtype=torch.int64)
     ptr[1:] = torch.cumsum(counts, 0)
-    padded = -(-counts // DIRECT_PASS) * DIRECT_PASS
+    padded = -(-counts // DIRECT_PAD) * DIRECT_PAD
     k_ptr = torch.zeros(out_channels + 1, dtype=torch.int64)
     k_ptr[1:] = torch.cumsum(padded, 0)
     slot = k_ptr[k] + torch.arange(k.numel()) - ptr[k]
@@ -410,6 +415,26 @@ def _even_band_rows(rows: int, most: int) -> int:
     return -(-rows // bands)
 
 
+def _reach(plan: CpuConvPlan) -> np.ndarray:
+    """Per output channel, the largest base of its direct weights (0 for a channel without any): the direct kernel
+    rounds a channel's band up to its vector length only where the reads stay inside the planes."""
+    channels = plan.k_ptr.numel() - 1
+    owner = torch.repeat_interleave(torch.arange(channels), plan.k_ptr.diff())
+    reach = torch.zeros(channels, dtype=torch.int64)
+    return reach.scatter_reduce_(0, owner, plan.direct_base.long(), "amax").numpy()
+
+
+def channel_blocks(k_ptr: torch.Tensor, blocks: int) -> np.ndarray:
+    """`blocks + 1` output channel boundaries (int64, from 0 to K) that split the direct kernel's work into blocks of
+    about equal cost: each channel's padded weights plus `WRITE_WEIGHTS`. Equal channel counts would not do: the
+    threads take their units statically, so the block with the most nonzeros sets a layer's time."""
+    channels = k_ptr.numel() - 1
+    cost = k_ptr.double() + WRITE_WEIGHTS * torch.arange(channels + 1, dtype=torch.float64)
+    targets = cost[-1] * torch.arange(1, blocks, dtype=torch.float64) / blocks
+    inner = torch.searchsorted(cost, targets).clamp(1, max(channels - 1, 1))
+    return torch.cat([torch.zeros(1, dtype=torch.int64), inner, torch.full((1,), channels)]).numpy()
+
+
 @dataclass(frozen=True)
 class DirectCall:
     """The direct kernel's arguments that stay the same from call to call of a layer: where in its output rows the
@@ -418,7 +443,7 @@ class DirectCall:
     and counts buffer at each call)."""
 
     arguments: tuple[object, ...]
-    """`(out_at, out_row, out_h, out_w, bias, relu, values, base, k_ptr, row, band_rows, k_block, vector)`,
+    """`(out_at, out_row, out_h, out_w, bias, relu, values, base, k_ptr, reach, row, band_rows, k_starts, vector)`,
     `conv_direct`'s last arguments."""
     bands: int
     """Bands of output rows (the first dimension of the kernel's `band_counts`)."""
@@ -433,11 +458,11 @@ class DirectCall:
         (oh, ow) = g.out_hw
         bands = -(-oh // plan.band_rows)
         k_blocks = min(g.out_channels, -(-UNITS_PER_THREAD * threads // bands)) if threads > 1 else 1
-        weights = (plan.direct_values.numpy(), plan.direct_base.numpy(), plan.k_ptr.numpy())
-        k_block = -(-g.out_channels // k_blocks)
+        weights = (plan.direct_values.numpy(), plan.direct_base.numpy(), plan.k_ptr.numpy(), _reach(plan))
+        k_starts = channel_blocks(plan.k_ptr, k_blocks)
         out_at, out_row = (0, ow) if grid is None else grid
         layout = (out_at, out_row, oh, ow)
-        return cls((*layout, bias, relu, *weights, plan.row, plan.band_rows, k_block, VECTOR_FLOATS), bands)
+        return cls((*layout, bias, relu, *weights, plan.row, plan.band_rows, k_starts, VECTOR_FLOATS), bands)
 
     def run(
         self, out: np.ndarray, residual: np.ndarray, planes: np.ndarray, band_counts: np.ndarray = NOT_COUNTED
