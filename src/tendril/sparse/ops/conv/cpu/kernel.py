@@ -96,6 +96,9 @@ class CpuConvPlan:
     k_ptr: torch.Tensor
     """Output channel k's weights are `direct_*[k_ptr[k] : k_ptr[k + 1]]`, padded with zero weights (at the
     channel's first slice) to a multiple of `DIRECT_PAD`."""
+    direct_reach: torch.Tensor
+    """Per output channel, the largest base of its direct weights (0 for a channel without any): the direct kernel
+    rounds a channel's band up to `VECTOR_FLOATS` only where its reads stay inside the planes."""
     band_rows: int
     """Output rows per band of the direct dataflow: as many as fit `BAND_FLOATS`, then evened out over the bands
     that takes (`_even_band_rows`)."""
@@ -149,6 +152,7 @@ class CpuConvPlan:
             direct_values,
             direct_base,
             k_ptr,
+            _reach(direct_base, k_ptr),
             _even_band_rows(oh, max(1, min(oh, BAND_FLOATS // row))),
             (acc_h, acc_w),
             k_block,
@@ -196,6 +200,14 @@ def reads_input(geometry: ConvGeometry) -> bool:
     """Whether a layer's direct dataflow reads its input itself, its phase planes being the input (an unpadded 1×1
     stride-1 layer): `CpuConvPlan.reads_input`."""
     return geometry.kernel == (1, 1) and geometry.stride == (1, 1) and geometry.padding == (0, 0)
+
+
+def _reach(base: torch.Tensor, k_ptr: torch.Tensor) -> torch.Tensor:
+    """`CpuConvPlan.direct_reach`: the largest of each channel's `base[k_ptr[k] : k_ptr[k + 1]]`, 0 where it is
+    empty."""
+    channels = k_ptr.numel() - 1
+    owner = torch.repeat_interleave(torch.arange(channels), k_ptr.diff())
+    return torch.zeros(channels, dtype=torch.int64).scatter_reduce_(0, owner, base.long(), "amax")
 
 
 def _padded_by_channel(
@@ -415,15 +427,6 @@ def _even_band_rows(rows: int, most: int) -> int:
     return -(-rows // bands)
 
 
-def _reach(plan: CpuConvPlan) -> np.ndarray:
-    """Per output channel, the largest base of its direct weights (0 for a channel without any): the direct kernel
-    rounds a channel's band up to its vector length only where the reads stay inside the planes."""
-    channels = plan.k_ptr.numel() - 1
-    owner = torch.repeat_interleave(torch.arange(channels), plan.k_ptr.diff())
-    reach = torch.zeros(channels, dtype=torch.int64)
-    return reach.scatter_reduce_(0, owner, plan.direct_base.long(), "amax").numpy()
-
-
 def channel_blocks(k_ptr: torch.Tensor, blocks: int) -> np.ndarray:
     """`blocks + 1` output channel boundaries (int64, from 0 to K) that split the direct kernel's work into blocks of
     about equal cost: each channel's padded weights plus `WRITE_WEIGHTS`. Equal channel counts would not do: the
@@ -458,7 +461,7 @@ class DirectCall:
         (oh, ow) = g.out_hw
         bands = -(-oh // plan.band_rows)
         k_blocks = min(g.out_channels, -(-UNITS_PER_THREAD * threads // bands)) if threads > 1 else 1
-        weights = (plan.direct_values.numpy(), plan.direct_base.numpy(), plan.k_ptr.numpy(), _reach(plan))
+        weights = (plan.direct_values.numpy(), plan.direct_base.numpy(), plan.k_ptr.numpy(), plan.direct_reach.numpy())
         k_starts = channel_blocks(plan.k_ptr, k_blocks)
         out_at, out_row = (0, ow) if grid is None else grid
         layout = (out_at, out_row, oh, ow)
