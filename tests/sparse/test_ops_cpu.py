@@ -13,6 +13,7 @@ from tendril.sparse.ops import cpu_pool
 from tendril.sparse.ops.compress import cpu as compress_cpu
 from tendril.sparse.ops.compress import reference as compress_reference
 from tendril.sparse.ops.conv import reference as conv_reference
+from tendril.sparse.ops.conv.cpu import direct_call
 from tendril.sparse.ops.conv.cpu import kernel as conv_cpu
 from tendril.sparse.ops.linear import cpu as linear_cpu
 from tendril.sparse.ops.linear import reference as linear_reference
@@ -384,14 +385,14 @@ def test_direct_channel_blocks_split_the_padded_weights_evenly():
     the most weights setting the time, so the blocks are cut by each channel's cost instead."""
     counts = torch.tensor([40, 0, 0, 4, 4, 4, 4, 4, 4, 4, 4, 36, 8, 8, 8, 8])
     k_ptr = torch.cat([torch.zeros(1, dtype=torch.int64), counts.cumsum(0)])
-    cost = counts + conv_cpu.WRITE_WEIGHTS
+    cost = counts + direct_call.WRITE_WEIGHTS
     for blocks in (1, 2, 3, 4, 16):
-        starts = conv_cpu.channel_blocks(k_ptr, blocks)
+        starts = direct_call.channel_blocks(k_ptr, blocks)
         assert len(starts) == blocks + 1 and starts[0] == 0 and starts[-1] == len(counts)
         assert (starts[1:] >= starts[:-1]).all()
         block_costs = [int(cost[a:b].sum()) for a, b in itertools.pairwise(starts)]
         assert max(block_costs) <= cost.sum() / blocks + cost.max()
-    halves = conv_cpu.channel_blocks(k_ptr, 2)
+    halves = direct_call.channel_blocks(k_ptr, 2)
     assert max(int(cost[: halves[1]].sum()), int(cost[halves[1] :].sum())) < int(cost[8:].sum())  # 8 + 8 channels
 
 

@@ -12,8 +12,8 @@ planes of row width `R = max(plane_w, out_w + s' - 1)`, and for every output cha
 output rows (about `BAND_FLOATS` accumulators on a grid of row width R, whose extra columns are
 cropped) each nonzero weight `(v, r', s')` adds `w × planes[v, r'R + s' + band]`, a contiguous
 vectorized FMA stream (eight weights per pass over the accumulators, then four). A work unit is (band,
-block of output channels), enough units for `UNITS_PER_THREAD` per thread, the blocks of about equal work
-(`channel_blocks`); the band's input rows stay in the L2 cache across the block.
+block of output channels), enough units for `direct_call.UNITS_PER_THREAD` per thread, the blocks of about
+equal work (`direct_call.channel_blocks`); the band's input rows stay in the L2 cache across the block.
 (Dropping the weights of channels with no nonzero activation costs more in the gather than it
 saves: few channels are empty in real networks' layers.)
 
@@ -49,27 +49,20 @@ from __future__ import annotations
 import warnings
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from tendril.sparse.activations import ActivationLayout, CompressedActivations
 from tendril.sparse.format import ConvGeometry, SparseConvWeights
 from tendril.sparse.ops.compress import cpu as compress_cpu
+from tendril.sparse.ops.conv.cpu.direct_call import DirectCall
 from tendril.sparse.ops.cpu_threads import kernel_threads, kernels
 
 CARTESIAN_ACC_FLOATS = 1 << 16
 CARTESIAN_MIN_BLOCKS = 16
 BAND_FLOATS = 1024
-UNITS_PER_THREAD = 4
 DIRECT_PAD = 4
 """Each output channel's weight list in the direct dataflow is padded with zero weights to a multiple of this: its
 loop takes eight weights per pass, then four."""
-WRITE_WEIGHTS = 2
-"""What zeroing a channel's band accumulators and writing them out costs the direct kernel, counted in weights: a
-channel's share of a unit's work is its padded weights plus this (`channel_blocks`)."""
-VECTOR_FLOATS = 8
-"""The direct dataflow's bands are rounded up to this many floats (a multiple of the compiled loop's vector width),
-where the reads stay inside the planes, so that its vectorized loop covers them without a scalar remainder."""
 NS_PER_PRODUCT = {"cartesian": 1.0, "direct": 0.08}
 METHODS = ("auto", "cartesian", "direct", "spmm")
 
@@ -98,7 +91,7 @@ class CpuConvPlan:
     channel's first slice) to a multiple of `DIRECT_PAD`."""
     direct_reach: torch.Tensor
     """Per output channel, the largest base of its direct weights (0 for a channel without any): the direct kernel
-    rounds a channel's band up to `VECTOR_FLOATS` only where its reads stay inside the planes."""
+    rounds a channel's band up to `direct_call.VECTOR_FLOATS` only where its reads stay inside the planes."""
     band_rows: int
     """Output rows per band of the direct dataflow: as many as fit `BAND_FLOATS`, then evened out over the bands
     that takes (`_even_band_rows`)."""
@@ -203,8 +196,7 @@ def reads_input(geometry: ConvGeometry) -> bool:
 
 
 def _reach(base: torch.Tensor, k_ptr: torch.Tensor) -> torch.Tensor:
-    """`CpuConvPlan.direct_reach`: the largest of each channel's `base[k_ptr[k] : k_ptr[k + 1]]`, 0 where it is
-    empty."""
+    """`CpuConvPlan.direct_reach`: the largest of each channel's `base[k_ptr[k] : k_ptr[k + 1]]` (0 if empty)."""
     channels = k_ptr.numel() - 1
     owner = torch.repeat_interleave(torch.arange(channels), k_ptr.diff())
     return torch.zeros(channels, dtype=torch.int64).scatter_reduce_(0, owner, base.long(), "amax")
@@ -415,65 +407,12 @@ def _direct(
     call.run(out.view(out.shape[0], -1).numpy(), residual.numpy(), planes.reshape(-1).numpy())
 
 
-NOT_COUNTED = np.empty((0, 0), dtype=np.int32)
-"""The direct kernel's `band_counts` where its output's nonzeros are not kept."""
-
-
 def _even_band_rows(rows: int, most: int) -> int:
     """Rows per band for `rows` output rows in bands of at most `most` rows, as even as the bands allow: the threads
     split the direct kernel's units statically, so a short last band (17, 17, 17, 5 for 56 rows) leaves the threads
     that get it idle while the others work (14, 14, 14, 14)."""
     bands = -(-rows // most)
     return -(-rows // bands)
-
-
-def channel_blocks(k_ptr: torch.Tensor, blocks: int) -> np.ndarray:
-    """`blocks + 1` output channel boundaries (int64, from 0 to K) that split the direct kernel's work into blocks of
-    about equal cost: each channel's padded weights plus `WRITE_WEIGHTS`. Equal channel counts would not do: the
-    threads take their units statically, so the block with the most nonzeros sets a layer's time."""
-    channels = k_ptr.numel() - 1
-    cost = k_ptr.double() + WRITE_WEIGHTS * torch.arange(channels + 1, dtype=torch.float64)
-    targets = cost[-1] * torch.arange(1, blocks, dtype=torch.float64) / blocks
-    inner = torch.searchsorted(cost, targets).clamp(1, max(channels - 1, 1))
-    return torch.cat([torch.zeros(1, dtype=torch.int64), inner, torch.full((1,), channels)]).numpy()
-
-
-@dataclass(frozen=True)
-class DirectCall:
-    """The direct kernel's arguments that stay the same from call to call of a layer: where in its output rows the
-    output grid lies, bias, ReLU, the plan's weights as numpy arrays and the work split for a thread count (built per
-    call by `conv_dense_input`, once by a prepared layer, which then passes only the output, residual, input planes
-    and counts buffer at each call)."""
-
-    arguments: tuple[object, ...]
-    """`(out_at, out_row, out_h, out_w, bias, relu, values, base, k_ptr, reach, row, band_rows, k_starts, vector)`,
-    `conv_direct`'s last arguments."""
-    bands: int
-    """Bands of output rows (the first dimension of the kernel's `band_counts`)."""
-
-    @classmethod
-    def of(
-        cls, plan: CpuConvPlan, threads: int, bias: np.ndarray, relu: bool, grid: tuple[int, int] | None = None
-    ) -> DirectCall:
-        """The call for `plan`; `grid` is `(out_at, out_row)`, where output row `y` of a channel starts in that
-        channel's row of the `[K, ·]` output (None: a contiguous `[K, OH, OW]` output, `(0, OW)`)."""
-        g = plan.weights.geometry
-        (oh, ow) = g.out_hw
-        bands = -(-oh // plan.band_rows)
-        k_blocks = min(g.out_channels, -(-UNITS_PER_THREAD * threads // bands)) if threads > 1 else 1
-        weights = (plan.direct_values.numpy(), plan.direct_base.numpy(), plan.k_ptr.numpy(), plan.direct_reach.numpy())
-        k_starts = channel_blocks(plan.k_ptr, k_blocks)
-        out_at, out_row = (0, ow) if grid is None else grid
-        layout = (out_at, out_row, oh, ow)
-        return cls((*layout, bias, relu, *weights, plan.row, plan.band_rows, k_starts, VECTOR_FLOATS), bands)
-
-    def run(
-        self, out: np.ndarray, residual: np.ndarray, planes: np.ndarray, band_counts: np.ndarray = NOT_COUNTED
-    ) -> None:
-        """`out = [relu](bias + residual + conv(planes))`: `out` `[K, ·]` (each channel's output grid as `grid`
-        says), `residual` `[K, OH, OW]` or `[0, 0, 0]` (none), `planes` flat; with `band_counts` (`[bands, K]`), the
-        nonzeros written per band and channel."""
-        kernels().conv_direct(out, residual, planes, band_counts, *self.arguments)
 
 
 def _cartesian(

@@ -48,7 +48,7 @@ import numpy as np
 import torch
 
 from tendril.sparse.ops import cpu_threads
-from tendril.sparse.ops.conv.cpu import kernel
+from tendril.sparse.ops.conv.cpu import direct_call, kernel
 
 if TYPE_CHECKING:
     from tendril.sparse.steps import RunState, SparseConvStep
@@ -147,7 +147,7 @@ class PreparedConv:
             self.output_planes = PlanesOutput(reader.cpu_plan)
             state.output_planes[self.output_name] = self.output_planes
         grid = self.output_planes.grid if self.lands else None
-        self.direct = kernel.DirectCall.of(plan, self.used, self.bias_array, step.relu, grid)
+        self.direct = direct_call.DirectCall.of(plan, self.used, self.bias_array, step.relu, grid)
         self.fill = (*g.stride, *g.padding, plan.planes.numpy(), plan.row, plan.plane_rows, *self.count_arguments)
         self.planes = plan.planes.view(-1).numpy()
         self.stride = g.stride
