@@ -22,7 +22,10 @@ same pruned weights with BatchNorm folded into the convolutions (`torch.fx`'s `f
 Targets: `{net}_d{density}_cpu_speedup_vs_dense_1thread` and `_allthreads` (dense time / tendril time)
 and `{net}_d{density}_cpu_thread_scaling` (tendril's 1-thread time / all-thread time), with the goals
 in `TARGETS` (the thread-scaling goal is meant for a 16-core host). Beside it, `{net}_d{density}_dense_thread_scaling`
-is dense oneDNN's own, and `extra.host_cpus` the host's logical CPUs and physical cores.
+is dense oneDNN's own, and `extra.host_cpus` the host's logical CPUs and physical cores. A host's cores run slower
+when all are busy than one alone (turbo), by an amount that differs between hosts and days, so the all-thread speedup
+a perfectly parallel program reaches differs too: `host_clock` measures it before and after each model's parts (the
+`host` rows and `extra.<net>_d<density>.host_clock`), and `thread_scaling_over_ceiling` is each side's scaling over it.
 
 Splitting (each part a separate `run`, so that a part fits one time-limited call; unset = all):
 `SPARSE_CPU_MODELS` (e.g. `resnet50,vgg16`), `SPARSE_CPU_DENSITIES` (e.g. `0.1`) and `SPARSE_CPU_THREADS`
@@ -42,6 +45,7 @@ is the call's run time minus what other processes took, and the 1-thread targets
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 import os
 import statistics
@@ -56,6 +60,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.fx.experimental.optimization import fuse
 
+from benchmarks import host_clock
 from benchmarks.registry import Context, Goal, register
 from tendril.sparse import convert, prune
 from tendril.sparse.network import SparseNetwork
@@ -217,6 +222,7 @@ def _bench(ctx: Context, name: str, density: float) -> None:
     all_threads = os.cpu_count() or 1
     thread_counts = _thread_counts(all_threads)
     tag = f"{name}_d{density:g}"
+    clocks = [host_clock.measure(all_threads)] if len(thread_counts) > 1 else []
     with torch.no_grad():
         net = convert(model, inputs[0])
         modules = dict(model.named_modules())
@@ -282,6 +288,8 @@ def _bench(ctx: Context, name: str, density: float) -> None:
                     entry[k] = round(v, 3)
         torch.set_num_threads(all_threads)
 
+    if clocks:
+        clocks.append(host_clock.measure(all_threads))
     values = {}
     if 1 in totals:
         values[f"{tag}_cpu_speedup_vs_dense_1thread"] = totals[1][1] / totals[1][0]
@@ -292,7 +300,16 @@ def _bench(ctx: Context, name: str, density: float) -> None:
             values[f"{tag}_dense_thread_scaling"] = totals[1][1] / totals[all_threads][1]
     for key, value in values.items():
         ctx.target(key, value, TARGETS.get(key))
+    if clocks:
+        ceiling = statistics.mean(c.scaling_ceiling for c in clocks)
+        ctx.add_value(f"{tag} host", "clock_ratio_all_cores_over_one", statistics.mean(c.ratio for c in clocks))
+        ctx.add_value(f"{tag} host", "thread_scaling_ceiling", ceiling)
+        for who, side in (("tendril cpu", "cpu"), ("dense pytorch cpu", "dense")):
+            if f"{tag}_{side}_thread_scaling" in values:
+                scaling = values[f"{tag}_{side}_thread_scaling"]
+                ctx.add_value(f"{tag} {who}", "thread_scaling_over_ceiling", scaling / ceiling)
     ctx.extra[tag] = {
+        "host_clock": [dataclasses.asdict(c) for c in clocks],
         "threads": thread_counts,
         "layers": [{"layer": k, **v} for k, v in per_layer.items()],
         "forward_steps_ms": forward_steps,

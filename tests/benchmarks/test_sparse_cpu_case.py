@@ -30,6 +30,11 @@ def test_a_quick_run_reports_the_targets_and_dense_scaling(monkeypatch):
     assert ctx.targets["alexnet_d0.1_cpu_speedup_vs_dense_1thread"] > 0
     if (os.cpu_count() or 1) > 1:
         assert ctx.targets["alexnet_d0.1_dense_thread_scaling"] > 0
+        rows = {(r.variant, r.metric): r.median for r in ctx.rows}
+        ceiling = rows[("alexnet_d0.1 host", "thread_scaling_ceiling")]
+        assert ceiling > 0 and len(ctx.extra["alexnet_d0.1"]["host_clock"]) == 2
+        scaling = ctx.targets["alexnet_d0.1_cpu_thread_scaling"]
+        assert rows[("alexnet_d0.1 tendril cpu", "thread_scaling_over_ceiling")] == pytest.approx(scaling / ceiling)
     assert ctx.extra["host_cpus"]["logical"] == os.cpu_count()
     steps = ctx.extra["alexnet_d0.1"]["forward_steps_ms"]
     assert "1 thread" in steps and all(ms >= 0 for ms in steps["1 thread"].values())
