@@ -84,6 +84,36 @@ def check_linear(dtype: torch.dtype, device: str, rows: int = 3, launches=LAUNCH
     return checked
 
 
+def check_one_row_copies(dtype: torch.dtype, device: str) -> int:
+    """A Conv1D-layout projection with one-row copies (`Projection.with_one_row_copies`): one-row launches read the
+    copies (poisoned with NaN, only those come out NaN), launches of more rows the model's weights, and `refresh`
+    brings the copies back to the weights after an in-place change. Returns the number of comparisons."""
+    torch.manual_seed(3)
+    k, n = 72, 40
+    weight = _weight(n, k, dtype, device, conv1d=True)
+    projection = Projection((weight,), (torch.randn(n, device=device).to(dtype),)).with_one_row_copies()
+    copy = projection.one_row_weights[0]
+    assert copy.stride(1) == 1 and torch.equal(copy, weight)
+    checked = 0
+    for rows in (1, 3):
+        x = torch.randn(rows, k, device=device).to(dtype)
+        torch.testing.assert_close(linear.fused_linear(x, projection), reference.fused_linear(x, projection),
+                                   **_tolerance(dtype))
+        checked += 1
+    copy.fill_(float("nan"))
+    assert linear.fused_linear(torch.randn(1, k, device=device).to(dtype), projection).isnan().all()
+    assert not linear.fused_linear(torch.randn(3, k, device=device).to(dtype), projection).isnan().any()
+    projection.refresh()  # the weights did not change: the poisoned copy stays as it is
+    assert copy.isnan().all()
+    with torch.no_grad():
+        weight.mul_(2)
+    projection.refresh()
+    x = torch.randn(1, k, device=device).to(dtype)
+    torch.testing.assert_close(linear.fused_linear(x, projection), reference.fused_linear(x, projection),
+                               **_tolerance(dtype))
+    return checked + 1
+
+
 def check_argmax(device: str) -> int:
     """The tokens `argmax_kernel.greedy_choice` picks equal `torch.argmax` on rows with ties, -inf rows, a NaN, one
     element, and rows of one chunk and of many (the interpreter checks short rows, also cut into chunks of 16; the

@@ -21,6 +21,7 @@ from tests.generation.kernel_cases import (
     check_attention_through_rows,
     check_greedy_choice,
     check_linear,
+    check_one_row_copies,
     check_prompt_attention,
     check_step_inputs,
 )
@@ -34,6 +35,7 @@ NEW = 16
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_linear_kernel_matches_reference(dtype, pdl):
     assert check_linear(dtype, "cuda", rows=1, pdl=pdl) > 0
+    assert check_one_row_copies(dtype, "cuda") > 0
     assert check_linear(dtype, "cuda", rows=4, pdl=pdl) > 0
     assert check_linear(dtype, "cuda", rows=6, launches=((None, None, None),), pdl=pdl) > 0  # a half-full row group
 

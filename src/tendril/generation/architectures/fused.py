@@ -10,7 +10,7 @@ look up the tables in five or six PyTorch kernels at the head of every step.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -18,7 +18,7 @@ from torch import nn
 
 from tendril.generation.architectures.base import require
 from tendril.generation.cache import StaticKVCache
-from tendril.generation.kernels import step_inputs
+from tendril.generation.kernels import Projection, step_inputs
 from tendril.graphs.capture import capturing
 
 Rotary = tuple[str, torch.Tensor, torch.Tensor]
@@ -107,11 +107,20 @@ class Embedding:
 
 
 class FusedStep:
-    """A fused forward: `embedding`, then `layers`. Called as a `StepForward`; `step_at` for decode loops."""
+    """A fused forward: `embedding`, then `layers`. Called as a `StepForward`; `step_at` for decode loops.
 
-    def __init__(self, embedding: Embedding, layers: Layers) -> None:
+    `copied` lists the layers' projections that hold one-row copies of the model's weights
+    (`Projection.with_one_row_copies`): `refresh` brings those copies up to date, before every decode call."""
+
+    def __init__(self, embedding: Embedding, layers: Layers, copied: Sequence[Projection] = ()) -> None:
         self.embedding = embedding
         self.layers = layers
+        self.copied = tuple(p for p in copied if p.one_row_weights is not None)
+
+    def refresh(self) -> None:
+        """Copy the model's weights into the one-row copies where they changed since (not while capturing)."""
+        for projection in self.copied:
+            projection.refresh()
 
     def __call__(
         self, tokens: torch.Tensor, positions: torch.Tensor, query_slots: torch.Tensor, cache: StaticKVCache

@@ -1,7 +1,8 @@
 """GPT-2 (`model_type` gpt2): learned positions, fused QKV projection (Conv1D), pre-LN blocks.
 
 Its fused step runs five kernels a layer: LN1 + QKV, attention (cache write included), output projection
-+ residual, LN2 + FC + GELU, MLP projection + residual; then the final LN with the LM head.
++ residual, LN2 + FC + GELU, MLP projection + residual; then the final LN with the LM head. Its one-token steps read
+K-contiguous copies of the Conv1D weights (`Projection.with_one_row_copies`), which double the layers' weight memory.
 """
 
 from __future__ import annotations
@@ -71,9 +72,13 @@ class GPT2(DecoderArchitecture):
                 f"{self.config.activation_function!r}; use step='compiled'")
         assert activation is not None
         transformer = self.model.transformer
+
+        def conv1d(module: Any) -> Projection:  # one-row launches read K-contiguous copies (layers.py)
+            return Projection.of(module).with_one_row_copies()
+
         layers = [
-            (Norm.of(b.ln_1), Projection.of(b.attn.c_attn), Projection.of(b.attn.c_proj), Norm.of(b.ln_2),
-             Projection.of(b.mlp.c_fc), Projection.of(b.mlp.c_proj), self._scale(i))
+            (Norm.of(b.ln_1), conv1d(b.attn.c_attn), conv1d(b.attn.c_proj), Norm.of(b.ln_2), conv1d(b.mlp.c_fc),
+             conv1d(b.mlp.c_proj), self._scale(i))
             for i, b in enumerate(transformer.h)
         ]
         final_norm, head = Norm.of(transformer.ln_f), Projection.of(self.model.lm_head)
@@ -89,4 +94,5 @@ class GPT2(DecoderArchitecture):
                                       addends=(hidden,))
             return fused_linear(last_positions(hidden, rows), head, norm=final_norm, out_dtype=torch.float32)
 
-        return FusedStep(Embedding(transformer.wte, transformer.wpe), run_layers)
+        copied = [p for layer in layers for p in layer[1:6] if isinstance(p, Projection)]
+        return FusedStep(Embedding(transformer.wte, transformer.wpe), run_layers, copied)

@@ -3,8 +3,15 @@
 A `Norm` is a LayerNorm (weight, bias) or an RMSNorm (Llama's: `weight * normalized.to(dtype)`); a
 `Projection` is one or more weight matrices whose outputs are concatenated (GPT-2's fused QKV is one
 matrix, Llama's q/k/v three). Every weight is held as an `[out, in]` view: `nn.Linear.weight` as it is,
-GPT-2's `Conv1D.weight` ([in, out]) transposed, so kernels take any layout through strides and nothing
-is copied. Modules are read once, when a decode path is built; the tensors are the model's own.
+GPT-2's `Conv1D.weight` ([in, out]) transposed, so kernels take any layout through strides. Modules are read
+once, when a decode path is built; the tensors are the model's own.
+
+One exception to reading the model's own tensors: a projection whose weights are not K-contiguous (Conv1D) may hold
+K-contiguous copies that launches of one row read instead (`Projection.with_one_row_copies`). A one-row launch
+streams long runs of K per column (deep tiles, `launch.py`), which a column-contiguous layout does not have; launches
+of several rows (beams, prompts) run on tensor cores, and read the model's layout. The copies cost the weights' memory
+once more, and follow the model's weights only through `Projection.refresh` (copying again those whose version
+counter moved, as an in-place update such as `load_state_dict` moves it), which every decode call runs first.
 """
 
 from __future__ import annotations
@@ -71,6 +78,8 @@ class Projection:
     weights: tuple[torch.Tensor, ...]
     """[out_i, in] views, all with the same strides."""
     biases: tuple[torch.Tensor | None, ...]
+    one_row_weights: tuple[torch.Tensor, ...] | None = None
+    """K-contiguous copies of `weights` that launches of one row read instead (module docstring), or None."""
     split_k_counters: torch.Tensor = field(init=False, repr=False, compare=False)
     """int32 [SPLIT_K_LOCKS], zero between launches: the linear kernel's per-block arrival counters when it
     splits K (the last program of a block to arrive reduces the partial sums and resets its counter). Held per
@@ -86,8 +95,13 @@ class Projection:
                 raise ValueError("the weights of a fused projection must share dtype, input size and strides")
         if len({b is None for b in self.biases}) > 1:
             raise ValueError("the weights of a fused projection must all have a bias or all have none")
+        if self.one_row_weights is not None and [(c.shape, c.dtype, c.stride(1)) for c in self.one_row_weights] != [
+            (w.shape, w.dtype, 1) for w in self.weights
+        ]:
+            raise ValueError("one-row copies must be K-contiguous tensors of the weights' shapes and dtype")
         counters = torch.zeros(SPLIT_K_LOCKS, dtype=torch.int32, device=first.device)
         object.__setattr__(self, "split_k_counters", counters)
+        object.__setattr__(self, "_copied", [_version(w) for w in self.weights])
 
     @classmethod
     def of(cls, *modules: Any) -> Projection:
@@ -104,6 +118,30 @@ class Projection:
             biases.append(module.bias)
         return cls(tuple(weights), tuple(biases))
 
+    def with_one_row_copies(self) -> Projection:
+        """This projection with K-contiguous copies of its weights for launches of one row (module docstring); itself
+        when its weights are K-contiguous already."""
+        if self.weights[0].stride(1) == 1:
+            return self
+        copies = tuple(w.contiguous() for w in self.weights)
+        return Projection(self.weights, self.biases, copies)
+
+    def weights_for(self, rows: int) -> tuple[torch.Tensor, ...]:
+        """The weights a launch of `rows` rows reads: the one-row copies for one row where there are any."""
+        return self.one_row_weights if rows == 1 and self.one_row_weights is not None else self.weights
+
+    def refresh(self) -> None:
+        """Copy each weight into its one-row copy again if it changed since the last copy (its version counter moved;
+        a weight without one, an inference-mode tensor, is copied every time). Not inside a CUDA graph capture."""
+        if self.one_row_weights is None:
+            return
+        copied: list[int | None] = self._copied  # type: ignore[attr-defined]
+        for i, (weight, copy) in enumerate(zip(self.weights, self.one_row_weights, strict=True)):
+            version = _version(weight)
+            if version is None or version != copied[i]:
+                copy.copy_(weight)
+                copied[i] = version
+
     @property
     def in_features(self) -> int:
         return int(self.weights[0].shape[1])
@@ -115,3 +153,11 @@ class Projection:
     @property
     def out_features(self) -> int:
         return sum(self.out_sizes)
+
+
+def _version(tensor: torch.Tensor) -> int | None:
+    """The tensor's version counter (every in-place write bumps it); None for an inference-mode tensor (none)."""
+    try:
+        return int(tensor._version)
+    except RuntimeError:
+        return None

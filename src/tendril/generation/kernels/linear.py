@@ -356,7 +356,8 @@ def fused_linear(
         raise ValueError(f"the output must be a {x.dtype} or float32 [{rows}, {out_features}] tensor with contiguous "
                          f"rows, got {out.dtype} {tuple(out.shape)} strides {out.stride()}")
     pdl = programmatic.resolve(pdl, x.device, _fused_linear_kernel)
-    weights = list(projection.weights) + [projection.weights[0]] * (3 - len(sizes))
+    read = projection.weights_for(rows)
+    weights = list(read) + [read[0]] * (3 - len(sizes))
     biases = [b if b is not None else weights[0] for b in projection.biases]
     biases += [biases[0]] * (3 - len(biases))
     padded = list(sizes) + [0] * (3 - len(sizes))

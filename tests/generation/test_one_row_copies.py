@@ -1,0 +1,87 @@
+"""One-row copies of column-contiguous weights (GPT-2's Conv1D): built K-contiguous, read by one-row launches only,
+and kept equal to the model's weights by `refresh`, which every decode call runs first."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tendril import generate
+from tendril.generation import decode_step
+from tendril.generation.api import decode_loop
+from tendril.generation.architectures.fused import FusedStep
+from tendril.generation.kernels import Projection
+from tendril.generation.loop import Plan
+from tendril.generation.processors import LogitsProcessing
+from tests.generation.models import tiny_model
+
+
+def _fused_step(model: torch.nn.Module) -> FusedStep:
+    plan = Plan.build(max_new_tokens=4, processing=LogitsProcessing(), eos=(), pad=0, step="fused")
+    step = decode_loop(model, plan).step_forward
+    assert isinstance(step, FusedStep)
+    return step
+
+
+def _copies_match(step: FusedStep) -> bool:
+    return all(
+        torch.equal(w, c)
+        for projection in step.copied
+        for w, c in zip(projection.weights, projection.one_row_weights or (), strict=True)
+    )
+
+
+def test_conv1d_projections_get_k_contiguous_copies_and_linear_ones_none():
+    gpt2 = tiny_model("gpt2")
+    projection = Projection.of(gpt2.transformer.h[0].attn.c_attn).with_one_row_copies()
+    (copy,) = projection.one_row_weights or ()
+    assert copy.stride(1) == 1 and copy.data_ptr() != gpt2.transformer.h[0].attn.c_attn.weight.data_ptr()
+    assert torch.equal(copy, projection.weights[0])
+    assert projection.weights_for(1) == (copy,) and projection.weights_for(2) == projection.weights
+    linear = Projection.of(tiny_model("llama").model.layers[0].self_attn.q_proj)
+    assert linear.with_one_row_copies() is linear and linear.weights_for(1) == linear.weights
+
+
+def test_copies_of_another_shape_or_layout_are_refused():
+    weight = torch.randn(8, 4).t()
+    with pytest.raises(ValueError, match="one-row copies"):
+        Projection((weight,), (None,), (torch.randn(4, 4),))
+    with pytest.raises(ValueError, match="one-row copies"):
+        Projection((weight,), (None,), (torch.randn(8, 4).t(),))
+
+
+def test_refresh_copies_only_the_weights_that_changed():
+    gpt2 = tiny_model("gpt2")
+    modules = (gpt2.transformer.h[0].attn.c_attn, gpt2.transformer.h[0].mlp.c_fc)
+    projections = [Projection.of(m).with_one_row_copies() for m in modules]
+    for projection in projections:
+        (projection.one_row_weights or ())[0].fill_(float("nan"))
+    with torch.no_grad():
+        modules[1].weight.add_(1)
+    for projection in projections:
+        projection.refresh()
+    assert (projections[0].one_row_weights or ())[0].isnan().all()  # unchanged weights: not copied again
+    assert torch.equal((projections[1].one_row_weights or ())[0], projections[1].weights[0])
+
+
+def test_generate_brings_gpt2_copies_up_to_date_after_an_in_place_update():
+    model, source = tiny_model("gpt2"), tiny_model("gpt2", seed=1)
+    prompt = torch.tensor([[1, 2, 3]])
+    generate(model, prompt, max_new_tokens=4, step="fused", eos_token_id=[], pad_token_id=0)
+    step = _fused_step(model)
+    assert len(step.copied) == 4 * len(model.transformer.h) and _copies_match(step)
+    model.load_state_dict(source.state_dict())  # copies in place: the weights' version counters move
+    assert not _copies_match(step)
+    out = generate(model, prompt, max_new_tokens=4, step="fused", eos_token_id=[], pad_token_id=0)
+    assert _copies_match(step)
+    assert torch.equal(out, generate(source, prompt, max_new_tokens=4, step="fused", eos_token_id=[], pad_token_id=0))
+
+
+def test_decode_step_brings_the_copies_up_to_date_at_restart():
+    model, source = tiny_model("gpt2"), tiny_model("gpt2", seed=1)
+    prompt = torch.tensor([[1, 2, 3]])
+    stepper = decode_step(model, prompt, max_new_tokens=4, step="fused")
+    step = _fused_step(model)
+    model.load_state_dict(source.state_dict())
+    stepper.restart(prompt)
+    assert _copies_match(step)
