@@ -120,7 +120,10 @@ def test_one_row_half_launches_take_deep_tiles_where_the_committed_sweep_found_t
     """benchmarks/results/profile_generation-one-row-share.md: at one row, Llama-1B's layer projections were fastest
     (or within noise of it) on shares of one tile over all of K, as wide as 16K weight elements in registers allow;
     its LM head (thousands of programs) on shares of two tiles half as deep; GPT-2's Linear LM head on one tile.
-    GPT-2's Conv1D layers keep their shallow tiles."""
+    GPT-2's Conv1D layers keep their shallow tiles on HF's layout; on the K-contiguous copies its one-token steps read,
+    its small layer launches (profile_generation-gpt2-linear-sweep.md) take blocks of 4 columns where that gives them
+    4 programs per SM or more (c_attn, c_proj, c_fc: the sweep's fastest, or within 5% of it for attn.c_proj) and
+    keep 4 columns otherwise (mlp.c_proj, within 7% of the sweep's fastest)."""
     deep = {(3072, 2048, True, 1): (8, 2048), (2048, 2048, False, 1): (8, 2048), (16384, 2048, True, 2): (4, 2048),
             (2048, 8192, False, 1): (2, 8192), (128256, 2048, True, 1): (8, 1024), (50257, 768, True, 1): (16, 1024)}
     for (columns, in_features, normed, matrices), shape in deep.items():
@@ -132,6 +135,24 @@ def test_one_row_half_launches_take_deep_tiles_where_the_committed_sweep_found_t
     for columns, in_features in ((768, 3072), (2304, 768), (768, 768), (3072, 768)):
         config = launch.launch_config(columns, in_features, 1, k_contiguous=False, normed=True)
         assert config.block_k <= launch.CONTIGUOUS_K_DEPTH, config
+    small = {(2304, 768, True): (4, 1024), (768, 768, False): (4, 1024), (3072, 768, True): (4, 1024),
+             (768, 3072, False): (4, 4096)}
+    for (columns, in_features, normed), shape in small.items():
+        config = launch.launch_config(columns, in_features, 1, k_contiguous=True, normed=normed)
+        assert (config.block_n, config.block_k, config.split_k) == (*shape, 1) and not config.dot, config
+
+
+def test_only_launches_of_few_weight_bytes_per_sm_narrow_their_blocks():
+    for columns in (256, 768, 2304, 3072, 8192, 32768):
+        for in_features in (768, 2048, 3072, 8192):
+            config = launch.launch_config(columns, in_features, 1, k_contiguous=True)
+            small = columns * in_features * 2 < launch.SMALL_LAUNCH_BYTES_PER_SM * 132
+            widest = min(launch.ONE_ROW_TILE // min(triton.next_power_of_2(in_features), launch.ONE_ROW_DEPTH),
+                         triton.next_power_of_2(columns))
+            if not small:
+                assert config.block_n >= widest // 2, config  # the register-bound width (half for many waves)
+            elif config.block_n > launch.SMALL_LAUNCH_MIN_COLUMNS:
+                assert -(-columns // config.block_n) >= launch.SMALL_LAUNCH_PROGRAMS_PER_SM * 132, config
 
 
 def test_deep_one_row_launches_hold_at_most_one_row_tile_and_split_k_only_to_fill_the_sms():

@@ -75,6 +75,13 @@ DOT_SHARE_DEPTH = 1024
 ONE_ROW_PROGRAMS_PER_SM = 32
 """A deep-tile launch of more programs per SM than this (an LM head) runs many waves; there a program's share is two
 tiles of half the depth, so the second tile's loads overlap the first's products."""
+SMALL_LAUNCH_BYTES_PER_SM = 49152
+"""A deep-tile launch whose weights come to fewer bytes per SM than this (GPT-2's layers) is bound by memory latency,
+not bandwidth: its time is a few round trips, which more programs resident on an SM overlap. So it narrows its
+column blocks (halving, down to `SMALL_LAUNCH_MIN_COLUMNS`) until it has `SMALL_LAUNCH_PROGRAMS_PER_SM` programs per
+SM. Larger launches (Llama-1B's layers: 64-500 KB per SM) keep the widest blocks their registers allow."""
+SMALL_LAUNCH_PROGRAMS_PER_SM = 4
+SMALL_LAUNCH_MIN_COLUMNS = 4
 
 
 @dataclass(frozen=True)
@@ -240,9 +247,10 @@ def _dot_k_contiguous(columns: int, in_features: int, rows: int, sm_count: int, 
 
 def _one_row_deep(columns: int, in_features: int, k_contiguous: bool, sm_count: int,
                   matrices: int) -> LaunchConfig | None:
-    """The deep-tile launch of a one-row 16-bit projection (`launch_config`), or None for Conv1D weights: shares of
-    one tile (two for launches of many waves, `ONE_ROW_PROGRAMS_PER_SM`) as wide as `ONE_ROW_TILE` allows, K split
-    only when the launch would leave SMs idle."""
+    """The deep-tile launch of a one-row 16-bit projection (`launch_config`), or None for weights whose columns are
+    contiguous (Conv1D's own layout): shares of one tile (two for launches of many waves, `ONE_ROW_PROGRAMS_PER_SM`)
+    as wide as `ONE_ROW_TILE` allows (narrower for small launches, `SMALL_LAUNCH_BYTES_PER_SM`), K split only when
+    the launch would leave SMs idle."""
     if not k_contiguous:
         return None
     per_matrix = columns // matrices
@@ -256,6 +264,10 @@ def _one_row_deep(columns: int, in_features: int, k_contiguous: bool, sm_count: 
     if triton.cdiv(per_matrix, block_n) > ONE_ROW_PROGRAMS_PER_SM * sm_count and block_k > 1:
         block_k //= 2
         block_n = width(block_k)
+    small = columns * in_features * 2 < SMALL_LAUNCH_BYTES_PER_SM * sm_count  # 16-bit weights
+    while (small and block_n > SMALL_LAUNCH_MIN_COLUMNS
+           and triton.cdiv(per_matrix, block_n) < SMALL_LAUNCH_PROGRAMS_PER_SM * sm_count):
+        block_n //= 2
     column_blocks = triton.cdiv(per_matrix, block_n)
     k_tiles = triton.cdiv(in_features, block_k)
     split_k = 1
