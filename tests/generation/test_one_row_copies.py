@@ -16,8 +16,8 @@ from tendril.generation.processors import LogitsProcessing
 from tests.generation.models import tiny_model
 
 
-def _fused_step(model: torch.nn.Module) -> FusedStep:
-    plan = Plan.build(max_new_tokens=4, processing=LogitsProcessing(), eos=(), pad=0, step="fused")
+def _fused_step(model: torch.nn.Module, max_new_tokens: int = 4) -> FusedStep:
+    plan = Plan.build(max_new_tokens=max_new_tokens, processing=LogitsProcessing(), eos=(), pad=0, step="fused")
     step = decode_loop(model, plan).step_forward
     assert isinstance(step, FusedStep)
     return step
@@ -85,3 +85,13 @@ def test_decode_step_brings_the_copies_up_to_date_at_restart():
     model.load_state_dict(source.state_dict())
     stepper.restart(prompt)
     assert _copies_match(step)
+
+
+def test_every_decode_loop_of_a_model_shares_one_set_of_copies():
+    model = tiny_model("gpt2")
+    first, second = _fused_step(model, 4), _fused_step(model, 6)
+    assert first is not second and all(a is b for a, b in zip(first.copied, second.copied, strict=True))
+    model.half()  # new weight storage: new copies, of the new dtype
+    cast = _fused_step(model, 5)
+    assert all(p.one_row_weights is not None and p.one_row_weights[0].dtype == torch.float16 for p in cast.copied)
+    assert not any(a is b for a, b in zip(first.copied, cast.copied, strict=True))

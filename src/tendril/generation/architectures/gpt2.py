@@ -66,16 +66,24 @@ class GPT2(DecoderArchitecture):
             hidden = hidden + block.mlp(block.ln_2(hidden))
         return last_logits(self.model.lm_head, transformer.ln_f(hidden))
 
+    def _conv1d(self, module: Any) -> Projection:
+        """The projection of a Conv1D module with its one-row copies (`Projection.with_one_row_copies`): one per module
+        and weight storage, shared by every decode loop of the model (each would otherwise hold copies of its own)."""
+        shared: dict[tuple[int, int, torch.dtype, torch.device], Projection]
+        shared = self.__dict__.setdefault("_one_row_projections", {})
+        weight = module.weight
+        key = (id(module), weight.data_ptr(), weight.dtype, weight.device)
+        if key not in shared:
+            shared[key] = Projection.of(module).with_one_row_copies()
+        return shared[key]
+
     def fused_step(self) -> FusedStep:
         activation = activation_for(self.config.activation_function)
         require(activation is not None, f"step='fused' does not reproduce GPT-2's activation "
                 f"{self.config.activation_function!r}; use step='compiled'")
         assert activation is not None
         transformer = self.model.transformer
-
-        def conv1d(module: Any) -> Projection:  # one-row launches read K-contiguous copies (layers.py)
-            return Projection.of(module).with_one_row_copies()
-
+        conv1d = self._conv1d
         layers = [
             (Norm.of(b.ln_1), conv1d(b.attn.c_attn), conv1d(b.attn.c_proj), Norm.of(b.ln_2), conv1d(b.mlp.c_fc),
              conv1d(b.mlp.c_proj), self._scale(i))
