@@ -95,3 +95,13 @@ def test_every_decode_loop_of_a_model_shares_one_set_of_copies():
     cast = _fused_step(model, 5)
     assert all(p.one_row_weights is not None and p.one_row_weights[0].dtype == torch.float16 for p in cast.copied)
     assert not any(a is b for a, b in zip(first.copied, cast.copied, strict=True))
+
+
+def test_copies_built_in_inference_mode_refresh_outside_it():
+    gpt2 = tiny_model("gpt2")
+    with torch.inference_mode():
+        projection = Projection.of(gpt2.transformer.h[0].attn.c_attn).with_one_row_copies()
+    with torch.no_grad():
+        gpt2.transformer.h[0].attn.c_attn.weight.mul_(3)
+    projection.refresh()
+    assert torch.equal((projection.one_row_weights or ())[0], projection.weights[0])

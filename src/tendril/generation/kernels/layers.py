@@ -139,7 +139,8 @@ class Projection:
         for i, (weight, copy) in enumerate(zip(self.weights, self.one_row_weights, strict=True)):
             version = _version(weight)
             if version is None or version != copied[i]:
-                copy.copy_(weight)
+                with torch.inference_mode():  # the copies may be inference tensors (built under `generate`)
+                    copy.copy_(weight)
                 copied[i] = version
 
     @property
