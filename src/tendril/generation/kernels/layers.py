@@ -85,6 +85,8 @@ class Projection:
     splits K (the last program of a block to arrive reduces the partial sums and resets its counter). Held per
     projection, so launches of different projections never share them; launches of one projection must not
     run concurrently on two streams."""
+    copied_versions: list[int | None] = field(init=False, repr=False, compare=False)
+    """The weights' version counters when the one-row copies were last written (`refresh`)."""
 
     def __post_init__(self) -> None:
         if not 1 <= len(self.weights) <= 3 or len(self.biases) != len(self.weights):
@@ -95,13 +97,13 @@ class Projection:
                 raise ValueError("the weights of a fused projection must share dtype, input size and strides")
         if len({b is None for b in self.biases}) > 1:
             raise ValueError("the weights of a fused projection must all have a bias or all have none")
-        if self.one_row_weights is not None and [(c.shape, c.dtype, c.stride(1)) for c in self.one_row_weights] != [
-            (w.shape, w.dtype, 1) for w in self.weights
-        ]:
-            raise ValueError("one-row copies must be K-contiguous tensors of the weights' shapes and dtype")
+        if self.one_row_weights is not None and [
+            (c.shape, c.dtype, c.device, c.stride(1)) for c in self.one_row_weights
+        ] != [(w.shape, w.dtype, w.device, 1) for w in self.weights]:
+            raise ValueError("one-row copies must be K-contiguous tensors of the weights' shapes, dtype and device")
         counters = torch.zeros(SPLIT_K_LOCKS, dtype=torch.int32, device=first.device)
         object.__setattr__(self, "split_k_counters", counters)
-        object.__setattr__(self, "_copied", [_version(w) for w in self.weights])
+        object.__setattr__(self, "copied_versions", [_version(w) for w in self.weights])
 
     @classmethod
     def of(cls, *modules: Any) -> Projection:
@@ -135,13 +137,12 @@ class Projection:
         a weight without one, an inference-mode tensor, is copied every time). Not inside a CUDA graph capture."""
         if self.one_row_weights is None:
             return
-        copied: list[int | None] = self._copied  # type: ignore[attr-defined]
         for i, (weight, copy) in enumerate(zip(self.weights, self.one_row_weights, strict=True)):
             version = _version(weight)
-            if version is None or version != copied[i]:
+            if version is None or version != self.copied_versions[i]:
                 with torch.inference_mode():  # the copies may be inference tensors (built under `generate`)
                     copy.copy_(weight)
-                copied[i] = version
+                self.copied_versions[i] = version
 
     @property
     def in_features(self) -> int:
