@@ -32,6 +32,12 @@ class GPT2(DecoderArchitecture):
     fused_step_reads_row_table = True
     model_types = ("gpt2",)
 
+    def __init__(self, model: Any) -> None:
+        super().__init__(model)
+        self._one_row_projections: dict[int, tuple[tuple[int, torch.dtype, torch.device], Projection]] = {}
+        """Per Conv1D module (by id): its weight's storage (address, dtype, device) and the projection with one-row
+        copies built from it (`_conv1d`)."""
+
     def check(self, config: Any) -> None:
         require(not getattr(config, "add_cross_attention", False), "GPT-2 with cross-attention is not supported")
         require(not getattr(config, "reorder_and_upcast_attn", False),
@@ -67,15 +73,15 @@ class GPT2(DecoderArchitecture):
         return last_logits(self.model.lm_head, transformer.ln_f(hidden))
 
     def _conv1d(self, module: Any) -> Projection:
-        """The projection of a Conv1D module with its one-row copies (`Projection.with_one_row_copies`): one per module
-        and weight storage, shared by every decode loop of the model (each would otherwise hold copies of its own)."""
-        shared: dict[tuple[int, int, torch.dtype, torch.device], Projection]
-        shared = self.__dict__.setdefault("_one_row_projections", {})
+        """The projection of a Conv1D module with its one-row copies (`Projection.with_one_row_copies`), shared by every
+        decode loop of the model (each would otherwise hold copies of its own); built again when the module's weight
+        has new storage (the model was cast or moved), which replaces the module's entry."""
         weight = module.weight
-        key = (id(module), weight.data_ptr(), weight.dtype, weight.device)
-        if key not in shared:
-            shared[key] = Projection.of(module).with_one_row_copies()
-        return shared[key]
+        storage = (weight.data_ptr(), weight.dtype, weight.device)
+        entry = self._one_row_projections.get(id(module))
+        if entry is None or entry[0] != storage:
+            entry = self._one_row_projections[id(module)] = (storage, Projection.of(module).with_one_row_copies())
+        return entry[1]
 
     def fused_step(self) -> FusedStep:
         activation = activation_for(self.config.activation_function)
@@ -102,5 +108,5 @@ class GPT2(DecoderArchitecture):
                                       addends=(hidden,))
             return fused_linear(last_positions(hidden, rows), head, norm=final_norm, out_dtype=torch.float32)
 
-        copied = [p for layer in layers for p in layer[1:6] if isinstance(p, Projection)]
+        copied = [p for layer in layers for p in layer if isinstance(p, Projection)]
         return FusedStep(Embedding(transformer.wte, transformer.wpe), run_layers, copied)
