@@ -87,7 +87,7 @@ def check_linear(dtype: torch.dtype, device: str, rows: int = 3, launches=LAUNCH
 def check_one_row_copies(dtype: torch.dtype, device: str) -> int:
     """A Conv1D-layout projection with one-row copies (`Projection.with_one_row_copies`): one-row launches read the
     copies (poisoned with NaN, only those come out NaN), launches of more rows the model's weights, and `refresh`
-    brings the copies back to the weights after an in-place change. Returns the number of comparisons."""
+    writes the copies again, after a change through `.data` too. Returns the number of comparisons."""
     torch.manual_seed(3)
     k, n = 72, 40
     weight = _weight(n, k, dtype, device, conv1d=True)
@@ -103,11 +103,11 @@ def check_one_row_copies(dtype: torch.dtype, device: str) -> int:
     copy.fill_(float("nan"))
     assert linear.fused_linear(torch.randn(1, k, device=device).to(dtype), projection).isnan().all()
     assert not linear.fused_linear(torch.randn(3, k, device=device).to(dtype), projection).isnan().any()
-    projection.refresh()  # the weights did not change: the poisoned copy stays as it is
-    assert copy.isnan().all()
-    with torch.no_grad():
-        weight.mul_(2)
     projection.refresh()
+    assert torch.equal(copy, weight)
+    weight.data.mul_(2)  # moves no version counter
+    projection.refresh()
+    assert torch.equal(copy, weight)
     x = torch.randn(1, k, device=device).to(dtype)
     torch.testing.assert_close(linear.fused_linear(x, projection), reference.fused_linear(x, projection),
                                **_tolerance(dtype))

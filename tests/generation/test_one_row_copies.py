@@ -1,5 +1,5 @@
 """One-row copies of column-contiguous weights (GPT-2's Conv1D): built K-contiguous, read by one-row launches only,
-and kept equal to the model's weights by `refresh`, which every decode call runs first."""
+and written again by `refresh` at the start of every decode call's prompt pass."""
 
 from __future__ import annotations
 
@@ -50,18 +50,17 @@ def test_copies_of_another_shape_or_layout_are_refused():
         Projection((weight,), (None,), (torch.randn(8, 4).t(),))
 
 
-def test_refresh_copies_only_the_weights_that_changed():
+def test_refresh_copies_every_weight_even_one_written_through_data():
     gpt2 = tiny_model("gpt2")
-    modules = (gpt2.transformer.h[0].attn.c_attn, gpt2.transformer.h[0].mlp.c_fc)
-    projections = [Projection.of(m).with_one_row_copies() for m in modules]
-    for projection in projections:
-        (projection.one_row_weights or ())[0].fill_(float("nan"))
-    with torch.no_grad():
-        modules[1].weight.add_(1)
-    for projection in projections:
-        projection.refresh()
-    assert (projections[0].one_row_weights or ())[0].isnan().all()  # unchanged weights: not copied again
-    assert torch.equal((projections[1].one_row_weights or ())[0], projections[1].weights[0])
+    module = gpt2.transformer.h[0].mlp.c_fc
+    projection = Projection.of(module).with_one_row_copies()
+    copy = (projection.one_row_weights or ())[0]
+    copy.fill_(float("nan"))
+    projection.refresh()
+    assert torch.equal(copy, projection.weights[0])
+    module.weight.data.add_(1)  # `.data` writes move no version counter
+    projection.refresh()
+    assert torch.equal(copy, projection.weights[0])
 
 
 def test_generate_brings_gpt2_copies_up_to_date_after_an_in_place_update():
@@ -84,6 +83,17 @@ def test_decode_step_brings_the_copies_up_to_date_at_restart():
     step = _fused_step(model)
     model.load_state_dict(source.state_dict())
     stepper.restart(prompt)
+    assert _copies_match(step)
+
+
+def test_generate_sees_weights_written_through_data():
+    model, source = tiny_model("gpt2"), tiny_model("gpt2", seed=1)
+    prompt = torch.tensor([[1, 2, 3]])
+    generate(model, prompt, max_new_tokens=4, step="fused", eos_token_id=[], pad_token_id=0)
+    step = _fused_step(model)
+    for weight, new in zip(model.parameters(), source.parameters(), strict=True):
+        weight.data.copy_(new.data)
+    generate(model, prompt, max_new_tokens=4, step="fused", eos_token_id=[], pad_token_id=0)
     assert _copies_match(step)
 
 

@@ -201,7 +201,6 @@ def generate(
     arch.check_length(prompt_len + max_new_tokens)
     with torch.inference_mode():
         run = runner(model, arch, plan)
-        _unwrapped(run).refresh_weights()
         result = functools.partial(_result, num_beams=num_beams, batch=batch, prompt_len=prompt_len,
                                    num_return_sequences=num_return_sequences)
         if streamer is not None:

@@ -25,7 +25,6 @@ import torch
 from torch import nn
 
 from tendril.generation.architectures import DecoderArchitecture
-from tendril.generation.architectures.fused import FusedStep
 from tendril.generation.beam import BeamSearch
 from tendril.generation.greedy import TokenSearch
 from tendril.generation.processors import LogitsProcessing
@@ -119,12 +118,6 @@ class DecodeLoop:
             _warm_step(search.decoder)
         return while_loop(search.cond, search.body, carried, max_iterations=self.plan.max_new_tokens,
                           name=f"generate ({type(search).__name__})")
-
-    def refresh_weights(self) -> None:
-        """Bring the fused step's copies of the model's weights up to date (`FusedStep.refresh`); every decode call
-        runs this first, outside its graph."""
-        if isinstance(self.step_forward, FusedStep):
-            self.step_forward.refresh()
 
     def search(self, prompt: torch.Tensor, mask: torch.Tensor, noise_key: torch.Tensor) -> TokenSearch | BeamSearch:
         """The search (cond/body/start over a new decoder and cache) for these inputs."""

@@ -78,7 +78,11 @@ class Decoder:
         return self.prompt_len + self.max_new_tokens
 
     def prefill(self) -> torch.Tensor:
-        """Run the prompt through the model, filling cache slots 0..P-1; logits of the last position."""
+        """Run the prompt through the model, filling cache slots 0..P-1; logits of the last position. A fused step's
+        copies of the model's weights are written first (`FusedStep.refresh`), so every decode call reads the
+        weights as they are when it runs."""
+        if isinstance(self.step_forward, FusedStep):
+            self.step_forward.refresh()
         self.cache.reset_order()
         positions = (self.mask.cumsum(-1) - 1).masked_fill(self.mask == 0, 0)
         forward = self.prompt_forward or self.arch.forward

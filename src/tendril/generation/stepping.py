@@ -4,7 +4,7 @@
 `decode_step` gives the same loop's body on its own: the state after the prompt pass in fixed buffers, and a
 `step()` that advances it by one token in place, which can be timed or captured as a CUDA graph by itself
 (what the kernels of one token cost, what a host loop of per-token replays costs). Copies of the model's weights that a
-fused step holds are brought up to date at construction and at every `restart`, not per `step()`.
+fused step holds are written again by every prompt pass (construction, `restart`), not per `step()`.
 """
 
 from __future__ import annotations
@@ -30,7 +30,6 @@ class DecodeStep:
 
     def __init__(self, loop: DecodeLoop, prompt: torch.Tensor, seed: int = 0) -> None:
         self.loop = loop
-        loop.refresh_weights()
         with torch.inference_mode():
             self.search = loop.search(prompt.clone(), torch.ones_like(prompt), draw_key(prompt.device, seed))
             self.start = [t.clone() for t in self.search.start(self.search.decoder.prefill())]
@@ -53,7 +52,6 @@ class DecodeStep:
     def restart(self, prompt: torch.Tensor) -> None:
         """Run the prompt pass for `prompt` (the construction's shape, before repeating for beams) into the buffers."""
         decoder = self.search.decoder
-        self.loop.refresh_weights()
         with torch.inference_mode():
             decoder.prompt.copy_(prompt.repeat_interleave(decoder.prompt.shape[0] // prompt.shape[0], dim=0))
             for buffer, value in zip(self.buffers, self.search.start(decoder.prefill()), strict=True):

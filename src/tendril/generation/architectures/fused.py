@@ -110,7 +110,8 @@ class FusedStep:
     """A fused forward: `embedding`, then `layers`. Called as a `StepForward`; `step_at` for decode loops.
 
     `copied` lists the layers' projections that hold one-row copies of the model's weights
-    (`Projection.with_one_row_copies`): `refresh` brings those copies up to date, before every decode call."""
+    (`Projection.with_one_row_copies`): `refresh` writes those copies again, at the start of every decode call's
+    prompt pass (`Decoder.prefill`)."""
 
     def __init__(self, embedding: Embedding, layers: Layers, copied: Sequence[Projection] = ()) -> None:
         self.embedding = embedding
@@ -118,7 +119,7 @@ class FusedStep:
         self.copied = tuple(p for p in copied if p.one_row_weights is not None)
 
     def refresh(self) -> None:
-        """Copy the model's weights into the one-row copies where they changed since (not while capturing)."""
+        """Copy the model's weights into the one-row copies (capturable)."""
         for projection in self.copied:
             projection.refresh()
 

@@ -10,8 +10,9 @@ One exception to reading the model's own tensors: a projection whose weights are
 K-contiguous copies that launches of one row read instead (`Projection.with_one_row_copies`). A one-row launch
 streams long runs of K per column (deep tiles, `launch.py`), which a column-contiguous layout does not have; launches
 of several rows (beams, prompts) run on tensor cores, and read the model's layout. The copies cost the weights' memory
-once more, and follow the model's weights only through `Projection.refresh` (copying again those whose version
-counter moved, as an in-place update such as `load_state_dict` moves it), which every decode call runs first.
+once more, and follow the model's weights through `Projection.refresh`, which every decode call runs on the device
+before its prompt pass. It copies every weight: a version counter would miss writes through `.data`, which do not
+move it, and a stale copy would give wrong tokens silently.
 """
 
 from __future__ import annotations
@@ -85,8 +86,6 @@ class Projection:
     splits K (the last program of a block to arrive reduces the partial sums and resets its counter). Held per
     projection, so launches of different projections never share them; launches of one projection must not
     run concurrently on two streams."""
-    copied_versions: list[int | None] = field(init=False, repr=False, compare=False)
-    """The weights' version counters when the one-row copies were last written (`refresh`)."""
 
     def __post_init__(self) -> None:
         if not 1 <= len(self.weights) <= 3 or len(self.biases) != len(self.weights):
@@ -103,7 +102,6 @@ class Projection:
             raise ValueError("one-row copies must be K-contiguous tensors of the weights' shapes, dtype and device")
         counters = torch.zeros(SPLIT_K_LOCKS, dtype=torch.int32, device=first.device)
         object.__setattr__(self, "split_k_counters", counters)
-        object.__setattr__(self, "copied_versions", [_version(w) for w in self.weights])
 
     @classmethod
     def of(cls, *modules: Any) -> Projection:
@@ -133,16 +131,13 @@ class Projection:
         return self.one_row_weights if rows == 1 and self.one_row_weights is not None else self.weights
 
     def refresh(self) -> None:
-        """Copy each weight into its one-row copy again if it changed since the last copy (its version counter moved;
-        a weight without one, an inference-mode tensor, is copied every time). Not inside a CUDA graph capture."""
+        """Copy the weights into the one-row copies (capturable: device copies only). Under inference mode, since the
+        copies may be inference tensors (built under `generate`)."""
         if self.one_row_weights is None:
             return
-        for i, (weight, copy) in enumerate(zip(self.weights, self.one_row_weights, strict=True)):
-            version = _version(weight)
-            if version is None or version != self.copied_versions[i]:
-                with torch.inference_mode():  # the copies may be inference tensors (built under `generate`)
-                    copy.copy_(weight)
-                self.copied_versions[i] = version
+        with torch.inference_mode():
+            for weight, copy in zip(self.weights, self.one_row_weights, strict=True):
+                copy.copy_(weight)
 
     @property
     def in_features(self) -> int:
@@ -155,11 +150,3 @@ class Projection:
     @property
     def out_features(self) -> int:
         return sum(self.out_sizes)
-
-
-def _version(tensor: torch.Tensor) -> int | None:
-    """The tensor's version counter (every in-place write bumps it); None for an inference-mode tensor (none)."""
-    try:
-        return int(tensor._version)
-    except RuntimeError:
-        return None
