@@ -18,6 +18,10 @@ Dispatch policy, in order (plain Python, tested without a GPU through `NullBacke
 6. capture; if that fails (`HOST_SYNC`, `CAPTURE_ERROR`) or the function wrote into its inputs
    (`MUTATES_INPUTS`), the key runs eagerly from then on.
 
+Before every call, the tensors of the callable's modules are checked for replacements and moves (`weights`): a graph
+reads them where they were at capture, so after such a change every graph is dropped and captured again
+(`stats.weight_changes`, with a warning).
+
 Every eager call is counted in `stats.fallbacks` with its reason, and each reason warns once per
 callable (`admission.GraphFallbackWarning`). Eager fallbacks call the original function on the original
 (unpadded) arguments, so they return exactly what the function returns.
@@ -36,6 +40,7 @@ callable that uses neither never creates it, and its calls check for it once.
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -54,7 +59,8 @@ from tendril.graphs.memory import PlaceholderArena
 from tendril.graphs.options import DEFAULT_MAX_GRAPHS, CompileOptions, GraphMemoryPolicy, GraphOptions
 from tendril.graphs.outputs import Generation, clone_outputs, guard_outputs
 from tendril.graphs.stats import Fallback, GraphRecord, GraphStats
-from tendril.graphs.trainable import GradPolicy
+from tendril.graphs.trainable import modules_of, needs_autograd
+from tendril.graphs.weights import GraphWeightsWarning, ModuleTensors
 
 if TYPE_CHECKING:
     from tendril.graphs.compiled import Compiler
@@ -127,7 +133,8 @@ class GraphedCallable:
         self._generation = Generation()
         self._keys: dict[Any, tuple[GraphKey | Unkeyable, list[int]]] = {}
         self._warnings = FallbackWarnings(f"tendril.graphed({self.name})")
-        self._grad = GradPolicy(fn)
+        self._weights: ModuleTensors | None = None
+        """The tensors of the callable's modules, found at the first call (`_check_weights`)."""
         self._positions = parameter_positions(fn) if options.buckets is not None else {}
         self._unavailable = graphs_unavailable(backend, config)
         self._compiler: Compiler | None = None
@@ -154,9 +161,9 @@ class GraphedCallable:
         self.stats.calls += 1
         if self._unavailable is not None:
             return self._eager(args, kwargs, *self._unavailable)
-        needs_autograd = self._grad.needs_autograd(args, kwargs)
-        if needs_autograd is not None:
-            detail = f"{needs_autograd}; call under torch.no_grad()/inference_mode() to graph it"
+        autograd = needs_autograd(args, kwargs, self._check_weights())
+        if autograd is not None:
+            detail = f"{autograd}; call under torch.no_grad()/inference_mode() to graph it"
             return self._eager(args, kwargs, Fallback.REQUIRES_GRAD, detail)
         padded = self._pad(args, kwargs)
         flat = flatten_call(padded.args, padded.kwargs) if padded is not None else flatten_call(args, kwargs)
@@ -207,6 +214,7 @@ class GraphedCallable:
             if pending:
                 self._note(*self._unavailable)
             return 0
+        self._check_weights()
         order = sorted(pending.items(), key=lambda item: item[0].nbytes, reverse=True)
         for key, (flat, _) in order:
             for index, spec in zip(flat.tensor_indices(), key.tensors, strict=True):
@@ -229,6 +237,8 @@ class GraphedCallable:
             args, kwargs = padded.args, padded.kwargs
         flat = flatten_call(args, kwargs)
         key = key_of(flat)
+        if self._unavailable is None:
+            self._check_weights()
         entry = self._entries.get(key) if isinstance(key, GraphKey) else None
         if entry is None:
             if self._unavailable is not None:
@@ -404,6 +414,20 @@ class GraphedCallable:
             detail = f"bucket {padded.bucket}: the call at length {length}, run to trace its outputs, raised {error!r}"
             return Fallback.PADDED_OUTPUTS, detail
         return _Probe(length, outputs)
+
+    def _check_weights(self) -> ModuleTensors:
+        """The callable's module tensors, up to date: if any was replaced or moved since the graphs were captured,
+        every graph is dropped (later calls capture again), counted and warned about."""
+        if self._weights is None:
+            self._weights = ModuleTensors(modules_of(self.fn))
+        change = self._weights.update()
+        if change is not None and self._entries:
+            self._entries.clear()
+            self.stats.weight_changes += 1
+            self.stats.weight_change_detail = change
+            warnings.warn(f"tendril.graphed({self.name}): {change} since its graphs were captured, which read it "
+                          "where it was; they are dropped and captured again", GraphWeightsWarning, stacklevel=4)
+        return self._weights
 
     # -- execution -----------------------------------------------------------------------------------
 

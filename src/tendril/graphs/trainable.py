@@ -10,9 +10,9 @@ once, from what it is:
 - a function (or `functools.partial`) whose closure, defaults, bound arguments or the globals its code names
   hold modules or bound methods of modules (looked for a few calls deep).
 
-Their tensors are collected once, at the first call in grad mode; `requires_grad` is read at every such call,
-so `model.requires_grad_(False)` or `param.requires_grad = False` between calls is seen. Parameters replaced by
-new objects after the first call are not seen: graphs captured before hold the old ones' memory anyway.
+Their tensors are the ones `tendril.graphs.weights.ModuleTensors` tracks, which the callable brings up to date
+before every call (replaced tensors included); `requires_grad` is read at every call in grad mode, so
+`model.requires_grad_(False)` or `param.requires_grad = False` between calls is seen.
 """
 
 from __future__ import annotations
@@ -23,6 +23,8 @@ from typing import Any
 
 import torch
 from torch.utils import _pytree as pytree
+
+from tendril.graphs.weights import ModuleTensors
 
 _MAX_DEPTH = 4
 """How many closures deep to look for modules (a function calling a function closing over a model)."""
@@ -78,24 +80,13 @@ def _named_globals(function: Any) -> Iterator[Any]:
             yield value
 
 
-class GradPolicy:
-    """Decides whether a call in grad mode must run eagerly to keep autograd (see the module docstring)."""
-
-    def __init__(self, fn: Callable[..., Any]) -> None:
-        self._fn = fn
-        self._tensors: tuple[torch.Tensor, ...] | None = None
-
-    def needs_autograd(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:
-        """Why this call needs autograd (and so eager execution), or None; checks only under grad mode."""
-        if not torch.is_grad_enabled():
-            return None
-        if any(isinstance(leaf, torch.Tensor) and leaf.requires_grad for leaf in pytree.tree_leaves((args, kwargs))):
-            return "an argument requires grad"
-        if self._tensors is None:
-            modules = modules_of(self._fn)
-            self._tensors = tuple(
-                tensor for module in modules for tensor in (*module.parameters(), *module.buffers())
-            )
-        if any(tensor.requires_grad for tensor in self._tensors):
-            return "a parameter or buffer of the callable requires grad"
+def needs_autograd(args: tuple[Any, ...], kwargs: dict[str, Any], weights: ModuleTensors) -> str | None:
+    """Why this call needs autograd (and so eager execution), or None; checks only under grad mode (see the module
+    docstring). `weights`: the callable's module tensors."""
+    if not torch.is_grad_enabled():
         return None
+    if any(isinstance(leaf, torch.Tensor) and leaf.requires_grad for leaf in pytree.tree_leaves((args, kwargs))):
+        return "an argument requires grad"
+    if any(tensor.requires_grad for tensor in weights.tensors):
+        return "a parameter or buffer of the callable requires grad"
+    return None
