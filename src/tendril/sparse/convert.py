@@ -293,7 +293,8 @@ def convert(
     """Turn an eval-mode CNN into a `SparseNetwork` for inputs shaped like `example_input` ([N, C, H, W]).
 
     Zero weights (e.g. from `tendril.sparse.prune`) are dropped; the network runs on the device of the
-    model's parameters. `activation_capacity` is the fraction of each activation plane the compressed
+    model's parameters. It holds its own compressed copies of the weights, so later changes to the model's weights
+    do not reach it: convert again. `activation_capacity` is the fraction of each activation plane the compressed
     buffers can hold (1.0, the default, can never overflow). On a GPU, `tune` times both convolution
     kernels on every layer with `example_input` and keeps the faster (`SparseNetwork.tune`); an
     overflow of a reduced capacity while tuning is not reported (it concerns the example only).
