@@ -30,6 +30,11 @@ def test_programmatic_dependent_launch_is_on_unless_switched_off():
         Config.from_env({"TENDRIL_PDL": "fast"})
 
 
+def test_weight_copies_are_on_unless_switched_off():
+    assert Config.from_env({}).weight_copies and Config.from_env({"TENDRIL_WEIGHT_COPIES": "1"}).weight_copies
+    assert not Config.from_env({"TENDRIL_WEIGHT_COPIES": "0"}).weight_copies
+
+
 def test_triton_interpret_is_read_like_tendrils_own_flags():
     assert not Config.from_env({}).triton_interpret
     assert Config.from_env({"TRITON_INTERPRET": "1"}).triton_interpret

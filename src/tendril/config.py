@@ -10,6 +10,7 @@ settings it needs from it (or from an explicit `Config` passed in), so tests can
 | TENDRIL_CACHE_DIR           | cache_dir           | where compiled helper kernels are cached on disk            |
 | TENDRIL_GRAPH_MEMORY_BUDGET | graph_memory_budget | default device-memory budget of executables ("256MiB")      |
 | TENDRIL_PDL                 | pdl                 | programmatic dependent launch of decode kernels (0: off)    |
+| TENDRIL_WEIGHT_COPIES       | weight_copies       | K-contiguous decode copies of GPT-2's weights (0: none)     |
 | TRITON_INTERPRET            | triton_interpret    | Triton's CPU interpreter (Triton's variable, read here too) |
 | TORCHINDUCTOR_CACHE_DIR     | inductor_cache_dir  | Inductor caches of `graphed(compile=)` (else under cache_dir) |
 """
@@ -53,6 +54,10 @@ class Config:
     applies to the graphs `tendril.generate` builds. None: one executable per graph, no bound."""
     pdl: bool = True
     """Launch the fused decode kernels with programmatic dependent launch where the GPU supports it."""
+    weight_copies: bool = True
+    """GPT-2's fused decode keeps K-contiguous copies of its Conv1D weights for launches of one row
+    (`Projection.with_one_row_copies`): faster one-token steps for the layers' weight memory once more. Off: they
+    read the model's own layout."""
     triton_interpret: bool = False
     """Triton kernels run in Triton's interpreter (on CPU tensors), so CPU paths that bypass Triton must not."""
     inductor_cache_dir: Path | None = None
@@ -74,6 +79,7 @@ class Config:
             cache_dir=Path(cache) if cache else _default_cache_dir(),
             graph_memory_budget=env.get("TENDRIL_GRAPH_MEMORY_BUDGET", "").strip() or None,
             pdl=_flag(env, "TENDRIL_PDL") if env.get("TENDRIL_PDL", "").strip() else True,
+            weight_copies=_flag(env, "TENDRIL_WEIGHT_COPIES") if env.get("TENDRIL_WEIGHT_COPIES", "").strip() else True,
             triton_interpret=_flag(env, "TRITON_INTERPRET"),
             inductor_cache_dir=Path(env["TORCHINDUCTOR_CACHE_DIR"]) if env.get("TORCHINDUCTOR_CACHE_DIR") else None,
         )

@@ -51,6 +51,18 @@ def test_gpt2_fp16_greedy_matches_hf():
     assert torch.equal(got, expected)
 
 
+@pytest.mark.parametrize("copies", [True, False])
+def test_gpt2_fused_single_row_tokens_match_hf_with_and_without_weight_copies(copies, monkeypatch):
+    from tendril import config
+
+    monkeypatch.setattr(config, "settings", config.Config(weight_copies=copies))
+    model = tiny_model("gpt2", device="cuda")  # fp32: the fused step gives HF's tokens
+    ids, mask = left_padded([6], device="cuda")
+    expected = hf_generate(model, ids, mask, None, max_new_tokens=NEW)
+    got = generate(model, ids, mask, max_new_tokens=NEW, step="fused", eos_token_id=[], pad_token_id=0)
+    assert torch.equal(got, expected)
+
+
 @pytest.mark.parametrize("options", [dict(), dict(num_beams=4), dict(do_sample=True, top_p=0.9)])
 def test_replay_does_not_sync_with_the_host(options):
     model = tiny_model("gpt2", device="cuda")

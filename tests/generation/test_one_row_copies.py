@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tendril import generate
+from tendril import config, generate
 from tendril.generation import decode_step
 from tendril.generation.api import decode_loop
 from tendril.generation.architectures.fused import FusedStep
@@ -98,6 +98,21 @@ def test_generate_sees_weights_written_through_data():
     assert _copies_match(step)
 
 
+def test_only_calls_of_one_row_write_the_copies():
+    model = tiny_model("gpt2")
+    options = dict(max_new_tokens=4, step="fused", eos_token_id=[], pad_token_id=0)
+    generate(model, torch.tensor([[1, 2, 3]]), **options)
+    step = _fused_step(model)
+    with torch.inference_mode():  # the copies were built inside `generate`: inference tensors
+        for projection in step.copied:
+            (projection.one_row_weights or ())[0].fill_(float("nan"))
+    generate(model, torch.tensor([[1, 2, 3], [4, 5, 6]]), **options)
+    generate(model, torch.tensor([[1, 2, 3]]), num_beams=2, **options)
+    assert all((p.one_row_weights or ())[0].isnan().all() for p in step.copied)  # several rows: not read, not written
+    generate(model, torch.tensor([[1, 2, 3]]), **options)
+    assert _copies_match(step)
+
+
 def test_every_decode_loop_of_a_model_shares_one_set_of_copies():
     model = tiny_model("gpt2")
     first, second = _fused_step(model, 4), _fused_step(model, 6)
@@ -117,3 +132,12 @@ def test_copies_built_in_inference_mode_refresh_outside_it():
         gpt2.transformer.h[0].attn.c_attn.weight.mul_(3)
     projection.refresh()
     assert torch.equal((projection.one_row_weights or ())[0], projection.weights[0])
+
+
+def test_no_copies_when_switched_off(monkeypatch):
+    monkeypatch.setattr(config, "settings", config.Config(weight_copies=False))
+    model = tiny_model("gpt2")
+    assert _fused_step(model).copied == ()
+    prompt = torch.tensor([[1, 2, 3]])
+    options = dict(max_new_tokens=4, step="fused", eos_token_id=[], pad_token_id=0)
+    assert torch.equal(generate(model, prompt, **options), generate(model, prompt, **{**options, "step": "eager"}))

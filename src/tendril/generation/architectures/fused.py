@@ -110,8 +110,8 @@ class FusedStep:
     """A fused forward: `embedding`, then `layers`. Called as a `StepForward`; `step_at` for decode loops.
 
     `copied` lists the layers' projections that hold one-row copies of the model's weights
-    (`Projection.with_one_row_copies`): `refresh` writes those copies again, at the start of every decode call's
-    prompt pass (`Decoder.prefill`)."""
+    (`Projection.with_one_row_copies`): `refresh` writes those copies again, at the start of the prompt pass of every
+    decode call of one row (`Decoder.prefill`)."""
 
     def __init__(self, embedding: Embedding, layers: Layers, copied: Sequence[Projection] = ()) -> None:
         self.embedding = embedding

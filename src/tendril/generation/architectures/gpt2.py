@@ -2,7 +2,8 @@
 
 Its fused step runs five kernels a layer: LN1 + QKV, attention (cache write included), output projection
 + residual, LN2 + FC + GELU, MLP projection + residual; then the final LN with the LM head. Its one-token steps read
-K-contiguous copies of the Conv1D weights (`Projection.with_one_row_copies`), which double the layers' weight memory.
+K-contiguous copies of the Conv1D weights (`Projection.with_one_row_copies`), which double the layers' weight memory
+(`TENDRIL_WEIGHT_COPIES=0`: none).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from typing import Any
 
 import torch
 
+from tendril import config
 from tendril.generation.architectures.base import (
     CacheLayout,
     DecoderArchitecture,
@@ -75,7 +77,10 @@ class GPT2(DecoderArchitecture):
     def _conv1d(self, module: Any) -> Projection:
         """The projection of a Conv1D module with its one-row copies (`Projection.with_one_row_copies`), shared by every
         decode loop of the model (each would otherwise hold copies of its own); built again when the module's weight
-        has new storage (the model was cast or moved), which replaces the module's entry."""
+        has new storage (the model was cast or moved), which replaces the module's entry. Without copies when
+        `tendril.settings.weight_copies` is off."""
+        if not config.settings.weight_copies:
+            return Projection.of(module)
         weight = module.weight
         storage = (weight.data_ptr(), weight.dtype, weight.device)
         entry = self._one_row_projections.get(id(module))

@@ -10,8 +10,8 @@ One exception to reading the model's own tensors: a projection whose weights are
 K-contiguous copies that launches of one row read instead (`Projection.with_one_row_copies`). A one-row launch
 streams long runs of K per column (deep tiles, `launch.py`), which a column-contiguous layout does not have; launches
 of several rows (beams, prompts) run on tensor cores, and read the model's layout. The copies cost the weights' memory
-once more, and follow the model's weights through `Projection.refresh`, which every decode call runs on the device
-before its prompt pass. It copies every weight: a version counter would miss writes through `.data`, which do not
+once more, and follow the model's weights through `Projection.refresh`, which every decode call of one row runs on the
+device before its prompt pass. It copies every weight: a version counter would miss writes through `.data`, which do not
 move it, and a stale copy would give wrong tokens silently.
 """
 
