@@ -207,18 +207,18 @@ def test_per_model_state_dies_with_the_model():
 @pytest.mark.parametrize("step", ["eager", "fused"])
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
 def test_decode_paths_are_built_again_after_the_weights_are_replaced_or_moved(family, step):
-    from tendril.graphs.weights import GraphWeightsWarning
+    from tendril.graphs.module_state import ModuleChangedWarning
 
     model, source = tiny_model(family), tiny_model(family, seed=1)
     ids, mask = left_padded([3])
     options = dict(max_new_tokens=6, step=step, eos_token_id=[], pad_token_id=0)
     generate(model, ids, mask, **options)
     model.load_state_dict(source.state_dict(), assign=True)
-    with pytest.warns(GraphWeightsWarning, match="was replaced"):
+    with pytest.warns(ModuleChangedWarning, match="was replaced"):
         assert torch.equal(generate(model, ids, mask, **options), generate(source, ids, mask, **options))
     model.double()
-    with pytest.warns(GraphWeightsWarning, match="moved"):
+    with pytest.warns(ModuleChangedWarning, match="moved"):
         generate(model, ids, mask, **options)
     model.float()  # back to the first runner's key (plan, device, dtype), at new addresses
-    with pytest.warns(GraphWeightsWarning, match="moved"):
+    with pytest.warns(ModuleChangedWarning, match="moved"):
         assert torch.equal(generate(model, ids, mask, **options), generate(source, ids, mask, **options))

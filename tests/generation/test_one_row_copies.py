@@ -13,7 +13,7 @@ from tendril.generation.architectures.fused import FusedStep
 from tendril.generation.kernels import Projection
 from tendril.generation.loop import Plan
 from tendril.generation.processors import LogitsProcessing
-from tendril.graphs.weights import GraphWeightsWarning
+from tendril.graphs.module_state import ModuleChangedWarning
 from tests.generation.models import tiny_model
 
 
@@ -118,7 +118,7 @@ def test_every_decode_loop_of_a_model_shares_one_set_of_copies():
     first, second = _fused_step(model, 4), _fused_step(model, 6)
     assert first is not second and all(a is b for a, b in zip(first.copied, second.copied, strict=True))
     model.half()  # new weight storage: the decode path is built again, with new copies of the new dtype
-    with pytest.warns(GraphWeightsWarning, match="moved"):
+    with pytest.warns(ModuleChangedWarning, match="moved"):
         cast = _fused_step(model, 5)
     assert all(p.one_row_weights is not None and p.one_row_weights[0].dtype == torch.float16 for p in cast.copied)
     assert not any(a is b for a, b in zip(first.copied, cast.copied, strict=True))

@@ -27,7 +27,7 @@ from tendril.generation.noise import draw_key
 from tendril.generation.processors import LogitsProcessing
 from tendril.generation.streaming import Streamer, TokenDelivery, check_streamable
 from tendril.graphs.callable import GraphedCallable, graphed
-from tendril.graphs.weights import GraphWeightsWarning, ModuleTensors
+from tendril.graphs.module_state import ModuleChangedWarning, ModuleState
 
 _SUPPORTED = (
     "attention_mask, max_new_tokens, eos_token_id, pad_token_id, do_sample, temperature, top_k, top_p, "
@@ -246,8 +246,8 @@ class _ModelState:
     arch: DecoderArchitecture
     """One decode path per model, so compiled steps and captured graphs see the same object every call."""
     runners: dict[tuple[Plan, torch.device, torch.dtype], Callable[..., tuple[torch.Tensor, ...]]]
-    weights: ModuleTensors
-    """The model's tensors when `arch` and `runners` were built: both read them where they were then."""
+    modules: ModuleState
+    """The model's tensors and modes when `arch` and `runners` were built: both read them as they were then."""
 
 
 _STATE_ATTRIBUTE = "_tendril_generation"
@@ -256,19 +256,19 @@ _STATE_ATTRIBUTE = "_tendril_generation"
 def _state(model: nn.Module) -> _ModelState:
     state = model.__dict__.get(_STATE_ATTRIBUTE)
     if state is None:
-        state = model.__dict__[_STATE_ATTRIBUTE] = _ModelState(decoder_for(model), {}, ModuleTensors([model]))
+        state = model.__dict__[_STATE_ATTRIBUTE] = _ModelState(decoder_for(model), {}, ModuleState([model]))
     return state
 
 
 def _architecture(model: nn.Module) -> DecoderArchitecture:
     """The model's decode path, built again (with every decode loop and graph) if a tensor of the model was replaced or
-    moved since it was built (`tendril.graphs.weights`): decode paths, fused kernels and graphs read the tensors
-    that were the model's then, where they were."""
+    moved or a module's mode flipped since it was built (`tendril.graphs.module_state`): decode paths, fused kernels
+    and graphs read the tensors that were the model's then, where they were, in the modes they were in."""
     state = model.__dict__.get(_STATE_ATTRIBUTE)
-    change = state.weights.changed() if state is not None else None
+    change = state.modules.changed() if state is not None else None
     if change is not None:
         warnings.warn(f"tendril.generate({type(model).__name__}): {change} since its decode loops were built; they "
-                      "are built again", GraphWeightsWarning, stacklevel=3)
+                      "are built again", ModuleChangedWarning, stacklevel=3)
         release_graphs(model)
     return _state(model).arch
 

@@ -18,9 +18,9 @@ Dispatch policy, in order (plain Python, tested without a GPU through `NullBacke
 6. capture; if that fails (`HOST_SYNC`, `CAPTURE_ERROR`) or the function wrote into its inputs
    (`MUTATES_INPUTS`), the key runs eagerly from then on.
 
-Before every call, the tensors of the callable's modules are checked for replacements and moves (`weights`): a graph
-reads them where they were at capture, so after such a change every graph is dropped and captured again
-(`stats.weight_changes`, with a warning).
+Before every call, the callable's modules are checked for replaced or moved tensors and flipped training modes
+(`module_state`): a graph reads tensors where they were at capture, in the mode it was captured in, so after such a
+change every graph is dropped and captured again (`stats.module_changes`, with a warning).
 
 Every eager call is counted in `stats.fallbacks` with its reason, and each reason warns once per
 callable (`admission.GraphFallbackWarning`). Eager fallbacks call the original function on the original
@@ -56,11 +56,11 @@ from tendril.graphs.examples import as_call, progress_bar
 from tendril.graphs.inputs import InputPlacement, Staging
 from tendril.graphs.key import Flattened, GraphKey, Unkeyable, flatten_call, key_of
 from tendril.graphs.memory import PlaceholderArena
+from tendril.graphs.module_state import ModuleChangedWarning, ModuleState
 from tendril.graphs.options import DEFAULT_MAX_GRAPHS, CompileOptions, GraphMemoryPolicy, GraphOptions
 from tendril.graphs.outputs import Generation, clone_outputs, guard_outputs
 from tendril.graphs.stats import Fallback, GraphRecord, GraphStats
 from tendril.graphs.trainable import modules_of, needs_autograd
-from tendril.graphs.weights import GraphWeightsWarning, ModuleTensors
 
 if TYPE_CHECKING:
     from tendril.graphs.compiled import Compiler
@@ -133,8 +133,8 @@ class GraphedCallable:
         self._generation = Generation()
         self._keys: dict[Any, tuple[GraphKey | Unkeyable, list[int]]] = {}
         self._warnings = FallbackWarnings(f"tendril.graphed({self.name})")
-        self._weights: ModuleTensors | None = None
-        """The tensors of the callable's modules, found at the first call (`_check_weights`)."""
+        self._module_state: ModuleState | None = None
+        """The tensors of the callable's modules, found at the first call (`_check_modules`)."""
         self._positions = parameter_positions(fn) if options.buckets is not None else {}
         self._unavailable = graphs_unavailable(backend, config)
         self._compiler: Compiler | None = None
@@ -161,10 +161,11 @@ class GraphedCallable:
         self.stats.calls += 1
         if self._unavailable is not None:
             return self._eager(args, kwargs, *self._unavailable)
-        autograd = needs_autograd(args, kwargs, self._check_weights())
+        autograd = needs_autograd(args, kwargs, self._check_modules(modes=False))
         if autograd is not None:
             detail = f"{autograd}; call under torch.no_grad()/inference_mode() to graph it"
             return self._eager(args, kwargs, Fallback.REQUIRES_GRAD, detail)
+        self._check_modules()  # modes only where the call may graph: eager training calls leave the graphs be
         padded = self._pad(args, kwargs)
         flat = flatten_call(padded.args, padded.kwargs) if padded is not None else flatten_call(args, kwargs)
         if self._compiler is not None:
@@ -214,7 +215,8 @@ class GraphedCallable:
             if pending:
                 self._note(*self._unavailable)
             return 0
-        self._check_weights()
+        self._check_modules(modes=False)
+        self._check_modules()
         order = sorted(pending.items(), key=lambda item: item[0].nbytes, reverse=True)
         for key, (flat, _) in order:
             for index, spec in zip(flat.tensor_indices(), key.tensors, strict=True):
@@ -238,7 +240,8 @@ class GraphedCallable:
         flat = flatten_call(args, kwargs)
         key = key_of(flat)
         if self._unavailable is None:
-            self._check_weights()
+            self._check_modules(modes=False)
+            self._check_modules()
         entry = self._entries.get(key) if isinstance(key, GraphKey) else None
         if entry is None:
             if self._unavailable is not None:
@@ -415,19 +418,23 @@ class GraphedCallable:
             return Fallback.PADDED_OUTPUTS, detail
         return _Probe(length, outputs)
 
-    def _check_weights(self) -> ModuleTensors:
-        """The callable's module tensors, up to date: if any was replaced or moved since the graphs were captured,
-        every graph is dropped (later calls capture again), counted and warned about."""
-        if self._weights is None:
-            self._weights = ModuleTensors(modules_of(self.fn))
-        change = self._weights.update()
-        if change is not None and self._entries:
-            self._entries.clear()
-            self.stats.weight_changes += 1
-            self.stats.weight_change_detail = change
-            warnings.warn(f"tendril.graphed({self.name}): {change} since its graphs were captured, which read it "
-                          "where it was; they are dropped and captured again", GraphWeightsWarning, stacklevel=4)
-        return self._weights
+    def _check_modules(self, modes: bool = True) -> ModuleState:
+        """The state of the callable's modules, brought up to date: if a tensor was replaced or moved (`modes`: if a
+        module's training mode flipped) since the graphs were captured, every graph is dropped (later calls capture
+        again), counted and warned about."""
+        if self._module_state is None:
+            self._module_state = ModuleState(modules_of(self.fn))
+        state = self._module_state
+        change = state.changed_mode() if modes else state.changed_tensors()
+        if change is not None:
+            state.renew()
+            if self._entries:
+                self._entries.clear()
+                self.stats.module_changes += 1
+                self.stats.module_change_detail = change
+                warnings.warn(f"tendril.graphed({self.name}): {change} since its graphs were captured; they are "
+                              "dropped and captured again", ModuleChangedWarning, stacklevel=4)
+        return state
 
     # -- execution -----------------------------------------------------------------------------------
 

@@ -140,10 +140,11 @@ class GraphStats:
     mispredictions: Counter[Misprediction] = field(default_factory=Counter)
     misprediction_details: dict[Misprediction, str] = field(default_factory=dict)
     """The first detailed message seen for each misprediction reason."""
-    weight_changes: int = 0
-    """Times the callable's module tensors were found replaced or moved with graphs captured (`weights`): each time
+    module_changes: int = 0
+    """Times the callable's modules were found changed with graphs captured (a tensor replaced or moved, a mode
+    flipped: `module_state`): each time
     every graph was dropped, for later calls to capture again."""
-    weight_change_detail: str = ""
+    module_change_detail: str = ""
     """What the last of those changes was."""
     compile: CompileStats | None = None
     """With `tendril.graphed(fn, compile=...)`: compiles, the switch to compiled graphs, a failure's reason."""
@@ -201,8 +202,8 @@ class GraphStats:
             )
         for miss, detail in self.misprediction_details.items():
             lines.append(f"  copied x{self.mispredictions[miss]}: {miss.value}: {detail}")
-        if self.weight_changes:
-            lines.append(f"  graphs dropped x{self.weight_changes} (weights moved): {self.weight_change_detail}")
+        if self.module_changes:
+            lines.append(f"  graphs dropped x{self.module_changes} (modules changed): {self.module_change_detail}")
         if self.compile is not None:
             lines.append(f"  {self.compile.summary()}")
         for record in self.graphs.values():

@@ -10,7 +10,7 @@ once, from what it is:
 - a function (or `functools.partial`) whose closure, defaults, bound arguments or the globals its code names
   hold modules or bound methods of modules (looked for a few calls deep).
 
-Their tensors are the ones `tendril.graphs.weights.ModuleTensors` tracks, which the callable brings up to date
+Their tensors are the ones `tendril.graphs.module_state.ModuleState` records, which the callable brings up to date
 before every call (replaced tensors included); `requires_grad` is read at every call in grad mode, so
 `model.requires_grad_(False)` or `param.requires_grad = False` between calls is seen.
 """
@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-from tendril.graphs.weights import ModuleTensors
+from tendril.graphs.module_state import ModuleState
 
 _MAX_DEPTH = 4
 """How many closures deep to look for modules (a function calling a function closing over a model)."""
@@ -80,13 +80,13 @@ def _named_globals(function: Any) -> Iterator[Any]:
             yield value
 
 
-def needs_autograd(args: tuple[Any, ...], kwargs: dict[str, Any], weights: ModuleTensors) -> str | None:
+def needs_autograd(args: tuple[Any, ...], kwargs: dict[str, Any], modules: ModuleState) -> str | None:
     """Why this call needs autograd (and so eager execution), or None; checks only under grad mode (see the module
-    docstring). `weights`: the callable's module tensors."""
+    docstring). `modules`: the state of the callable's modules."""
     if not torch.is_grad_enabled():
         return None
     if any(isinstance(leaf, torch.Tensor) and leaf.requires_grad for leaf in pytree.tree_leaves((args, kwargs))):
         return "an argument requires grad"
-    if any(tensor.requires_grad for tensor in weights.tensors):
+    if any(tensor.requires_grad for tensor in modules.tensors):
         return "a parameter or buffer of the callable requires grad"
     return None

@@ -1,26 +1,28 @@
-"""Graphs read module tensors where they were at capture: `ModuleTensors` sees replacements and moves (and only
-those), and a graphed callable drops its graphs and captures again after one. CPU, through the null backend."""
+"""Graphs read module tensors where they were at capture, in the modes the modules were in: `ModuleState` sees
+replacements, moves and mode flips (and only those), and a graphed callable drops its graphs and captures again after
+one. CPU, through the null backend."""
 
 import pytest
 import torch
 from torch import nn
 
 from tendril.config import Config
+from tendril.graphs.admission import GraphFallbackWarning
 from tendril.graphs.backend import NullBackend
 from tendril.graphs.callable import graphed
-from tendril.graphs.weights import GraphWeightsWarning, ModuleTensors
+from tendril.graphs.module_state import ModuleChangedWarning, ModuleState
 
 
 def _model() -> nn.Module:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
     model.register_buffer("offset", torch.zeros(2))
-    return model
+    return model.eval()
 
 
 def test_no_change_after_writes_into_the_same_memory():
     model = _model()
-    watch = ModuleTensors([model])
+    watch = ModuleState([model])
     assert len(watch.tensors) == 5
     with torch.no_grad():
         model[0].weight.mul_(2)
@@ -39,21 +41,56 @@ def test_no_change_after_writes_into_the_same_memory():
         (lambda m: setattr(m, "offset", torch.ones(2)), "buffer offset was replaced"),
         (lambda m: m.double(), "the memory of parameter 0.weight moved"),
         (lambda m: setattr(m[2].bias, "data", torch.zeros(2)), "the memory of parameter 2.bias moved"),
+        (lambda m: m.__setitem__(1, nn.GELU()), "a submodule was replaced"),
+        (lambda m: m.train(), "Sequential switched to training mode"),
+        (lambda m: m[1].train(), "1 switched to training mode"),
     ],
-    ids=["setattr", "load_state_dict_assign", "submodule", "buffer", "cast", "data_assignment"],
+    ids=["setattr", "load_state_dict_assign", "submodule", "buffer", "cast", "data_assignment", "stateless_submodule",
+         "train", "one_module_train"],
 )
 def test_replacements_and_moves_are_changes(change, expected):
     model = _model()
-    watch = ModuleTensors([model])
+    watch = ModuleState([model])
     change(model)
     assert watch.changed() is not None and watch.changed().startswith(expected)
-    assert watch.update() is not None and watch.changed() is None  # renewed: the new tensors are the record
+    watch.renew()
+    assert watch.changed() is None  # the new tensors and modes are the record
     assert {id(t) for t in watch.tensors} == {id(t) for t in (*model.parameters(), *model.buffers())}
+
+
+def test_eager_training_calls_between_graphed_evaluations_keep_the_graphs():
+    model = _model()
+    backend = NullBackend()
+    fast = graphed(model, backend=backend, config=Config())
+    x = torch.randn(3, 4)
+    with torch.no_grad():
+        fast(x)
+    model.train()
+    with pytest.warns(GraphFallbackWarning, match="requires grad"):
+        fast(x).sum().backward()
+    model.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(fast(x), model(x))
+    assert (backend.captures, fast.stats.module_changes) == (1, 0)
+
+
+def test_monte_carlo_dropout_is_captured_in_training_mode():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), nn.Dropout(0.5)).eval()
+    fast = graphed(model, backend=NullBackend(), config=Config())
+    x = torch.randn(4, 16)
+    with torch.no_grad():
+        fast(x)
+        assert torch.equal(fast(x), model(x))
+        model[1].train()
+        with pytest.warns(ModuleChangedWarning, match="1 switched to training mode"):
+            first = fast(x).clone()  # graph outputs are overwritten by the next call
+        assert not torch.equal(first, fast(x)) and (first == 0).any()
 
 
 def test_an_assignment_to_another_module_is_not_seen():
     model, other = _model(), _model()
-    watch = ModuleTensors([model])
+    watch = ModuleState([model])
     other[0].weight = nn.Parameter(torch.randn(8, 4))
     assert watch.assigned is None and watch.changed() is None
 
@@ -66,18 +103,18 @@ def test_a_graphed_module_captures_again_after_its_weights_change():
     with torch.no_grad():
         fast(x)
         fast(x)
-        assert (backend.captures, fast.stats.weight_changes) == (1, 0)
+        assert (backend.captures, fast.stats.module_changes) == (1, 0)
         model.load_state_dict(_model().state_dict(), assign=True)
-        with pytest.warns(GraphWeightsWarning, match=r"buffer offset was replaced \(Sequential.offset was assigned\)"):
+        with pytest.warns(ModuleChangedWarning, match=r"buffer offset was replaced \(Sequential.offset was assigned\)"):
             out = fast(x)
         torch.testing.assert_close(out, model(x))
-        assert (backend.captures, fast.stats.weight_changes) == (2, 1)
+        assert (backend.captures, fast.stats.module_changes) == (2, 1)
         fast(x)
         assert backend.captures == 2
         model.double()
-        with pytest.warns(GraphWeightsWarning, match="moved"):
+        with pytest.warns(ModuleChangedWarning, match="moved"):
             fast(x.double())
-    assert fast.stats.weight_changes == 2 and "moved" in fast.stats.weight_change_detail
+    assert fast.stats.module_changes == 2 and "moved" in fast.stats.module_change_detail
     assert "graphs dropped x2" in fast.stats.table()
 
 
@@ -89,9 +126,9 @@ def test_a_change_before_any_capture_drops_nothing():
         model.double()
         fast(torch.randn(3, 4, dtype=torch.float64))
         model.float()  # renewed at the first call, so this is a change with a graph captured
-        with pytest.warns(GraphWeightsWarning):
+        with pytest.warns(ModuleChangedWarning):
             fast(torch.randn(3, 4))
-    assert fast.stats.weight_changes == 1
+    assert fast.stats.module_changes == 1
 
 
 def test_requires_grad_of_a_replaced_parameter_is_seen():
