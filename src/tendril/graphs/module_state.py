@@ -74,6 +74,7 @@ class ModuleState:
         """The tensors whose address can be read (not wrapper subclasses without storage), and their names."""
         self._addresses: list[int] = []
         self._submodules: tuple[tuple[str, nn.Module], ...] = ()
+        self._module_list: tuple[nn.Module, ...] = ()
         self._modes: list[bool] = []
         _install_hooks()
         _watchers.add(self)
@@ -87,7 +88,8 @@ class ModuleState:
         self._located_names = tuple(name for name, _ in located)
         self._located = tuple(tensor for _, tensor in located)
         self._addresses = [tensor.data_ptr() for tensor in self._located]
-        self._modes = [module.training for _, module in self._submodules]
+        self._module_list = tuple(module for _, module in self._submodules)
+        self._modes = [module.training for module in self._module_list]
         self.assigned = None
 
     def changed(self) -> str | None:
@@ -103,7 +105,7 @@ class ModuleState:
                 pairs = zip(names, tensors, self.tensors, strict=False)
                 replaced = next((name for name, a, b in pairs if a is not b), "a tensor of the modules")
                 return f"{replaced} was replaced ({self.assigned})"
-            if [m for _, m in submodules] != [m for _, m in self._submodules]:
+            if [m for _, m in submodules] != list(self._module_list):
                 return f"a submodule was replaced ({self.assigned})"
             self.assigned = None
         addresses = list(map(torch.Tensor.data_ptr, self._located))
@@ -114,7 +116,7 @@ class ModuleState:
 
     def changed_mode(self) -> str | None:
         """The first module whose training mode flipped since the last `renew`, or None."""
-        modes = list(map(_training, (module for _, module in self._submodules)))
+        modes = list(map(_training, self._module_list))
         if modes == self._modes:
             return None
         flipped = next(i for i, (a, b) in enumerate(zip(modes, self._modes, strict=True)) if a != b)
