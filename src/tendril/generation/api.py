@@ -245,7 +245,7 @@ class _ModelState:
 
     arch: DecoderArchitecture
     """One decode path per model, so compiled steps and captured graphs see the same object every call."""
-    runners: dict[tuple[Plan, torch.device, torch.dtype], Callable[..., tuple[torch.Tensor, ...]]]
+    runners: dict[Plan, Callable[..., tuple[torch.Tensor, ...]]]
     modules: ModuleState
     """The model's tensors and modes when `arch` and `runners` were built: both read them as they were then."""
 
@@ -275,15 +275,13 @@ def _architecture(model: nn.Module) -> DecoderArchitecture:
 
 def runner(model: nn.Module, arch: DecoderArchitecture, plan: Plan) -> Callable[..., tuple[torch.Tensor, ...]]:
     """The decode loop for (model, plan): on CUDA a `tendril.graphed` callable (one graph per input shape,
-    replayed with one launch), elsewhere the loop itself, run eagerly. Keyed by the weights' device and
-    dtype too, so moving or casting the model builds new ones."""
-    weight = next(model.parameters())
+    replayed with one launch), elsewhere the loop itself, run eagerly. Moving or casting the model builds new ones
+    (`_architecture` drops the model's state)."""
     runners = _state(model).runners
-    key = (plan, weight.device, weight.dtype)
-    found = runners.get(key)
+    found = runners.get(plan)
     if found is None:
         loop = DecodeLoop(model, arch, plan)
-        found = runners[key] = graphed(loop) if weight.is_cuda else loop
+        found = runners[plan] = graphed(loop) if next(model.parameters()).is_cuda else loop
     return found
 
 
