@@ -58,6 +58,26 @@ def test_replacements_and_moves_are_changes(change, expected):
     assert {id(t) for t in watch.tensors} == {id(t) for t in (*model.parameters(), *model.buffers())}
 
 
+class _LazyScale(nn.Module):
+    """Makes its buffer at its first call (lazy initialisation)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if "scale" not in self._buffers:
+            self.register_buffer("scale", torch.full((x.shape[-1],), 2.0))
+        return x * self.scale
+
+
+def test_tensors_a_capture_made_are_recorded_with_its_graph():
+    model = _LazyScale()
+    backend = NullBackend()
+    fast = graphed(model, backend=backend, config=Config())
+    x = torch.randn(3, 4)
+    with torch.no_grad():
+        fast(x)
+        fast(x)
+    assert (backend.captures, fast.stats.module_changes) == (1, 0)
+
+
 def test_eager_training_calls_between_graphed_evaluations_keep_the_graphs():
     model = _model()
     backend = NullBackend()

@@ -399,6 +399,7 @@ class GraphedCallable:
         entry = _Entry(key, indices, placeholders, captured, record, staging, cut_axes, compiled)
         if self._compiler is not None:
             self._compiler.stats.compiled_keys += compiled
+        self._check_modules(modes=False)  # what this capture assigned (lazy initialisation) is what its graph read
         self._entries[key] = entry
         self.stats.graphs[key] = record
         self._sync_memory_stats()
