@@ -366,6 +366,64 @@ def _oom_during_capture(target_name: str) -> Callable[[str], None]:
     return check
 
 
+def _replace_weights(model: nn.Module, device: str) -> None:
+    """`load_state_dict(..., assign=True)` with other values: every parameter and buffer a new tensor."""
+    generator = torch.Generator().manual_seed(7)
+    state = {name: torch.randn(t.shape, generator=generator).to(device, t.dtype) if t.is_floating_point() else t.clone()
+             for name, t in model.state_dict().items()}
+    model.load_state_dict(state, assign=True)
+
+
+def _move_weights(model: nn.Module, device: str) -> None:
+    """The weights' memory moves and comes back: to the CPU and back on CUDA; to float64 and back on the CPU."""
+    if device == "cpu":
+        model.double().float()
+    else:
+        model.cpu().to(device)
+
+
+def _swap_data(model: nn.Module, device: str) -> None:
+    """`param.data = ...` with new values for every parameter."""
+    for parameter in model.parameters():
+        parameter.data = torch.randn_like(parameter)
+
+
+MODULE_CHANGES = {
+    "weights_replaced": _replace_weights,
+    "weights_moved": _move_weights,
+    "weights_data_swapped": _swap_data,
+}
+"""Changes to a graphed module after capture that its graphs, reading tensors where they were, must not miss."""
+
+
+def _module_change(target_name: str, change: str) -> Callable[[str], None]:
+    """A graphed module's weights changed after its graph was captured (the old memory filled with NaN where it
+    was freed): the next calls give eager's result with the new weights."""
+
+    def check(device: str) -> None:
+        target = _target(target_name, device)
+        generator = torch.Generator().manual_seed(8)
+        fast = _graph(target, device)
+        with torch.inference_mode():
+            args = target.good(generator, 6)
+            fast(*args)
+            MODULE_CHANGES[change](target.fn, device)
+            filler = _reuse_freed_memory(device)
+            differential(target.fn, fast, args, f"{target_name} after {change}")
+            still_works(target, fast, generator, f"{target_name} after {change}")
+            del filler
+
+    return check
+
+
+def _reuse_freed_memory(device: str) -> torch.Tensor | None:
+    """NaN in the CUDA caching allocator's free blocks, so reads of freed weights show."""
+    if device != "cuda":
+        return None
+    free = torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
+    return torch.full((max(free // 4 - (1 << 16), 1),), float("nan"), device=device)
+
+
 def _other_cases() -> Iterator[BadCase]:
     yield BadCase("aliased_arguments", _aliased_arguments)
     yield BadCase("unkeyable_and_grad", _unkeyable_and_grad)
@@ -375,6 +433,8 @@ def _other_cases() -> Iterator[BadCase]:
     yield BadCase("mask_disagrees_with_ids", _mask_disagrees_with_ids)
     for target_name in ("mlp", "conv", "gpt2"):
         yield BadCase(f"oom_during_capture_{target_name}", _oom_during_capture(target_name), ("cuda",))
+        for change in MODULE_CHANGES:
+            yield BadCase(f"{target_name}-{change}", _module_change(target_name, change))
 
 
 def graphed_cases() -> list[BadCase]:
