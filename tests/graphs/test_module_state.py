@@ -2,6 +2,9 @@
 replacements, moves and mode flips (and only those), and a graphed callable drops its graphs and captures again after
 one. CPU, through the null backend."""
 
+import gc
+import weakref
+
 import pytest
 import torch
 from torch import nn
@@ -15,7 +18,7 @@ from tendril.graphs.module_state import ModuleChangedWarning, ModuleState
 
 def _model() -> nn.Module:
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    model = nn.Sequential(nn.Linear(4, 8), nn.Dropout(0.1), nn.Linear(8, 2))
     model.register_buffer("offset", torch.zeros(2))
     return model.eval()
 
@@ -106,6 +109,29 @@ def test_monte_carlo_dropout_is_captured_in_training_mode():
         with pytest.warns(ModuleChangedWarning, match="1 switched to training mode"):
             first = fast(x).clone()  # graph outputs are overwritten by the next call
         assert not torch.equal(first, fast(x)) and (first == 0).any()
+
+
+def test_a_check_without_a_change_reads_no_tensor_list(monkeypatch):
+    watch = ModuleState([_model()])
+    monkeypatch.setattr(watch, "_walk", lambda: pytest.fail("walked the modules without a signal"))
+    assert watch.changed() is None
+
+
+def test_a_whole_model_move_is_seen_where_its_old_memory_lives_on():
+    model, source = _model(), _model()
+    model.load_state_dict(source.state_dict(), assign=True)  # model's tensors share source's memory
+    watch = ModuleState([model])
+    model.double()
+    assert watch.changed() == "the memory of parameter 0.weight moved"
+
+
+def test_the_record_keeps_no_replaced_tensor_alive():
+    model = _model()
+    watch = ModuleState([model])
+    old = weakref.ref(model[0].weight)
+    model[0].weight = nn.Parameter(torch.randn(8, 4))
+    gc.collect()
+    assert old() is None and watch.changed() is not None
 
 
 def test_an_assignment_to_another_module_is_not_seen():

@@ -10,12 +10,24 @@ training mode each module was in. Three kinds of change leave replays returning 
 - a module's *mode* flips: `model.train()`, or dropout layers switched on for Monte Carlo dropout. The graph keeps
   the kernels of the mode it was captured in.
 
-`ModuleState` records the modules' tensors, their addresses and the modules' modes; `changed()` says what changed
-since, for about the cost of reading each tensor's address and each module's flag. Replacements are flagged by
-PyTorch's global registration hooks (installed once, they mark the watchers of the module being assigned to), moves
-and modes by comparison. Writes into the same memory (in place, `copy_`, through `.data`) are what graphs are for
-and are not changes. Assignments that bypass `nn.Module.__setattr__` and `register_*` (writing `module._parameters`
-directly) are not seen.
+`ModuleState` records the modules' tensors and modes, holding none of them alive. Checking it costs a few
+attribute reads, whatever the model's size, because changes to tensors announce themselves:
+
+- an assignment through PyTorch's global registration hooks (installed once; they flag the records holding the
+  module assigned to);
+- a tensor replaced without them (`.to()` replaces buffers directly) or a tensor's old memory freed, through weak
+  references to each tensor and its storage;
+- a move of a whole module (`.to()`, `.half()`), through the address of one tensor of it, read at every check: the
+  one signal that works where the old memory lives on elsewhere (weights loaded from another model's state).
+
+Only after a signal are the tensors compared one by one. Modes are read at every check, of the recorded modules
+themselves and of their layers that act differently in training (dropout, normalization, `RReLU`,
+`MultiheadAttention`).
+
+Not seen: assignments that bypass `nn.Module.__setattr__`, `register_*` and `_apply` (writing `module._parameters`
+by hand); one tensor's `param.data = ...` while something else holds its old memory (the graph then reads that old,
+still valid memory); a mode flipped on another kind of submodule alone. Writes into the same memory (in place,
+`copy_`, through `.data`) are what graphs are for and are not changes.
 """
 
 from __future__ import annotations
@@ -35,17 +47,25 @@ class ModuleChangedWarning(UserWarning):
     those are built again."""
 
 
-_watchers: weakref.WeakSet[ModuleState] = weakref.WeakSet()
-"""Every live `ModuleState`, which the registration hooks mark."""
+MODE_DEPENDENT = (
+    nn.modules.dropout._DropoutNd,
+    nn.modules.batchnorm._NormBase,
+    nn.RReLU,
+    nn.MultiheadAttention,
+)
+"""PyTorch's layers whose forward reads `self.training`, whose modes a record checks besides its own modules'."""
+
+_records: weakref.WeakSet[ModuleState] = weakref.WeakSet()
+"""Every live `ModuleState`, which the registration hooks flag."""
 _hooks_installed = False
 _training = operator.attrgetter("training")
 
 
 def _on_registration(module: nn.Module, name: str, value: Any) -> None:
-    """PyTorch's global hook for a parameter, buffer or submodule assigned to `module`: flags its watchers."""
-    for watcher in list(_watchers):
-        if id(module) in watcher.module_ids:
-            watcher.assigned = watcher.assigned or f"{type(module).__name__}.{name} was assigned"
+    """PyTorch's global hook for a parameter, buffer or submodule assigned to `module`: flags its records."""
+    for record in list(_records):
+        if id(module) in record.module_ids:
+            record.assigned = record.assigned or f"{type(module).__name__}.{name} was assigned"
 
 
 def _install_hooks() -> None:
@@ -59,69 +79,99 @@ def _install_hooks() -> None:
 
 class ModuleState:
     """The parameters and buffers of `modules` (with their submodules), where their memory is, and the modules'
-    training modes (module docstring). `tensors` are the current ones as of the last `renew()`; `changed()` reports
-    a replacement, a move or a mode flip since."""
+    training modes (module docstring). Holds no tensor alive: a replaced tensor's death is one of its signals."""
 
     def __init__(self, modules: Iterable[nn.Module]) -> None:
         self.modules = tuple(modules)
         self.module_ids: frozenset[int] = frozenset()
-        self.tensors: tuple[torch.Tensor, ...] = ()
         self.assigned: str | None = None
-        """Set by the registration hooks: an assignment to one of the modules since `renew` (checked by `changed`)."""
+        """Set by the registration hooks: an assignment to one of the modules since `renew`."""
+        self.freed = False
+        """Set when a recorded tensor or its storage was freed since `renew` (replaced, or its memory moved)."""
         self._names: tuple[str, ...] = ()
-        self._located_names: tuple[str, ...] = ()
-        self._located: tuple[torch.Tensor, ...] = ()
-        """The tensors whose address can be read (not wrapper subclasses without storage), and their names."""
-        self._addresses: list[int] = []
-        self._submodules: tuple[tuple[str, nn.Module], ...] = ()
-        self._module_list: tuple[nn.Module, ...] = ()
+        self._submodules: tuple[nn.Module, ...] = ()
+        self._tensor_refs: list[weakref.ref[torch.Tensor]] = []
+        self._addresses: list[int | None] = []
+        self._storage_refs: list[weakref.ref[torch.UntypedStorage]] = []
+        self._sentinels: list[tuple[weakref.ref[torch.Tensor], int]] = []
+        """The first tensor with storage of each module and its address: a whole-model move (`.to()`, a cast) moves
+        it even where the old memory lives on elsewhere, so no free signals it."""
+        self._mode_modules: tuple[tuple[str, nn.Module], ...] = ()
+        self._mode_list: tuple[nn.Module, ...] = ()
         self._modes: list[bool] = []
         _install_hooks()
-        _watchers.add(self)
+        _records.add(self)
         self.renew()
+
+    @property
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        """The recorded tensors still alive (all of them until a change)."""
+        return tuple(tensor for tensor in (ref() for ref in self._tensor_refs) if tensor is not None)
 
     def renew(self) -> None:
         """Record the modules' tensors, addresses and modes as they are now."""
-        self._submodules, self._names, self.tensors = self._walk()
-        self.module_ids = frozenset(id(module) for _, module in self._submodules)
-        located = [(n, t) for n, t in zip(self._names, self.tensors, strict=True) if _has_address(t)]
-        self._located_names = tuple(name for name, _ in located)
-        self._located = tuple(tensor for _, tensor in located)
-        self._addresses = [tensor.data_ptr() for tensor in self._located]
-        self._module_list = tuple(module for _, module in self._submodules)
-        self._modes = [module.training for module in self._module_list]
-        self.assigned = None
+        submodules, self._names, tensors = self._walk()
+        self._submodules = tuple(module for _, module in submodules)
+        self.module_ids = frozenset(map(id, self._submodules))
+        flag = _freed_flag(weakref.ref(self))
+        self._tensor_refs = [weakref.ref(tensor, flag) for tensor in tensors]
+        self._addresses = [_address(tensor) for tensor in tensors]
+        located = [(t, a) for t, a in zip(tensors, self._addresses, strict=True) if a is not None]
+        self._storage_refs = [weakref.ref(t.untyped_storage(), flag) for t, _ in located]
+        self._sentinels = []
+        for root in self.modules:
+            first = next((t for t in (*root.parameters(), *root.buffers()) if _address(t) is not None), None)
+            if first is not None:
+                self._sentinels.append((weakref.ref(first), first.data_ptr()))
+        roots = {id(root) for root in self.modules}
+        self._mode_modules = tuple((name, module) for name, module in submodules
+                                   if id(module) in roots or isinstance(module, MODE_DEPENDENT))
+        self._mode_list = tuple(module for _, module in self._mode_modules)
+        self._modes = [module.training for module in self._mode_list]
+        self.assigned, self.freed = None, False
 
     def changed(self) -> str | None:
         """What changed since the last `renew`: `changed_tensors()`, else `changed_mode()`."""
         return self.changed_tensors() or self.changed_mode()
 
     def changed_tensors(self) -> str | None:
-        """The first tensor replaced, or the first whose memory moved, since the last `renew`, or None. An assignment
-        that put back the same tensors (re-tying weights) is no change."""
-        if self.assigned is not None:
-            submodules, names, tensors = self._walk()
-            if names != self._names or any(a is not b for a, b in zip(tensors, self.tensors, strict=True)):
-                pairs = zip(names, tensors, self.tensors, strict=False)
-                replaced = next((name for name, a, b in pairs if a is not b), "a tensor of the modules")
-                return f"{replaced} was replaced ({self.assigned})"
-            if [m for _, m in submodules] != list(self._module_list):
-                return f"a submodule was replaced ({self.assigned})"
-            self.assigned = None
-        addresses = list(map(torch.Tensor.data_ptr, self._located))
-        if addresses == self._addresses:
+        """The first tensor replaced, or the first whose memory moved, since the last `renew`, or None. Compares
+        tensors one by one only after a signal; a signal that turns out to be no change (the same tensors assigned
+        again, as when weights are tied again; memory freed and the new memory at the same address) renews the
+        record."""
+        if self.assigned is None and not self.freed and self._sentinels_in_place():
             return None
-        moved = next(i for i, (a, b) in enumerate(zip(addresses, self._addresses, strict=True)) if a != b)
-        return f"the memory of {self._located_names[moved]} moved"
+        submodules, names, tensors = self._walk()
+        recorded = [ref() for ref in self._tensor_refs]
+        if names == self._names:
+            same = zip(names, tensors, recorded, self._addresses, strict=True)
+            moved = next((name for name, t, r, a in same if t is r and _address(t) != a), None)
+            if moved is not None:
+                return f"the memory of {moved} moved"
+        if names != self._names or any(a is not b for a, b in zip(tensors, recorded, strict=True)):
+            pairs = zip(names, tensors, recorded, strict=False)
+            replaced = next((name for name, a, b in pairs if a is not b), "a tensor of the modules")
+            return f"{replaced} was replaced ({self.assigned or 'the old one was freed'})"
+        if [module for _, module in submodules] != list(self._submodules):
+            return f"a submodule was replaced ({self.assigned})"
+        self.renew()
+        return None
 
     def changed_mode(self) -> str | None:
         """The first module whose training mode flipped since the last `renew`, or None."""
-        modes = list(map(_training, self._module_list))
+        modes = list(map(_training, self._mode_list))
         if modes == self._modes:
             return None
         flipped = next(i for i, (a, b) in enumerate(zip(modes, self._modes, strict=True)) if a != b)
-        name, module = self._submodules[flipped]
+        name, module = self._mode_modules[flipped]
         return f"{name or type(module).__name__} switched to {'training' if modes[flipped] else 'eval'} mode"
+
+    def _sentinels_in_place(self) -> bool:
+        for ref, address in self._sentinels:
+            tensor = ref()
+            if tensor is None or tensor.data_ptr() != address:
+                return False
+        return True
 
     def _walk(self) -> tuple[tuple[tuple[str, nn.Module], ...], tuple[str, ...], tuple[torch.Tensor, ...]]:
         """The modules and submodules with their names, and the names and tensors of their parameters and buffers."""
@@ -137,9 +187,20 @@ class ModuleState:
         return tuple(submodules), tuple(names), tuple(tensors)
 
 
-def _has_address(tensor: torch.Tensor) -> bool:
+def _freed_flag(record: weakref.ref[ModuleState]) -> Any:
+    """The callback of the weak references to a record's storages: flags the record (if it is still alive)."""
+
+    def flag(_: object) -> None:
+        alive = record()
+        if alive is not None:
+            alive.freed = True
+
+    return flag
+
+
+def _address(tensor: torch.Tensor) -> int | None:
+    """Where the tensor's memory is; None for a tensor without storage (a wrapper subclass)."""
     try:
-        tensor.data_ptr()
+        return tensor.data_ptr()
     except RuntimeError:
-        return False
-    return True
+        return None
