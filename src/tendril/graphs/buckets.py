@@ -128,6 +128,30 @@ class Buckets:
         return tuple(new_args), new_kwargs
 
 
+@dataclass
+class Probe:
+    """A padded call run again at a second length (`probe_call`)."""
+
+    length: int
+    outputs: Any
+
+
+def probe_call(fn: Callable[..., Any], buckets: Buckets | None, positions: Mapping[str, int],
+               padded: PaddedCall | None) -> Probe | str | None:
+    """`fn` run eagerly (without grad) at the second length of a padded call's bucket, to trace which outputs follow
+    the padded length (`follow_length`); None where outputs are not cut back; a string saying why it failed."""
+    if padded is None or buckets is None or not buckets.cut_outputs:
+        return None
+    length = probe_length(padded.bucket)
+    args, kwargs = buckets.resize(padded.args, padded.kwargs, positions, length)
+    try:
+        with torch.no_grad():
+            outputs = fn(*args, **kwargs)
+    except Exception as error:
+        return f"bucket {padded.bucket}: the call at length {length}, run to trace its outputs, raised {error!r}"
+    return Probe(length, outputs)
+
+
 def probe_length(bucket: int) -> int:
     """The second length a bucket's call runs at to trace which outputs follow the padded length: half the
     bucket, far from it, so that a dimension divided by a stride changes too and is seen not to follow one to one."""

@@ -11,16 +11,15 @@ Dispatch policy, in order (plain Python, tested without a GPU through `NullBacke
 1. no CUDA, or `TENDRIL_NO_GRAPHS` -> eager (`Fallback.NO_CUDA`, `GRAPHS_DISABLED`);
 2. grad mode on and an argument, or a parameter or buffer of the callable's modules, requiring grad -> eager
    (`REQUIRES_GRAD`; a graph records no autograd, see `trainable`);
-3. the call's key has a graph -> replay it;
-4. the key cannot be graphed -> eager: `UNKEYABLE` (unhashable argument), `CPU_TENSOR`,
+3. a tensor of the callable's modules replaced or moved, or a module's training mode flipped, since the graphs were
+   captured (`module_state`: they read tensors where they were, in the mode they were captured in) -> every graph is
+   dropped (`stats.module_changes`, with a warning);
+4. the call's key has a graph -> replay it;
+5. the key cannot be graphed -> eager: `UNKEYABLE` (unhashable argument), `CPU_TENSOR`,
    `MIXED_DEVICES`, or the reason its capture failed before (a failed key is never retried);
-5. `max_graphs` graphs exist already -> eager (`LIMIT`); existing graphs keep replaying;
-6. capture; if that fails (`HOST_SYNC`, `CAPTURE_ERROR`) or the function wrote into its inputs
+6. `max_graphs` graphs exist already -> eager (`LIMIT`); existing graphs keep replaying;
+7. capture; if that fails (`HOST_SYNC`, `CAPTURE_ERROR`) or the function wrote into its inputs
    (`MUTATES_INPUTS`), the key runs eagerly from then on.
-
-Before every call, the callable's modules are checked for replaced or moved tensors and flipped training modes
-(`module_state`): a graph reads tensors where they were at capture, in the mode it was captured in, so after such a
-change every graph is dropped and captured again (`stats.module_changes`, with a warning).
 
 Every eager call is counted in `stats.fallbacks` with its reason, and each reason warns once per
 callable (`admission.GraphFallbackWarning`). Eager fallbacks call the original function on the original
@@ -50,7 +49,7 @@ import torch
 from tendril.config import Config
 from tendril.graphs.admission import FallbackWarnings, graphs_unavailable, placement_refusal
 from tendril.graphs.backend import Backend, Captured, CaptureFailed
-from tendril.graphs.buckets import Buckets, PaddedCall, cut_back, follow_length, parameter_positions, probe_length
+from tendril.graphs.buckets import Buckets, PaddedCall, cut_back, follow_length, parameter_positions, probe_call
 from tendril.graphs.examples import Call as Call
 from tendril.graphs.examples import as_call, progress_bar
 from tendril.graphs.inputs import InputPlacement, Staging
@@ -82,12 +81,6 @@ class _Entry:
     """Per output tensor, the dimensions that follow a bucket's padded length (`buckets.follow_length`)."""
     compiled: bool = False
     """Captured from the compiled function (`tendril.graphs.compiled`)."""
-
-
-@dataclass
-class _Probe:
-    length: int
-    outputs: Any
 
 
 class GraphedCallable:
@@ -134,7 +127,7 @@ class GraphedCallable:
         self._keys: dict[Any, tuple[GraphKey | Unkeyable, list[int]]] = {}
         self._warnings = FallbackWarnings(f"tendril.graphed({self.name})")
         self._module_state: ModuleState | None = None
-        """The tensors of the callable's modules, found at the first call (`_check_modules`)."""
+        """The tensors and modes of the callable's modules, found at the first call (`_check_modules`)."""
         self._positions = parameter_positions(fn) if options.buckets is not None else {}
         self._unavailable = graphs_unavailable(backend, config)
         self._compiler: Compiler | None = None
@@ -165,7 +158,7 @@ class GraphedCallable:
         if autograd is not None:
             detail = f"{autograd}; call under torch.no_grad()/inference_mode() to graph it"
             return self._eager(args, kwargs, Fallback.REQUIRES_GRAD, detail)
-        self._check_modules()  # modes only where the call may graph: eager training calls leave the graphs be
+        self._check_modules(tensors=False)  # modes only where the call may graph: eager training calls keep the graphs
         padded = self._pad(args, kwargs)
         flat = flatten_call(padded.args, padded.kwargs) if padded is not None else flatten_call(args, kwargs)
         if self._compiler is not None:
@@ -215,7 +208,6 @@ class GraphedCallable:
             if pending:
                 self._note(*self._unavailable)
             return 0
-        self._check_modules(modes=False)
         self._check_modules()
         order = sorted(pending.items(), key=lambda item: item[0].nbytes, reverse=True)
         for key, (flat, _) in order:
@@ -240,7 +232,6 @@ class GraphedCallable:
         flat = flatten_call(args, kwargs)
         key = key_of(flat)
         if self._unavailable is None:
-            self._check_modules(modes=False)
             self._check_modules()
         entry = self._entries.get(key) if isinstance(key, GraphKey) else None
         if entry is None:
@@ -358,10 +349,10 @@ class GraphedCallable:
             return refusal
         assert isinstance(key, GraphKey)
         fn, compiled = self._compiler.current() if self._compiler is not None else (self.fn, False)
-        probe = self._probe(padded)
-        if isinstance(probe, tuple):
-            self.stats.failed_keys[key] = probe[0]
-            return probe
+        probe = probe_call(self.fn, self.options.buckets, self._positions, padded)
+        if isinstance(probe, str):
+            self.stats.failed_keys[key] = Fallback.PADDED_OUTPUTS
+            return Fallback.PADDED_OUTPUTS, probe
         indices = flat.tensor_indices()
         key, placeholders = self._inputs.placeholders(key, flat, indices)
         leaves = list(flat.leaves)
@@ -405,28 +396,14 @@ class GraphedCallable:
         self._sync_memory_stats()
         return entry
 
-    def _probe(self, padded: PaddedCall | None) -> _Probe | tuple[Fallback, str] | None:
-        """The call run eagerly at a second length, to trace which outputs follow the padded one (see `buckets`)."""
-        buckets = self.options.buckets
-        if padded is None or buckets is None or not buckets.cut_outputs:
-            return None
-        length = probe_length(padded.bucket)
-        args, kwargs = buckets.resize(padded.args, padded.kwargs, self._positions, length)
-        try:
-            outputs = _no_grad(self.fn)(*args, **kwargs)
-        except Exception as error:
-            detail = f"bucket {padded.bucket}: the call at length {length}, run to trace its outputs, raised {error!r}"
-            return Fallback.PADDED_OUTPUTS, detail
-        return _Probe(length, outputs)
-
-    def _check_modules(self, modes: bool = True) -> ModuleState:
-        """The state of the callable's modules, brought up to date: if a tensor was replaced or moved (`modes`: if a
-        module's training mode flipped) since the graphs were captured, every graph is dropped (later calls capture
-        again), counted and warned about."""
+    def _check_modules(self, tensors: bool = True, modes: bool = True) -> ModuleState:
+        """The state of the callable's modules, brought up to date: if a tensor was replaced or moved (`tensors`) or a
+        module's training mode flipped (`modes`) since the graphs were captured, every graph is dropped (later calls
+        capture again), counted and warned about."""
         if self._module_state is None:
             self._module_state = ModuleState(modules_of(self.fn))
         state = self._module_state
-        change = state.changed_mode() if modes else state.changed_tensors()
+        change = (state.changed_tensors() if tensors else None) or (state.changed_mode() if modes else None)
         if change is not None:
             state.renew()
             if self._entries:
