@@ -199,7 +199,7 @@ def test_a_ring_smaller_than_the_output_still_delivers_every_token(monkeypatch):
     first = Collector()
     out = generate(model, ids, streamer=first, **options)
     assert first.tokens == out[0, ids.shape[1] :].tolist()
-    ((plan, _, _), loop), = _state(model).runners.items()
+    (plan, loop), = _state(model).runners.items()
     assert plan.stream_slots == 2
     lapped = LappedStreamer(loop.ring)  # type: ignore[attr-defined]
     assert torch.equal(generate(model, ids, streamer=lapped, **options), out)
@@ -225,7 +225,7 @@ def test_beam_search_streams_the_chosen_sequence_at_the_end(gpt2, sample):
     assert torch.equal(streamer.values[0], ids) and streamer.ends == 1
     assert streamer.tokens == out[0, ids.shape[1] :].tolist() and len(streamer.tokens) == NEW
     assert all(value.shape == (1,) for value in streamer.values[1:])
-    beams = [(plan, run) for (plan, _, _), run in _state(gpt2).runners.items() if plan.num_beams == 3]
+    beams = [(plan, run) for plan, run in _state(gpt2).runners.items() if plan.num_beams == 3]
     assert beams and all(plan.stream_slots == 0 and run.ring is None for plan, run in beams)  # type: ignore[attr-defined]
 
 
@@ -254,7 +254,7 @@ def test_several_sequences_refuse_a_streamer_like_hf(gpt2):
 def test_without_a_streamer_the_loop_has_no_ring():
     model = tiny_model("gpt2")
     generate(model, left_padded([4])[0], max_new_tokens=3, eos_token_id=[])
-    ((plan, _, _), run), = _state(model).runners.items()
+    (plan, run), = _state(model).runners.items()
     assert plan.stream_slots == 0 and run.ring is None  # type: ignore[attr-defined]
 
 
