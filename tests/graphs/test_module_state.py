@@ -12,7 +12,7 @@ from torch import nn
 from tendril.config import Config
 from tendril.graphs.admission import GraphFallbackWarning
 from tendril.graphs.backend import NullBackend
-from tendril.graphs.callable import graphed
+from tendril.graphs.callable import GraphedCallable, graphed
 from tendril.graphs.module_state import ModuleChangedWarning, ModuleState
 
 
@@ -21,6 +21,11 @@ def _model() -> nn.Module:
     model = nn.Sequential(nn.Linear(4, 8), nn.Dropout(0.1), nn.Linear(8, 2))
     model.register_buffer("offset", torch.zeros(2))
     return model.eval()
+
+
+def _graphed(model: nn.Module) -> tuple[GraphedCallable, NullBackend]:
+    backend = NullBackend()
+    return graphed(model, backend=backend, config=Config()), backend
 
 
 def test_no_change_after_writes_into_the_same_memory():
@@ -72,8 +77,7 @@ class _LazyScale(nn.Module):
 
 def test_tensors_a_capture_made_are_recorded_with_its_graph():
     model = _LazyScale()
-    backend = NullBackend()
-    fast = graphed(model, backend=backend, config=Config())
+    fast, backend = _graphed(model)
     x = torch.randn(3, 4)
     with torch.no_grad():
         fast(x)
@@ -83,8 +87,7 @@ def test_tensors_a_capture_made_are_recorded_with_its_graph():
 
 def test_eager_training_calls_between_graphed_evaluations_keep_the_graphs():
     model = _model()
-    backend = NullBackend()
-    fast = graphed(model, backend=backend, config=Config())
+    fast, backend = _graphed(model)
     x = torch.randn(3, 4)
     with torch.no_grad():
         fast(x)
@@ -100,7 +103,7 @@ def test_eager_training_calls_between_graphed_evaluations_keep_the_graphs():
 def test_monte_carlo_dropout_is_captured_in_training_mode():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 16), nn.Dropout(0.5)).eval()
-    fast = graphed(model, backend=NullBackend(), config=Config())
+    fast, _ = _graphed(model)
     x = torch.randn(4, 16)
     with torch.no_grad():
         fast(x)
@@ -143,8 +146,7 @@ def test_an_assignment_to_another_module_is_not_seen():
 
 def test_a_graphed_module_captures_again_after_its_weights_change():
     model = _model()
-    backend = NullBackend()
-    fast = graphed(model, backend=backend, config=Config())
+    fast, backend = _graphed(model)
     x = torch.randn(3, 4)
     with torch.no_grad():
         fast(x)
@@ -166,8 +168,7 @@ def test_a_graphed_module_captures_again_after_its_weights_change():
 
 def test_a_change_before_any_capture_drops_nothing():
     model = _model()
-    backend = NullBackend()
-    fast = graphed(model, backend=backend, config=Config())
+    fast, _ = _graphed(model)
     with torch.no_grad():
         model.double()
         fast(torch.randn(3, 4, dtype=torch.float64))
@@ -179,7 +180,7 @@ def test_a_change_before_any_capture_drops_nothing():
 
 def test_requires_grad_of_a_replaced_parameter_is_seen():
     model = _model().requires_grad_(False)
-    fast = graphed(model, backend=NullBackend(), config=Config())
+    fast, _ = _graphed(model)
     x = torch.randn(3, 4)
     fast(x)
     model[0].weight = nn.Parameter(torch.randn(8, 4))  # requires grad
