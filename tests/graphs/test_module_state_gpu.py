@@ -10,15 +10,10 @@ from tendril.generation import generate
 from tendril.generation.api import graphed_runners
 from tendril.graphs.callable import graphed
 from tendril.graphs.module_state import ModuleChangedWarning
+from tests.fuzz.bad_inputs import fill_freed_memory
 from tests.generation.models import left_padded, tiny_model
 
 pytestmark = pytest.mark.gpu
-
-
-def _reuse_freed_memory() -> torch.Tensor:
-    """Fill the caching allocator's free blocks with NaN, so reads of freed weights show."""
-    free = torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
-    return torch.full((max(free // 4 - (1 << 16), 1),), float("nan"), device="cuda")
 
 
 def test_a_graphed_module_gives_eager_answers_after_its_weights_are_replaced_and_moved():
@@ -31,13 +26,13 @@ def test_a_graphed_module_gives_eager_answers_after_its_weights_are_replaced_and
         fast(x)
         model.load_state_dict(nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 8)).state_dict(), assign=True)
         model.cuda()
-        filler = _reuse_freed_memory()
+        filler = fill_freed_memory("cuda")
         with pytest.warns(ModuleChangedWarning, match="replaced|moved"):
             torch.testing.assert_close(fast(x), model(x))
         del filler
         model.cpu()
         model.cuda()
-        filler = _reuse_freed_memory()
+        filler = fill_freed_memory("cuda")
         with pytest.warns(ModuleChangedWarning, match="moved"):
             torch.testing.assert_close(fast(x), model(x))
         torch.testing.assert_close(fast(x), model(x))
@@ -52,7 +47,7 @@ def test_generate_gives_the_new_weights_tokens_after_an_assigning_load(step):
     options = dict(max_new_tokens=8, step=step, eos_token_id=[], pad_token_id=0)
     generate(model, ids, mask, **options)
     model.load_state_dict(source.state_dict(), assign=True)
-    filler = _reuse_freed_memory()
+    filler = fill_freed_memory("cuda")
     with pytest.warns(ModuleChangedWarning, match="was replaced"):
         got = generate(model, ids, mask, **options)
     assert torch.equal(got, generate(source, ids, mask, **options))
