@@ -21,6 +21,7 @@ _LAZY: dict[str, str] = {
     "graphed": "tendril.graphs.callable",
     "GraphedCallable": "tendril.graphs.callable",
     "GraphFallbackWarning": "tendril.graphs.admission",
+    "ModuleChangedWarning": "tendril.graphs.module_state",
     "GraphOptions": "tendril.graphs.options",
     "GraphMemoryPolicy": "tendril.graphs.options",
     "sequence_buckets": "tendril.graphs.buckets",

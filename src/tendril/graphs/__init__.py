@@ -11,6 +11,7 @@ _LAZY: dict[str, str] = {
     "graphed": "tendril.graphs.callable",
     "GraphedCallable": "tendril.graphs.callable",
     "GraphFallbackWarning": "tendril.graphs.admission",
+    "ModuleChangedWarning": "tendril.graphs.module_state",
     "Call": "tendril.graphs.examples",
     "Buckets": "tendril.graphs.buckets",
     "Pad": "tendril.graphs.buckets",
