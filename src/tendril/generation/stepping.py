@@ -25,7 +25,8 @@ class DecodeStep:
     search: step counter, sequences, unfinished flags, whether the loop goes on); `reset()` puts that state back,
     `restart(prompt)` runs the prompt pass again for another prompt of the same shape. The buffers are inference
     tensors (the loop runs under `torch.inference_mode`, as `generate` does), so every method writes them in
-    inference mode.
+    inference mode. It runs the model's tensors as they were when it was made: after replacing or moving them, make
+    a new one (`generate` notices such changes itself, `tendril.graphs.module_state`).
     """
 
     def __init__(self, loop: DecodeLoop, prompt: torch.Tensor, seed: int = 0) -> None:
