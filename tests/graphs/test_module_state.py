@@ -7,6 +7,8 @@ import weakref
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 
 from tendril.config import Config
@@ -187,3 +189,41 @@ def test_requires_grad_of_a_replaced_parameter_is_seen():
     with pytest.warns(UserWarning):
         out = fast(x)
     assert out.grad_fn is not None
+
+
+def _param(model: nn.Module) -> nn.Parameter:
+    return model[2].weight
+
+
+UNCHANGING = {
+    "write_in_place": lambda m: _param(m).detach().mul_(2),
+    "write_through_data": lambda m: _param(m).data.add_(1),
+    "assign_the_same_tensor": lambda m: setattr(m[2], "weight", _param(m)),
+    "set_the_same_mode": lambda m: m[1].train(m[1].training),
+}
+CHANGING = {
+    "assign_a_parameter": lambda m: setattr(m[2], "weight", nn.Parameter(torch.randn_like(_param(m)))),
+    "swap_data": lambda m: setattr(_param(m), "data", torch.randn_like(_param(m))),
+    "load_assigning": lambda m: m.load_state_dict({k: v.clone() for k, v in m.state_dict().items()}, assign=True),
+    "cast": lambda m: m.to(torch.float64 if _param(m).dtype == torch.float32 else torch.float32),
+    "flip_the_mode": lambda m: m.train(not m.training),
+    "flip_a_dropout": lambda m: m[1].train(not m[1].training),
+    "swap_a_submodule": lambda m: m.__setitem__(0, nn.Linear(4, 8, dtype=_param(m).dtype)),
+    "assign_keeping_the_old": lambda m: _KEPT.append(_param(m)) or CHANGING["assign_a_parameter"](m),
+    "swap_keeping_the_old": lambda m: _KEPT.append(m[0]) or CHANGING["swap_a_submodule"](m),
+}
+_KEPT: list[object] = []
+"""What the `*_keeping_the_old` operations hold alive, as user code holding a reference would."""
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.sampled_from(sorted([*UNCHANGING, *CHANGING])), min_size=1, max_size=12))
+def test_every_change_in_a_random_sequence_is_seen_and_nothing_else(operations):
+    model = _model()
+    watch = ModuleState([model])
+    for operation in operations:
+        (UNCHANGING | CHANGING)[operation](model)  # freed at once by reference counting: no collection needed
+        change = watch.changed()
+        assert (change is not None) == (operation in CHANGING), (operation, change)
+        watch.renew()
+    _KEPT.clear()
