@@ -126,6 +126,8 @@ GENERATE: dict[str, tuple[dict[str, Any], Callable[[torch.Tensor], torch.Tensor]
     "ids_1d": ({}, lambda ids: ids[0]),
     "ids_3d": ({}, lambda ids: ids[None]),
     "mask_wrong_shape": ({"attention_mask": "short"}, None),
+    "mask_row_all_zero": ({"attention_mask": "empty_row"}, None),
+    "mask_not_binary": ({"attention_mask": "twos"}, None),
     "ids_on_another_device": ({}, lambda ids: ids.to("meta" if ids.is_cpu else "cpu")),
 }
 
@@ -137,8 +139,13 @@ def generate_check(name: str) -> Callable[[str], None]:
         options, spoil = GENERATE[name]
         model, ids = _model_and_prompt(device)
         options = dict(options)
-        if options.get("attention_mask") == "short":
-            options["attention_mask"] = torch.ones(2, 3, dtype=torch.long, device=device)
+        masks = {
+            "short": torch.ones(2, 3, dtype=torch.long, device=device),
+            "empty_row": torch.ones_like(ids).index_fill(0, torch.tensor([1], device=device), 0),
+            "twos": torch.full_like(ids, 2),
+        }
+        if options.get("attention_mask") in masks:
+            options["attention_mask"] = masks[options["attention_mask"]]
         prompt = spoil(ids) if spoil is not None else ids
         try:
             generate(model, prompt, **{"max_new_tokens": 4, **options})

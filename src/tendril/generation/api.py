@@ -63,13 +63,25 @@ def _check_inputs(input_ids: torch.Tensor, attention_mask: torch.Tensor | None, 
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
 
 
-def _check_token_ids(model: nn.Module, input_ids: torch.Tensor, eos: list[int], pad: int | None) -> None:
-    """Token ids outside the vocabulary are refused here, with one host sync per `generate` call: inside the
-    loop an embedding lookup out of range is a device-side assert that ends the process's CUDA context."""
+def _check_prompt(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, eos: list[int],
+                  pad: int | None) -> None:
+    """Token ids outside the vocabulary, and attention masks with values other than 0 and 1 or with a row that hides
+    every token, are refused here, with one host sync per `generate` call: inside the loop an embedding lookup out of
+    range is a device-side assert that ends the process's CUDA context, and such masks have no meaning to follow."""
     vocab = model.get_input_embeddings().num_embeddings  # type: ignore[operator]
-    if input_ids.numel() and not bool(((input_ids >= 0) & (input_ids < vocab)).all()):
+    checks = [((input_ids >= 0) & (input_ids < vocab)).all()]
+    if attention_mask is not None:
+        checks.append(((attention_mask == 0) | (attention_mask == 1)).all().to(input_ids.device))
+        checks.append((attention_mask != 0).any(-1).all().to(input_ids.device) if input_ids.shape[1] else checks[0])
+    ids_valid, *mask_valid = torch.stack(checks).tolist()
+    if not ids_valid:
         low, high = int(input_ids.min()), int(input_ids.max())
         raise ValueError(f"input_ids must lie in [0, {vocab}) (the model's vocabulary), got values in [{low}, {high}]")
+    if mask_valid and not mask_valid[0]:
+        raise ValueError("attention_mask must hold only 0 (padding) and 1 (a token to attend to)")
+    if mask_valid and not mask_valid[1]:
+        rows = (attention_mask != 0).any(-1).logical_not().nonzero().flatten().tolist()  # type: ignore[union-attr]
+        raise ValueError(f"attention_mask hides every token of row(s) {rows}: each row needs at least one 1")
     named = {f"eos_token_id {token}": token for token in eos}
     if pad is not None:
         named["pad_token_id"] = pad
@@ -184,7 +196,7 @@ def generate(
     if input_ids.device != weight.device:
         raise ValueError(f"input_ids are on {input_ids.device} but the model is on {weight.device}; move them with "
                          f".to({str(weight.device)!r})")
-    _check_token_ids(model, input_ids, eos, pad)
+    _check_prompt(model, input_ids, attention_mask, eos, pad)
     processing = LogitsProcessing(
         do_sample=do_sample, temperature=float(temperature), top_k=int(top_k), top_p=float(top_p),
         repetition_penalty=float(repetition_penalty),
