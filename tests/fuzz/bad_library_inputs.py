@@ -117,6 +117,8 @@ GENERATE: dict[str, tuple[dict[str, Any], Callable[[torch.Tensor], torch.Tensor]
     # name: (options, how the prompt is spoilt); each must raise ValueError, TypeError or IndexError
     "max_new_tokens_zero": ({"max_new_tokens": 0}, None),
     "max_new_tokens_negative": ({"max_new_tokens": -3}, None),
+    "max_new_tokens_float": ({"max_new_tokens": 3.5}, None),
+    "length_penalty_nan": ({"num_beams": 2, "length_penalty": float("nan")}, None),
     "eos_not_an_int": ({"eos_token_id": "eos"}, None),
     "num_beams_zero": ({"num_beams": 0}, None),
     "return_sequences_above_beams": ({"num_beams": 2, "num_return_sequences": 3}, None),

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import copy
 import functools
+import math
+import numbers
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -59,8 +61,8 @@ def _check_inputs(input_ids: torch.Tensor, attention_mask: torch.Tensor | None, 
     if attention_mask is not None and attention_mask.shape != input_ids.shape:
         raise ValueError(f"attention_mask shape {tuple(attention_mask.shape)} differs from input_ids "
                          f"{tuple(input_ids.shape)}")
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, numbers.Integral) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
 
 
 def _check_prompt(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, eos: list[int],
@@ -204,6 +206,8 @@ def generate(
     )
     if early_stopping not in (True, False, "never"):
         raise ValueError(f"early_stopping must be True, False or 'never', got {early_stopping!r}")
+    if not math.isfinite(length_penalty):
+        raise ValueError(f"length_penalty must be a finite number, got {length_penalty!r}")
     plan = Plan.build(max_new_tokens=max_new_tokens, processing=processing, eos=eos, pad=pad, num_beams=num_beams,
                       length_penalty=length_penalty, early_stopping=early_stopping, step=step,
                       stream_slots=streaming.RING_SLOTS if streamer is not None and num_beams == 1 else 0)
