@@ -80,7 +80,9 @@ class Decoder:
     def prefill(self) -> torch.Tensor:
         """Run the prompt through the model, filling cache slots 0..P-1; logits of the last position. For a single
         row, a fused step's copies of the model's weights, which only launches of one row read, are written first
-        (`FusedStep.refresh`), so that every decode call reads the weights as they are when it runs."""
+        (`FusedStep.refresh`), so that every decode call reads the weights as they are when it runs. The positions'
+        plain kernels stand between those copies and the first fused kernel, whose programmatic early start (which
+        reads weights) overlaps only the kernel before it."""
         if isinstance(self.step_forward, FusedStep) and self.prompt.shape[0] == 1:
             self.step_forward.refresh()
         self.cache.reset_order()
