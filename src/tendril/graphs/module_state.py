@@ -24,10 +24,10 @@ Only after a signal are the tensors compared one by one. Modes are read at every
 themselves and of their layers that act differently in training (dropout, normalization, `RReLU`,
 `MultiheadAttention`).
 
-Not seen: assignments that bypass `nn.Module.__setattr__`, `register_*` and `_apply` (writing `module._parameters`
-by hand); one tensor's `param.data = ...` while something else holds its old memory (the graph then reads that old,
-still valid memory); a mode flipped on another kind of submodule alone. Writes into the same memory (in place,
-`copy_`, through `.data`) are what graphs are for and are not changes.
+Not seen, while something else still holds the old tensor or memory (the graph then reads that old, still valid
+memory): a tensor written into `module._parameters` or `_buffers` by hand, past the hooks; one tensor's
+`param.data = ...` or `resize_`. Not seen either: a mode flipped on another kind of submodule alone. Writes into the
+same memory (in place, `copy_`, through `.data`) are what graphs are for and are not changes.
 """
 
 from __future__ import annotations
