@@ -26,8 +26,9 @@ themselves and of their layers that act differently in training (dropout, normal
 
 Not seen, while something else still holds the old tensor or memory (the graph then reads that old, still valid
 memory): a tensor written into `module._parameters` or `_buffers` by hand, past the hooks; one tensor's
-`param.data = ...` or `resize_`. Not seen either: a mode flipped on another kind of submodule alone. Writes into the
-same memory (in place, `copy_`, through `.data`) are what graphs are for and are not changes.
+`param.data = ...`. Not seen at all: a recorded tensor other than a module's first grown by `resize_` (its storage
+object stays); a mode flipped on another kind of submodule alone. Writes into the same memory (in place, `copy_`,
+through `.data`) are what graphs are for and are not changes.
 """
 
 from __future__ import annotations
