@@ -222,3 +222,24 @@ def test_decode_paths_are_built_again_after_the_weights_are_replaced_or_moved(fa
     model.float()  # back to the first runner's key (plan, device, dtype), at new addresses
     with pytest.warns(ModuleChangedWarning, match="moved"):
         assert torch.equal(generate(model, ids, mask, **options), generate(source, ids, mask, **options))
+
+
+def test_calls_on_one_model_take_turns(monkeypatch):
+    from tendril.generation import api
+
+    model, held = tiny_model("gpt2"), []
+    build = api.runner
+
+    def spying_runner(*args):
+        run = build(*args)
+
+        def call(*inputs):
+            held.append(api._state(model).turn.locked())
+            return run(*inputs)
+
+        return call
+
+    monkeypatch.setattr(api, "runner", spying_runner)
+    ids, mask = left_padded([3])
+    generate(model, ids, mask, max_new_tokens=2, eos_token_id=[], pad_token_id=0)
+    assert held == [True] and not api._state(model).turn.locked()

@@ -133,3 +133,26 @@ def test_generation_graphs_follow_the_default_graph_memory_budget(num_beams, mon
     assert runner._backend.memory.budget == 1024  # smaller than one executable: every switch counts
     memory = [record.memory for record in runner.stats.graphs.values()]
     assert len(memory) == 2 and sum(m.instantiations + m.updates for m in memory) >= 3, memory
+
+
+def test_generate_from_several_threads_gives_each_call_its_own_tokens():
+    import threading
+
+    model = tiny_model("gpt2", device="cuda")
+    prompts = [left_padded([5, 3], seed=seed, device="cuda") for seed in range(4)]
+    options = dict(max_new_tokens=NEW, eos_token_id=[], pad_token_id=0)
+    expected = [generate(model, ids, mask, **options) for ids, mask in prompts]
+    got: dict[int, torch.Tensor] = {}
+
+    def work(index: int) -> None:
+        for _ in range(5):
+            got[index] = generate(model, *prompts[index], **options)
+            if not torch.equal(got[index], expected[index]):
+                return
+
+    threads = [threading.Thread(target=work, args=(index,)) for index in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert all(torch.equal(got[index], expected[index]) for index in range(4))

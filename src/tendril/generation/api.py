@@ -12,9 +12,10 @@ import copy
 import functools
 import math
 import numbers
+import threading
 import warnings
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -217,7 +218,7 @@ def generate(
     copies = num_beams if num_beams > 1 else num_return_sequences
     prompt, mask = input_ids.repeat_interleave(copies, dim=0), mask.repeat_interleave(copies, dim=0)
     arch.check_length(prompt_len + max_new_tokens)
-    with torch.inference_mode():
+    with torch.inference_mode(), _state(model).turn:
         run = runner(model, arch, plan)
         result = functools.partial(_result, num_beams=num_beams, batch=batch, prompt_len=prompt_len,
                                    num_return_sequences=num_return_sequences)
@@ -264,6 +265,8 @@ class _ModelState:
     runners: dict[Plan, Callable[..., tuple[torch.Tensor, ...]]]
     modules: ModuleState
     """The model's tensors and modes when `arch` and `runners` were built: both read them as they were then."""
+    turn: threading.Lock = field(default_factory=threading.Lock)
+    """Held by each `generate` call: calls from several threads take turns, since they share the runners' graphs."""
 
 
 _STATE_ATTRIBUTE = "_tendril_generation"

@@ -60,6 +60,7 @@ from tendril.graphs.options import DEFAULT_MAX_GRAPHS, CompileOptions, GraphMemo
 from tendril.graphs.outputs import Generation, clone_outputs, guard_outputs
 from tendril.graphs.stats import Fallback, GraphRecord, GraphStats
 from tendril.graphs.trainable import modules_of, needs_autograd
+from tendril.graphs.turns import Turns
 
 if TYPE_CHECKING:
     from tendril.graphs.compiled import Compiler
@@ -130,6 +131,7 @@ class GraphedCallable:
         """The tensors and modes of the callable's modules, found at the first call (`_check_modules`)."""
         self._positions = parameter_positions(fn) if options.buckets is not None else {}
         self._unavailable = graphs_unavailable(backend, config)
+        self._turns = Turns(self.name, wait=options.clone_outputs, active=self._unavailable is None)
         self._compiler: Compiler | None = None
         if options.compile is not None:
             from tendril.graphs.compiled import Compiler
@@ -146,9 +148,10 @@ class GraphedCallable:
         return list(self._entries)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if self._zero_copy is None:
-            return self._call(args, kwargs)
-        return self._zero_copy.call(self._call, args, kwargs)
+        with self._turns:
+            if self._zero_copy is None:
+                return self._call(args, kwargs)
+            return self._zero_copy.call(self._call, args, kwargs)
 
     def _call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         self.stats.calls += 1
@@ -192,59 +195,61 @@ class GraphedCallable:
         single tensor. Largest first lets every smaller graph reuse the largest one's memory and
         sizes each placeholder buffer once. Examples that cannot be graphed are recorded in `stats`.
         """
-        pending: dict[GraphKey, tuple[Flattened, PaddedCall | None]] = {}
-        for example in examples:
-            args, kwargs = as_call(example)
-            padded = self._pad(args, kwargs)
-            if padded is not None:
-                args, kwargs = padded.args, padded.kwargs
-            flat = flatten_call(args, kwargs)
-            key = key_of(flat)
-            if isinstance(key, GraphKey) and key not in self._entries:
-                pending.setdefault(key, (flat, padded))
-            elif isinstance(key, Unkeyable):
-                self._note(Fallback.UNKEYABLE, key.reason)
-        if self._unavailable is not None:
-            if pending:
-                self._note(*self._unavailable)
-            return 0
-        self._check_modules()
-        order = sorted(pending.items(), key=lambda item: item[0].nbytes, reverse=True)
-        for key, (flat, _) in order:
-            for index, spec in zip(flat.tensor_indices(), key.tensors, strict=True):
-                if self._backend.accepts(spec.device):
-                    self._arena.reserve(index, spec)
-        before = len(self._entries)
-        for key, (flat, padded) in progress_bar(order, self.name, progress):
-            admitted = self._admit(key, flat, padded)
-            if not isinstance(admitted, _Entry):
-                self._note(*admitted)
-        return len(self._entries) - before
+        with self._turns:
+            pending: dict[GraphKey, tuple[Flattened, PaddedCall | None]] = {}
+            for example in examples:
+                args, kwargs = as_call(example)
+                padded = self._pad(args, kwargs)
+                if padded is not None:
+                    args, kwargs = padded.args, padded.kwargs
+                flat = flatten_call(args, kwargs)
+                key = key_of(flat)
+                if isinstance(key, GraphKey) and key not in self._entries:
+                    pending.setdefault(key, (flat, padded))
+                elif isinstance(key, Unkeyable):
+                    self._note(Fallback.UNKEYABLE, key.reason)
+            if self._unavailable is not None:
+                if pending:
+                    self._note(*self._unavailable)
+                return 0
+            self._check_modules()
+            order = sorted(pending.items(), key=lambda item: item[0].nbytes, reverse=True)
+            for key, (flat, _) in order:
+                for index, spec in zip(flat.tensor_indices(), key.tensors, strict=True):
+                    if self._backend.accepts(spec.device):
+                        self._arena.reserve(index, spec)
+            before = len(self._entries)
+            for key, (flat, padded) in progress_bar(order, self.name, progress):
+                admitted = self._admit(key, flat, padded)
+                if not isinstance(admitted, _Entry):
+                    self._note(*admitted)
+            return len(self._entries) - before
 
     def static_inputs(self, *args: Any, **kwargs: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
         """The placeholders of this call's graph (captured if needed) in the call's structure.
 
         Writing inputs straight into them and calling `fast(*args, **kwargs)` with them skips the copy.
         """
-        padded = self._pad(args, kwargs)
-        if padded is not None:
-            args, kwargs = padded.args, padded.kwargs
-        flat = flatten_call(args, kwargs)
-        key = key_of(flat)
-        if self._unavailable is None:
-            self._check_modules()
-        entry = self._entries.get(key) if isinstance(key, GraphKey) else None
-        if entry is None:
-            if self._unavailable is not None:
-                raise RuntimeError(f"{self.name} cannot capture graphs: {self._unavailable[1]}")
-            admitted = self._admit(key, flat, padded)
-            if not isinstance(admitted, _Entry):
-                raise RuntimeError(f"{self.name} cannot graph this call: {admitted[0].value}: {admitted[1]}")
-            entry = admitted
-        leaves = list(flat.leaves)
-        for index, placeholder in zip(entry.leaf_indices, entry.placeholders, strict=True):
-            leaves[index] = placeholder
-        return flat.unflatten(leaves)
+        with self._turns:
+            padded = self._pad(args, kwargs)
+            if padded is not None:
+                args, kwargs = padded.args, padded.kwargs
+            flat = flatten_call(args, kwargs)
+            key = key_of(flat)
+            if self._unavailable is None:
+                self._check_modules()
+            entry = self._entries.get(key) if isinstance(key, GraphKey) else None
+            if entry is None:
+                if self._unavailable is not None:
+                    raise RuntimeError(f"{self.name} cannot capture graphs: {self._unavailable[1]}")
+                admitted = self._admit(key, flat, padded)
+                if not isinstance(admitted, _Entry):
+                    raise RuntimeError(f"{self.name} cannot graph this call: {admitted[0].value}: {admitted[1]}")
+                entry = admitted
+            leaves = list(flat.leaves)
+            for index, placeholder in zip(entry.leaf_indices, entry.placeholders, strict=True):
+                leaves[index] = placeholder
+            return flat.unflatten(leaves)
 
     def wait_compiled(self, timeout: float | None = None) -> bool:
         """With `compile=...`: block until a background compile ends (or `timeout` s pass); whether it ended."""
@@ -458,7 +463,8 @@ def graphed(
 
     `buckets` pads calls up to declared sizes (see `tendril.graphs.buckets.sequence_buckets`);
     `max_graphs` bounds the number of graphs (new keys past it run eagerly); `clone_outputs=True`
-    returns copies instead of views of graph memory (which the next call overwrites); `warmup` eager
+    returns copies instead of views of graph memory (which the next call overwrites), and lets calls from several
+    threads take turns, where otherwise a call overlapping another raises (`turns`); `warmup` eager
     runs precede each capture. `backend` defaults to CUDA (`NullBackend` simulates it for tests).
     Without CUDA every call runs eagerly, with one warning.
 
