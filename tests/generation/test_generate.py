@@ -219,7 +219,7 @@ def test_decode_paths_are_built_again_after_the_weights_are_replaced_or_moved(fa
     model.double()
     with pytest.warns(ModuleChangedWarning, match="moved"):
         generate(model, ids, mask, **options)
-    model.float()  # back to the first runner's key (plan, device, dtype), at new addresses
+    model.float()  # float32 again, at new addresses
     with pytest.warns(ModuleChangedWarning, match="moved"):
         assert torch.equal(generate(model, ids, mask, **options), generate(source, ids, mask, **options))
 
