@@ -1,5 +1,6 @@
 """Calls of one graphed callable from several threads (`tendril.graphs.turns`): an overlapping call raises, or with
-`clone_outputs=True` waits its turn; callables that run everything eagerly never wait. CPU, through the null backend."""
+`clone_outputs=True` waits its turn; calls that run eagerly before any graph is involved never wait. CPU, through the
+null backend."""
 
 import threading
 from collections.abc import Callable
@@ -74,6 +75,17 @@ def test_callables_that_run_eagerly_never_wait():
         first = _in_thread(lambda: fast(torch.ones(3, 4)))
         assert entered.wait(10)
         torch.testing.assert_close(fast(torch.ones(2, 4)), torch.full((2, 4), 2.0))
+    release.set()
+    first.join()
+
+
+def test_eager_calls_in_grad_mode_may_overlap():
+    fn, entered, release = _blocking(lambda x: x * 3)
+    fast = graphed(fn, backend=NullBackend(), config=Config())
+    with pytest.warns(UserWarning, match="requires grad"):
+        first = _in_thread(lambda: fast(torch.ones(3, 4, requires_grad=True)))
+        assert entered.wait(10)
+        assert fast(torch.ones(2, 4, requires_grad=True)).grad_fn is not None
     release.set()
     first.join()
 

@@ -148,9 +148,9 @@ class GraphedCallable:
         return list(self._entries)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        with self._turns:
-            if self._zero_copy is None:
-                return self._call(args, kwargs)
+        if self._zero_copy is None:
+            return self._call(args, kwargs)
+        with self._turns:  # zero-copy places every call's inputs in shared lanes
             return self._zero_copy.call(self._call, args, kwargs)
 
     def _call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -161,6 +161,11 @@ class GraphedCallable:
         if autograd is not None:
             detail = f"{autograd}; call under torch.no_grad()/inference_mode() to graph it"
             return self._eager(args, kwargs, Fallback.REQUIRES_GRAD, detail)
+        with self._turns:  # eager training calls above may overlap; calls that may touch the graphs may not
+            return self._graph_call(args, kwargs)
+
+    def _graph_call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """A call that may graph (`_call`'s checks passed): replay, capture, or eager for its key."""
         self._check_modules(tensors=False)  # modes only where the call may graph: eager training calls keep the graphs
         padded = self._pad(args, kwargs)
         flat = flatten_call(padded.args, padded.kwargs) if padded is not None else flatten_call(args, kwargs)

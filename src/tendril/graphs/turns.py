@@ -3,9 +3,10 @@
 A callable's graphs share one set of placeholders, one memory pool, and outputs that its next call overwrites, so
 two of its calls must not overlap. With `clone_outputs=True` every call returns copies of its own, so overlapping
 calls take turns (a lock). Without it a caller reads outputs that any later call overwrites, so taking turns would
-not make threads safe: a call that overlaps another raises instead of returning the other's results. A callable that
-runs every call eagerly (no CUDA, `TENDRIL_NO_GRAPHS`) shares nothing between calls and never waits. The lock is
-re-entrant, so a call made on the same thread from within the callable's own function passes.
+not make threads safe: a call that overlaps another raises instead of returning the other's results. Calls that run
+eagerly before any graph is involved (no CUDA, `TENDRIL_NO_GRAPHS`, grad mode with a tensor requiring grad) share
+nothing with others and never wait. The lock is re-entrant, so a call made on the same thread from within the
+callable's own function passes.
 """
 
 from __future__ import annotations
