@@ -243,3 +243,21 @@ def test_calls_on_one_model_take_turns(monkeypatch):
     ids, mask = left_padded([3])
     generate(model, ids, mask, max_new_tokens=2, eos_token_id=[], pad_token_id=0)
     assert held == [True] and not api._state(model).turn.locked()
+
+
+@pytest.mark.parametrize("step", ["eager", "fused"])
+def test_a_copied_or_saved_model_builds_its_own_decode_state(step):
+    import copy
+    import io
+
+    model = tiny_model("gpt2")
+    ids, mask = left_padded([3])
+    options = dict(max_new_tokens=4, step=step, eos_token_id=[], pad_token_id=0)
+    expected = generate(model, ids, mask, **options)
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    for twin in (copy.deepcopy(model), torch.load(buffer, weights_only=False)):
+        assert twin.__dict__["_tendril_generation"] is None
+        assert torch.equal(generate(twin, ids, mask, **options), expected)
+        assert twin.__dict__["_tendril_generation"].arch.model is twin

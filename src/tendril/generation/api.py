@@ -268,6 +268,15 @@ class _ModelState:
     turn: threading.Lock = field(default_factory=threading.Lock)
     """Held by each `generate` call: calls from several threads take turns, since they share the runners' graphs."""
 
+    def __reduce__(self) -> tuple[Callable[[], None], tuple[()]]:
+        """A copy or a pickle of the model (`copy.deepcopy`, `torch.save`) carries no state: it is a cache of
+        decode paths and graphs over this model's tensors, which the copy builds again for its own."""
+        return _no_state, ()
+
+
+def _no_state() -> None:
+    return None
+
 
 _STATE_ATTRIBUTE = "_tendril_generation"
 
