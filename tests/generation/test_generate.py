@@ -261,3 +261,39 @@ def test_a_copied_or_saved_model_builds_its_own_decode_state(step):
         assert twin.__dict__["_tendril_generation"] is None
         assert torch.equal(generate(twin, ids, mask, **options), expected)
         assert twin.__dict__["_tendril_generation"].arch.model is twin
+
+
+@pytest.mark.parametrize(
+    "config",
+    [dict(repetition_penalty=1.5), dict(num_beams=3, length_penalty=0.5), dict(num_beams=2, early_stopping=True)],
+    ids=["repetition_penalty", "beams", "early_stopping"],
+)
+def test_the_models_generation_config_gives_the_defaults_as_in_hf(config):
+    model = tiny_model("gpt2")
+    for name, value in config.items():
+        setattr(model.generation_config, name, value)
+    ids, mask = left_padded([5, 3])
+    _check(model, ids, mask, None)  # neither call passes the options: both take them from the config
+
+
+def test_options_passed_override_the_models_generation_config():
+    model = tiny_model("gpt2")
+    model.generation_config.do_sample, model.generation_config.top_k = True, 5
+    ids, mask = left_padded([4])
+    options = dict(max_new_tokens=NEW, eos_token_id=[], pad_token_id=0)
+    sampled = generate(model, ids, mask, seed=3, **options)
+    assert torch.equal(sampled, generate(model, ids, mask, seed=3, do_sample=True, top_k=5, **options))
+    greedy = generate(model, ids, mask, do_sample=False, **options)
+    model.generation_config.do_sample = False
+    assert torch.equal(greedy, generate(model, ids, mask, **options))
+    assert not torch.equal(sampled, greedy)
+
+
+def test_a_generation_config_setting_tendril_lacks_raises_or_runs_hf():
+    model = tiny_model("gpt2")
+    model.generation_config.no_repeat_ngram_size = 2
+    ids, mask = left_padded([5])
+    with pytest.raises(ValueError, match=r"no_repeat_ngram_size.*unsupported='hf'"):
+        generate(model, ids, mask, max_new_tokens=NEW, eos_token_id=[], pad_token_id=0)
+    got = generate(model, ids, mask, max_new_tokens=NEW, eos_token_id=[], pad_token_id=0, unsupported="hf")
+    assert torch.equal(got, hf_generate(model, ids, mask, None, max_new_tokens=NEW))

@@ -24,6 +24,7 @@ from torch import nn
 from tendril.generation import streaming
 from tendril.generation.architectures import DecoderArchitecture, UnsupportedModelError, decoder_for
 from tendril.generation.beam import beam_result
+from tendril.generation.defaults import Decoding, unsupported_settings
 from tendril.generation.greedy import greedy_result
 from tendril.generation.loop import DecodeLoop, Plan, Step, check_step
 from tendril.generation.noise import draw_key
@@ -131,15 +132,15 @@ def generate(
     max_new_tokens: int,
     eos_token_id: int | Sequence[int] | None = None,
     pad_token_id: int | None = None,
-    do_sample: bool = False,
-    temperature: float = 1.0,
-    top_k: int = 50,
-    top_p: float = 1.0,
-    repetition_penalty: float = 1.0,
-    num_beams: int = 1,
-    length_penalty: float = 1.0,
-    early_stopping: bool | str = False,
-    num_return_sequences: int = 1,
+    do_sample: bool | None = None,
+    temperature: float | None = None,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    repetition_penalty: float | None = None,
+    num_beams: int | None = None,
+    length_penalty: float | None = None,
+    early_stopping: bool | str | None = None,
+    num_return_sequences: int | None = None,
     seed: int | None = None,
     step: Step = "eager",
     streamer: Streamer | None = None,
@@ -148,8 +149,11 @@ def generate(
 ) -> torch.Tensor:
     """Generate like `model.generate(...)` and return the same [batch * num_return_sequences, length] ids.
 
-    Defaults are HF's. `eos_token_id=None` takes the model's `generation_config` (as HF does); pass `[]`
-    to disable stopping on eos. `seed` makes sampling reproducible (torch's default generator otherwise).
+    Decoding options left None take the model's `generation_config`, else HF's defaults, as `model.generate` does
+    (`tendril.generation.defaults`); a config that sets what tendril does not implement (`no_repeat_ngram_size`, ...)
+    raises, or with `unsupported='hf'` runs HF's `generate`. `eos_token_id=None` takes the model's
+    `generation_config` too; pass `[]` to disable stopping on eos. `seed` makes sampling reproducible (torch's
+    default generator otherwise).
     `step` chooses how the one-token decode forward runs inside the loop graph: "eager" (the architecture's
     forward, captured as is), "compiled" (that forward through `torch.compile`/Inductor; the first call per
     shape pays the compilation) or "fused" (tendril's Triton decode kernels, five per layer, no compilation
@@ -172,17 +176,28 @@ def generate(
                          f"{_SUPPORTED}. Use model.generate for the others.")
     if unsupported not in ("raise", "hf"):
         raise ValueError(f"unsupported must be 'raise' or 'hf', got {unsupported!r}")
+    given = dict(do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p,
+                 repetition_penalty=repetition_penalty, num_beams=num_beams, length_penalty=length_penalty,
+                 early_stopping=early_stopping, num_return_sequences=num_return_sequences)
+    hf_options = {name: value for name, value in given.items() if value is not None}
+    settings = unsupported_settings(model)
+    if settings and unsupported != "hf":
+        raise ValueError(f"the model's generation_config sets {settings}, which model.generate applies and "
+                         "tendril.generate does not implement: unset them in model.generation_config, or pass "
+                         "unsupported='hf' to run HF's generate")
+    decoding = Decoding.resolve(model, given)
+    beams, returned = decoding.num_beams, decoding.num_return_sequences
     _check_inputs(input_ids, attention_mask, max_new_tokens)
-    if num_beams < 1 or num_return_sequences < 1:
+    if beams < 1 or returned < 1:
         raise ValueError("num_beams and num_return_sequences must be >= 1")
-    if num_beams == 1 and not do_sample and num_return_sequences != 1:
+    if beams == 1 and not decoding.do_sample and returned != 1:
         raise ValueError("greedy decoding returns one sequence per prompt; use do_sample=True or num_beams > 1 "
                          "for num_return_sequences > 1")
-    if num_beams > 1 and num_return_sequences > num_beams:
-        raise ValueError(f"num_return_sequences ({num_return_sequences}) must be <= num_beams ({num_beams})")
+    if beams > 1 and returned > beams:
+        raise ValueError(f"num_return_sequences ({returned}) must be <= num_beams ({beams})")
     check_step(step)
     if streamer is not None:
-        check_streamable(input_ids.shape[0] * num_return_sequences)
+        check_streamable(input_ids.shape[0] * returned)
     eos = _eos_ids(model, eos_token_id)
     pad = _pad_id(model, pad_token_id, eos)
     try:
@@ -190,38 +205,37 @@ def generate(
     except UnsupportedModelError:
         if unsupported != "hf":
             raise
+        arch = None
+    if arch is None or settings:
         return _hf_generate(model, input_ids, attention_mask, eos, pad, seed, streamer=streamer,
-                            max_new_tokens=max_new_tokens, do_sample=do_sample, temperature=temperature, top_k=top_k,
-                            top_p=top_p, repetition_penalty=repetition_penalty, num_beams=num_beams,
-                            length_penalty=length_penalty, early_stopping=early_stopping,
-                            num_return_sequences=num_return_sequences)
+                            max_new_tokens=max_new_tokens, **hf_options)
     weight = next(model.parameters())
     if input_ids.device != weight.device:
         raise ValueError(f"input_ids are on {input_ids.device} but the model is on {weight.device}; move them with "
                          f".to({str(weight.device)!r})")
     _check_prompt(model, input_ids, attention_mask, eos, pad)
     processing = LogitsProcessing(
-        do_sample=do_sample, temperature=float(temperature), top_k=int(top_k), top_p=float(top_p),
-        repetition_penalty=float(repetition_penalty),
-        min_tokens_to_keep=len(eos) + 1 if num_beams > 1 else 1,
+        do_sample=decoding.do_sample, temperature=float(decoding.temperature), top_k=int(decoding.top_k),
+        top_p=float(decoding.top_p), repetition_penalty=float(decoding.repetition_penalty),
+        min_tokens_to_keep=len(eos) + 1 if beams > 1 else 1,
     )
-    if early_stopping not in (True, False, "never"):
-        raise ValueError(f"early_stopping must be True, False or 'never', got {early_stopping!r}")
-    if not math.isfinite(length_penalty):
-        raise ValueError(f"length_penalty must be a finite number, got {length_penalty!r}")
-    plan = Plan.build(max_new_tokens=max_new_tokens, processing=processing, eos=eos, pad=pad, num_beams=num_beams,
-                      length_penalty=length_penalty, early_stopping=early_stopping, step=step,
-                      stream_slots=streaming.RING_SLOTS if streamer is not None and num_beams == 1 else 0)
+    if decoding.early_stopping not in (True, False, "never"):
+        raise ValueError(f"early_stopping must be True, False or 'never', got {decoding.early_stopping!r}")
+    if not math.isfinite(decoding.length_penalty):
+        raise ValueError(f"length_penalty must be a finite number, got {decoding.length_penalty!r}")
+    plan = Plan.build(max_new_tokens=max_new_tokens, processing=processing, eos=eos, pad=pad, num_beams=beams,
+                      length_penalty=decoding.length_penalty, early_stopping=decoding.early_stopping, step=step,
+                      stream_slots=streaming.RING_SLOTS if streamer is not None and beams == 1 else 0)
     device = input_ids.device
     batch, prompt_len = input_ids.shape
     mask = _default_mask(input_ids, pad, eos) if attention_mask is None else attention_mask.to(device, torch.long)
-    copies = num_beams if num_beams > 1 else num_return_sequences
+    copies = beams if beams > 1 else returned
     prompt, mask = input_ids.repeat_interleave(copies, dim=0), mask.repeat_interleave(copies, dim=0)
     arch.check_length(prompt_len + max_new_tokens)
     with torch.inference_mode(), _state(model).turn:
         run = runner(model, arch, plan)
-        result = functools.partial(_result, num_beams=num_beams, batch=batch, prompt_len=prompt_len,
-                                   num_return_sequences=num_return_sequences)
+        result = functools.partial(_result, num_beams=beams, batch=batch, prompt_len=prompt_len,
+                                   num_return_sequences=returned)
         if streamer is not None:
             return _streamed(run, result, streamer, input_ids, prompt, mask, draw_key(device, seed))
         return result(run(prompt, mask, draw_key(device, seed)))
