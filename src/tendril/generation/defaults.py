@@ -9,6 +9,8 @@ caches or speculative decoding do not change tokens and are ignored.
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Iterable
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -33,13 +35,11 @@ class Decoding:
     def resolve(cls, model: nn.Module, given: dict[str, Any]) -> Decoding:
         """Each option from `given` (the caller's; None where not passed), else the model's `generation_config`,
         else HF's default."""
-        settings = config_settings(model)
+        settings = configured(model, [option.name for option in fields(cls)])
         values = {}
         for option in fields(cls):
-            value, configured = given[option.name], settings.get(option.name)
-            if value is None:
-                value = configured if configured is not None else option.default
-            values[option.name] = value
+            value = given[option.name]
+            values[option.name] = value if value is not None else settings.get(option.name, option.default)
         return cls(**values)
 
 
@@ -54,13 +54,26 @@ UNSUPPORTED = (
 """`generation_config` settings that change the tokens `model.generate` returns and that tendril does not implement."""
 
 
-def config_settings(model: nn.Module) -> dict[str, Any]:
-    """What the model's `generation_config` sets away from HF's defaults (none without a config)."""
+def configured(model: nn.Module, names: Iterable[str]) -> dict[str, Any]:
+    """Which of `names` the model's `generation_config` sets away from HF's defaults, and to what (none without a
+    config). Attribute reads against a default config made once: `GenerationConfig.to_diff_dict` would cost tens of
+    µs a call."""
     config = getattr(model, "generation_config", None)
-    return dict(config.to_diff_dict()) if config is not None and hasattr(config, "to_diff_dict") else {}
+    if config is None:
+        return {}
+    defaults = _hf_defaults()
+    values = {name: getattr(config, name, None) for name in names}
+    return {name: value for name, value in values.items()
+            if value is not None and value != getattr(defaults, name, None)}
 
 
 def unsupported_settings(model: nn.Module) -> dict[str, Any]:
     """The settings of the model's `generation_config` that change tokens and that tendril does not implement."""
-    settings = config_settings(model)
-    return {name: settings[name] for name in UNSUPPORTED if settings.get(name) is not None}
+    return configured(model, UNSUPPORTED)
+
+
+@functools.cache
+def _hf_defaults() -> Any:
+    from transformers import GenerationConfig
+
+    return GenerationConfig()
