@@ -56,8 +56,8 @@ UNSUPPORTED = (
 
 def configured(model: nn.Module, names: Iterable[str]) -> dict[str, Any]:
     """Which of `names` the model's `generation_config` sets away from HF's defaults, and to what (none without a
-    config). Attribute reads against a default config made once: `GenerationConfig.to_diff_dict` would cost tens of
-    µs a call."""
+    config). Attribute reads against a default config made once, since `GenerationConfig.to_diff_dict` serialises
+    the whole config at every call."""
     config = getattr(model, "generation_config", None)
     if config is None:
         return {}
