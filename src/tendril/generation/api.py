@@ -24,7 +24,7 @@ from torch import nn
 from tendril.generation import streaming
 from tendril.generation.architectures import DecoderArchitecture, UnsupportedModelError, decoder_for
 from tendril.generation.beam import beam_result
-from tendril.generation.defaults import Decoding, unsupported_settings
+from tendril.generation.defaults import resolve, unsupported_settings
 from tendril.generation.greedy import greedy_result
 from tendril.generation.loop import DecodeLoop, Plan, Step, check_step
 from tendril.generation.noise import draw_key
@@ -185,12 +185,12 @@ def generate(
         raise ValueError(f"the model's generation_config sets {settings}, which model.generate applies and "
                          "tendril.generate does not implement: unset them in model.generation_config, or pass "
                          "unsupported='hf' to run HF's generate")
-    decoding = Decoding.resolve(model, given)
-    beams, returned = decoding.num_beams, decoding.num_return_sequences
+    decoding = resolve(model, given)
+    beams, returned = decoding["num_beams"], decoding["num_return_sequences"]
     _check_inputs(input_ids, attention_mask, max_new_tokens)
     if beams < 1 or returned < 1:
         raise ValueError("num_beams and num_return_sequences must be >= 1")
-    if beams == 1 and not decoding.do_sample and returned != 1:
+    if beams == 1 and not decoding["do_sample"] and returned != 1:
         raise ValueError("greedy decoding returns one sequence per prompt; use do_sample=True or num_beams > 1 "
                          "for num_return_sequences > 1")
     if beams > 1 and returned > beams:
@@ -215,16 +215,17 @@ def generate(
                          f".to({str(weight.device)!r})")
     _check_prompt(model, input_ids, attention_mask, eos, pad)
     processing = LogitsProcessing(
-        do_sample=decoding.do_sample, temperature=float(decoding.temperature), top_k=int(decoding.top_k),
-        top_p=float(decoding.top_p), repetition_penalty=float(decoding.repetition_penalty),
+        do_sample=decoding["do_sample"], temperature=float(decoding["temperature"]), top_k=int(decoding["top_k"]),
+        top_p=float(decoding["top_p"]), repetition_penalty=float(decoding["repetition_penalty"]),
         min_tokens_to_keep=len(eos) + 1 if beams > 1 else 1,
     )
-    if decoding.early_stopping not in (True, False, "never"):
-        raise ValueError(f"early_stopping must be True, False or 'never', got {decoding.early_stopping!r}")
-    if not math.isfinite(decoding.length_penalty):
-        raise ValueError(f"length_penalty must be a finite number, got {decoding.length_penalty!r}")
+    early_stopping, length_penalty = decoding["early_stopping"], decoding["length_penalty"]
+    if early_stopping not in (True, False, "never"):
+        raise ValueError(f"early_stopping must be True, False or 'never', got {early_stopping!r}")
+    if not math.isfinite(length_penalty):
+        raise ValueError(f"length_penalty must be a finite number, got {length_penalty!r}")
     plan = Plan.build(max_new_tokens=max_new_tokens, processing=processing, eos=eos, pad=pad, num_beams=beams,
-                      length_penalty=decoding.length_penalty, early_stopping=decoding.early_stopping, step=step,
+                      length_penalty=length_penalty, early_stopping=early_stopping, step=step,
                       stream_slots=streaming.RING_SLOTS if streamer is not None and beams == 1 else 0)
     device = input_ids.device
     batch, prompt_len = input_ids.shape

@@ -11,36 +11,27 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Iterable
-from dataclasses import dataclass, fields
+from dataclasses import fields
 from typing import Any
 
 from torch import nn
 
+from tendril.generation.processors import LogitsProcessing
 
-@dataclass(frozen=True)
-class Decoding:
-    """The decoding options of one `generate` call, HF's defaults as field defaults."""
+SEARCH_DEFAULTS: dict[str, Any] = {"num_beams": 1, "length_penalty": 1.0, "early_stopping": False,
+                                   "num_return_sequences": 1}
+"""HF's defaults of the search options; those of the logits processors are `LogitsProcessing`'s field defaults."""
 
-    do_sample: bool = False
-    temperature: float = 1.0
-    top_k: int = 50
-    top_p: float = 1.0
-    repetition_penalty: float = 1.0
-    num_beams: int = 1
-    length_penalty: float = 1.0
-    early_stopping: bool | str = False
-    num_return_sequences: int = 1
 
-    @classmethod
-    def resolve(cls, model: nn.Module, given: dict[str, Any]) -> Decoding:
-        """Each option from `given` (the caller's; None where not passed), else the model's `generation_config`,
-        else HF's default."""
-        settings = configured(model, [option.name for option in fields(cls)])
-        values = {}
-        for option in fields(cls):
-            value = given[option.name]
-            values[option.name] = value if value is not None else settings.get(option.name, option.default)
-        return cls(**values)
+def resolve(model: nn.Module, given: dict[str, Any]) -> dict[str, Any]:
+    """Each decoding option of `given` (the caller's; None where not passed), else the model's `generation_config`,
+    else HF's default. `given` holds `LogitsProcessing`'s options (but `min_tokens_to_keep`) and the search options."""
+    defaults = {f.name: f.default for f in fields(LogitsProcessing) if f.name in given} | SEARCH_DEFAULTS
+    if defaults.keys() != given.keys():
+        raise ValueError(f"unknown decoding options {sorted(given.keys() - defaults.keys())}")
+    settings = configured(model, defaults)
+    return {name: given[name] if given[name] is not None else settings.get(name, default)
+            for name, default in defaults.items()}
 
 
 UNSUPPORTED = (
