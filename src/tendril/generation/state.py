@@ -78,13 +78,13 @@ class Decoder:
         return self.prompt_len + self.max_new_tokens
 
     def prefill(self) -> torch.Tensor:
-        """Run the prompt through the model, filling cache slots 0..P-1; logits of the last position. For a single
-        row, a fused step's copies of the model's weights, which only launches of one row read, are written first
-        (`FusedStep.refresh`), so that every decode call reads the weights as they are when it runs. The positions'
-        plain kernels stand between those copies and the first fused kernel, whose programmatic early start (which
-        reads weights) overlaps only the kernel before it."""
-        if isinstance(self.step_forward, FusedStep) and self.prompt.shape[0] == 1:
-            self.step_forward.refresh()
+        """Run the prompt through the model, filling cache slots 0..P-1; logits of the last position. A fused step's
+        copies of the model's weights are written first where this call's rows read them (`FusedStep.refresh`), so
+        that every decode call reads the weights as they are when it runs. The positions' plain kernels stand between
+        those copies and the first fused kernel, whose programmatic early start (which reads weights) overlaps only
+        the kernel before it."""
+        if isinstance(self.step_forward, FusedStep):
+            self.step_forward.refresh(self.prompt.shape[0])
         self.cache.reset_order()
         positions = (self.mask.cumsum(-1) - 1).masked_fill(self.mask == 0, 0)
         forward = self.prompt_forward or self.arch.forward

@@ -111,17 +111,17 @@ class FusedStep:
 
     `copied` lists the layers' projections that hold one-row copies of the model's weights
     (`Projection.with_one_row_copies`): `refresh` writes those copies again, at the start of the prompt pass of every
-    decode call of one row (`Decoder.prefill`)."""
+    decode call whose rows read them (`Decoder.prefill`)."""
 
     def __init__(self, embedding: Embedding, layers: Layers, copied: Sequence[Projection] = ()) -> None:
         self.embedding = embedding
         self.layers = layers
         self.copied = tuple(p for p in copied if p.one_row_weights is not None)
 
-    def refresh(self) -> None:
-        """Copy the model's weights into the one-row copies (capturable)."""
+    def refresh(self, rows: int) -> None:
+        """Copy the model's weights into the one-row copies, if launches of `rows` rows read them (capturable)."""
         for projection in self.copied:
-            projection.refresh()
+            projection.refresh(rows)
 
     def __call__(
         self, tokens: torch.Tensor, positions: torch.Tensor, query_slots: torch.Tensor, cache: StaticKVCache

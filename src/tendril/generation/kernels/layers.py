@@ -130,10 +130,11 @@ class Projection:
         """The weights a launch of `rows` rows reads: the one-row copies for one row where there are any."""
         return self.one_row_weights if rows == 1 and self.one_row_weights is not None else self.weights
 
-    def refresh(self) -> None:
-        """Copy the weights into the one-row copies (capturable: device copies only). Under inference mode, since the
-        copies may be inference tensors (built under `generate`)."""
-        if self.one_row_weights is None:
+    def refresh(self, rows: int) -> None:
+        """Copy the weights into the one-row copies if launches of `rows` rows read them (`weights_for`); capturable:
+        device copies only. Under inference mode, since the copies may be inference tensors (built under
+        `generate`)."""
+        if self.one_row_weights is None or self.weights_for(rows) is not self.one_row_weights:
             return
         with torch.inference_mode():
             for weight, copy in zip(self.weights, self.one_row_weights, strict=True):
