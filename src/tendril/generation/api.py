@@ -77,7 +77,7 @@ def _check_prompt(model: nn.Module, input_ids: torch.Tensor, attention_mask: tor
     if attention_mask is not None:
         checks.append(((attention_mask == 0) | (attention_mask == 1)).all().to(input_ids.device))
         checks.append((attention_mask != 0).any(-1).all().to(input_ids.device) if input_ids.shape[1] else checks[0])
-    ids_valid, *mask_valid = torch.stack(checks).tolist()
+    ids_valid, *mask_valid = torch.stack(checks).tolist()  # before the decode graph: the call's one sync up front
     if not ids_valid:
         low, high = int(input_ids.min()), int(input_ids.max())
         raise ValueError(f"input_ids must lie in [0, {vocab}) (the model's vocabulary), got values in [{low}, {high}]")

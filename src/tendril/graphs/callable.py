@@ -127,8 +127,7 @@ class GraphedCallable:
         self._generation = Generation()
         self._keys: dict[Any, tuple[GraphKey | Unkeyable, list[int]]] = {}
         self._warnings = FallbackWarnings(f"tendril.graphed({self.name})")
-        self._module_state: ModuleState | None = None
-        """The tensors and modes of the callable's modules, found at the first call (`_check_modules`)."""
+        self._module_state: ModuleState | None = None  # the callable's modules, found at the first call
         self._positions = parameter_positions(fn) if options.buckets is not None else {}
         self._unavailable = graphs_unavailable(backend, config)
         self._turns = Turns(self.name, wait=options.clone_outputs, active=self._unavailable is None)
