@@ -103,6 +103,38 @@ def test_unsupported_layers_are_named():
         convert(nn.Sequential(nn.Conv2d(3, 4, 3)), torch.randn(1, 3, 8, 8))
 
 
+def test_a_submodule_left_in_training_mode_is_refused_by_name():
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4)).eval()
+    model[1].train()  # would normalize by batch statistics, which the folded network cannot
+    with pytest.raises(ValueError, match=r"training mode: 1 \(call model.eval\(\)\)"):
+        convert(model, torch.randn(1, 3, 8, 8))
+
+
+class _TwiceRead(nn.Module):
+    """A conv output added to itself, then a functional ReLU (with its `inplace` keyword) on it and on the input."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Conv2d(3, 4, 3, padding=1)
+        self.second = nn.Conv2d(4, 4, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.first(nn.functional.relu(x))
+        z = self.second(y)
+        return nn.functional.relu(z + z, inplace=True)
+
+
+def test_a_layer_output_added_to_itself_and_functional_relus_match_the_model():
+    torch.manual_seed(0)
+    model = _TwiceRead().eval()
+    x = torch.randn(2, 3, 8, 8)
+    net = convert(model, x)
+    assert not any(isinstance(s, SparseConvStep) and s.residual for s in net.steps)  # `z + z` stays a dense add
+    with torch.no_grad():
+        expected = model(x)
+    assert relative_error(net(x), expected) < REL_TOL
+
+
 def test_overflow_of_a_reduced_capacity_is_reported_not_silent():
     model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.ReLU(), nn.Conv2d(4, 4, 3)).eval()
     net = convert(model, torch.randn(1, 3, 8, 8), activation_capacity=0.1)

@@ -227,7 +227,7 @@ class _Converter:
             layer.relu = True
             self.absorb(layer, node, position)
         else:
-            self.dense(node, position, lambda x: torch.relu(x))
+            self.dense(node, position, _relu)
 
     def function_node(self, node: fx.Node, position: int) -> None:
         target = node.target
@@ -252,6 +252,8 @@ class _Converter:
             layer = self.fusable(main)
             same_shape = main.meta["tensor_meta"].shape == other.meta["tensor_meta"].shape
             if layer and isinstance(layer.module, nn.Conv2d) and not layer.relu and not layer.residual and same_shape:
+                if other is main:  # `y + y`: the residual would be the layer's own output
+                    break
                 layer.residual = self.value(other)
                 self.absorb(layer, node, position)
                 return
@@ -267,6 +269,22 @@ class _Converter:
             self.dense(node, position, lambda x, *args, **kwargs: getattr(x, method)(*args, **kwargs))
         else:
             raise UnsupportedLayerError(f"tensor method {method!r} ({node.name}) is not supported")
+
+
+def _relu(x: torch.Tensor, inplace: bool = False) -> torch.Tensor:
+    """A ReLU that is not fused into a layer (`F.relu`'s `inplace` accepted: the network never writes its input)."""
+    return torch.relu(x)
+
+
+def _check_eval_mode(model: nn.Module) -> None:
+    """Every module must be in eval mode: a submodule left in training mode (BatchNorm on batch statistics, active
+    dropout) computes what the network's folded, eval-mode layers do not."""
+    training = [name or type(module).__name__ for name, module in model.named_modules() if module.training]
+    if training:
+        raise ValueError(
+            f"convert needs an eval-mode model (dropout and batch norm behave differently in training); in training "
+            f"mode: {', '.join(training[:5])}{' ...' if len(training) > 5 else ''} (call model.eval())"
+        )
 
 
 def _check_model_dtype(model: nn.Module, dtype: torch.dtype) -> None:
@@ -306,8 +324,7 @@ def convert(
     and must be that of the model's floating-point parameters and buffers. Half networks run on the GPU (the CPU
     backend is fp32 only; see `tendril.sparse.network`).
     """
-    if model.training:
-        raise ValueError("convert needs an eval-mode model (dropout and batch norm behave differently in training)")
+    _check_eval_mode(model)
     if example_input.dim() != 4 or example_input.dtype not in VALUE_DTYPES:
         raise ValueError(
             f"example_input: expected a float32, float16 or bfloat16 [N, C, H, W] tensor, got {example_input.dtype} "
