@@ -62,13 +62,14 @@ def prune(model: nn.Module, densities: float | str | Sequence[float] | Mapping[s
     """Zero all but the largest-magnitude weights of each Conv2d/Linear layer; returns what was kept."""
     layers = prunable_layers(model)
     targets = _targets(layers, densities)
+    for name, density in targets.items():  # every density checked before any layer changes
+        if not 0.0 <= density <= 1.0:
+            raise ValueError(f"layer {name}: density {density} is not in [0, 1]")
     report = []
     for name, module in layers:
         if name not in targets:
             continue
         density = targets[name]
-        if not 0.0 <= density <= 1.0:
-            raise ValueError(f"layer {name}: density {density} is not in [0, 1]")
         weight: torch.Tensor = module.weight  # type: ignore[assignment]
         keep = round(density * weight.numel())
         flat = weight.view(-1)
