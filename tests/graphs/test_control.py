@@ -1,5 +1,6 @@
 """CPU semantics of tendril.cond / tendril.while_loop: eager and predicated lowerings against plain Python."""
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -59,6 +60,18 @@ def test_an_exactly_sufficient_bound_is_not_an_overflow():
 def test_predication_without_a_bound_is_refused_with_the_fix():
     with pytest.raises(ValueError, match="pass max_iterations=N"):
         while_loop(_count_to(torch.tensor(3)), _step, (torch.tensor(0),), lowering="predication")
+
+
+@pytest.mark.parametrize("bound", [True, -1, 2.0])
+def test_a_bound_that_is_not_a_count_is_refused(bound):
+    with pytest.raises(ValueError, match="max_iterations must be a non-negative int"):
+        while_loop(_count_to(torch.tensor(1)), _step, (torch.tensor(0), torch.ones(1)), max_iterations=bound)
+
+
+def test_a_numpy_integer_bound_is_a_count():
+    bound = np.int64(2)
+    out_i, _ = while_loop(_count_to(torch.tensor(2)), _step, (torch.tensor(0), torch.ones(1)), max_iterations=bound)
+    assert out_i.item() == 2
 
 
 @pytest.mark.parametrize("lowering", LOWERINGS)

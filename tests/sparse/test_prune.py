@@ -50,7 +50,7 @@ def test_bad_densities_name_the_problem():
 def test_a_bad_density_for_a_later_layer_leaves_every_layer_untouched():
     model = vgg_like()
     before = [w.detach().clone() for w in model.parameters()]
-    with pytest.raises(ValueError, match="density 2.0 is not in"):
+    with pytest.raises(ValueError, match=r"density 2\.0 is not in"):
         prune(model, [0.5] * 8 + [2.0])
     assert all(torch.equal(w, b) for w, b in zip(model.parameters(), before, strict=True))
 
