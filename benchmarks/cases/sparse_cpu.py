@@ -262,7 +262,7 @@ def _bench(ctx: Context, name: str, density: float) -> None:
                 reports = {r.name: r for r in net.layers()}
             key = "1thread" if threads == 1 else "allthreads" if threads == all_threads else f"{threads}threads"
             clock = time.process_time if threads == 1 else time.perf_counter
-            state = RunState("cpu", threads, torch.zeros(1, dtype=torch.int32))
+            state = RunState("cpu", threads, torch.zeros(1, dtype=torch.int32), library=net.cpu_library)
             for step in steps:
                 module, x = modules[step.name], dense_inputs[step.name]
                 step_inputs = [x]
@@ -282,7 +282,9 @@ def _bench(ctx: Context, name: str, density: float) -> None:
                 activation_density=round(reports[step.name].activation_density or 0.0, 4),
             )
             if isinstance(step, SparseConvStep) and 1 in thread_counts:
-                entry.update(_conv_alternatives(step, modules[step.name], dense_inputs[step.name], reps))
+                entry.update(
+                    _conv_alternatives(step, modules[step.name], dense_inputs[step.name], reps, net.cpu_library)
+                )
             for k, v in entry.items():
                 if isinstance(v, float):
                     entry[k] = round(v, 3)
@@ -309,6 +311,8 @@ def _bench(ctx: Context, name: str, density: float) -> None:
                 scaling = values[f"{tag}_{side}_thread_scaling"]
                 ctx.add_value(f"{tag} {who}", "thread_scaling_over_ceiling", scaling / ceiling)
     ctx.extra[tag] = {
+        "cpu_library_1thread": net.cpu_library,
+        "cpu_library_ms": net.cpu_library_ms,
         "host_clock": [dataclasses.asdict(c) for c in clocks],
         "threads": thread_counts,
         "layers": [{"layer": k, **v} for k, v in per_layer.items()],
@@ -332,12 +336,18 @@ def _rescale(model: nn.Module, density: float) -> None:
                 m.weight.mul_(density**-0.5)
 
 
-def _conv_alternatives(step: SparseConvStep, module: nn.Module, x: torch.Tensor, reps: int) -> dict[str, Any]:
-    """On 1 thread: each dataflow forced, the library's sparse product, the compression alone."""
+def _conv_alternatives(
+    step: SparseConvStep, module: nn.Module, x: torch.Tensor, reps: int, library: bool
+) -> dict[str, Any]:
+    """On 1 thread: each dataflow forced, the library's sparse product, the compression alone; `library`: the
+    network's `cpu_library`."""
     assert step.cpu_plan is not None and isinstance(module, nn.Conv2d)
     plan, g, x = step.cpu_plan, step.weights.geometry, x[0]
     out = torch.empty(g.out_channels, *g.out_hw)
-    chosen = "spmm" if plan.csr is not None else plan.choose(compress_cpu.compress(x, step.layout).stored_counts)
+    if plan.csr is not None and library:
+        chosen = "spmm"
+    else:
+        chosen = plan.choose(compress_cpu.compress(x, step.layout).stored_counts)
     times: dict[str, Any] = {"auto_choice_1thread": chosen}
     n = max(1, reps // 2)
     for method in ("direct", "cartesian"):
@@ -396,8 +406,9 @@ def run(ctx: Context) -> None:
             _bench(ctx, name, density)
     ctx.note(
         "tendril cpu = per conv layer the compiled (numba) output-stationary sparse-weight dataflow or SCNN's "
-        "Cartesian product by a cost model, and on 1 thread MKL's CSR product for unpadded 1×1 layers "
-        "(extra.*.layers.auto_choice_1thread; each dataflow forced, MKL's CSR product and the compression alone "
+        "Cartesian product by a cost model, and on 1 thread MKL's CSR product for unpadded 1×1 layers where "
+        "convert's tune timed the forward faster with it (extra.*.cpu_library_1thread, cpu_library_ms; "
+        "extra.*.layers.auto_choice_1thread; each dataflow forced, MKL's CSR product and the compression alone "
         "timed on 1 thread); FC layers are compiled column-gather products over the nonzero inputs; max pools are "
         "compiled separable maxima, parallel over channels (torch's NCHW max_pool2d, which the dense model runs, "
         "is a scalar loop at batch 1). "

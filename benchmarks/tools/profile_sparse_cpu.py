@@ -260,10 +260,10 @@ def _shape(step: Any) -> str:
             f"{g.out_hw[0]}×{g.out_hw[1]}{' +residual' if step.residual else ''}")
 
 
-def profile_layer(step: Any, args: list[torch.Tensor], threads: int, reps: int) -> dict[str, Any]:
+def profile_layer(step: Any, args: list[torch.Tensor], threads: int, reps: int, library: bool) -> dict[str, Any]:
     """Part 2 at one thread count: the layer's kernels called directly, its call inside `kernel_threads`, and its
-    call alone with torch at `threads` (as `sparse-cpu` times layers)."""
-    state = RunState("cpu", threads, torch.zeros(1, dtype=torch.int32))
+    call alone with torch at `threads` (as `sparse-cpu` times layers); `library`: the network's `cpu_library`."""
+    state = RunState("cpu", threads, torch.zeros(1, dtype=torch.int32), library=library)
     trace = KernelTrace()
     with torch.no_grad(), cpu_threads.kernel_threads(threads):
         step.run(args, state)
@@ -425,7 +425,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         start = time.perf_counter()
         report["empty_region"][str(n)] = region_costs(n, region_reps)
         for name, per in layers.items():
-            per[str(n)] = profile_layer(steps[name], layer_inputs[name], n, max(3, LAYER_REPS // scale))
+            per[str(n)] = profile_layer(steps[name], layer_inputs[name], n, max(3, LAYER_REPS // scale),
+                                        net.cpu_library)
         forward = profile_forward(net, x, n, max(3, FORWARD_REPS // scale), max(2, TRACED_FORWARDS // scale))
         report["forward"][str(n)] = forward
         print(f"{n} threads: forward {forward['ms']['median']:.3f} ms, {time.perf_counter() - start:.1f} s", flush=True)

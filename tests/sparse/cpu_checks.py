@@ -18,7 +18,10 @@ from tendril.sparse.steps import RunState, SparseConvStep, SparseLinearStep
 def unprepared_forward(net: SparseNetwork, x: torch.Tensor) -> tuple[torch.Tensor, RunState]:
     """The network's forward with every sparse layer run as the engine ran it before preparation: convolutions by
     `run_unprepared`, FC layers by `linear_dense_input` per sample; returns the output and the state it counted in."""
-    state = RunState("cpu", net.threads, torch.zeros(1, dtype=torch.int32), count_inputs=net.count_activations)
+    state = RunState(
+        "cpu", net.threads, torch.zeros(1, dtype=torch.int32), count_inputs=net.count_activations,
+        library=net.cpu_library,
+    )
     values = {net.input_name: x}
     with torch.no_grad():
         for step in net.steps:

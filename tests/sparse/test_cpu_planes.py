@@ -58,11 +58,13 @@ def test_a_chain_of_convolutions_writes_into_the_next_layers_planes(monkeypatch)
 
 
 def test_a_pointwise_writer_lands_on_its_compiled_path_only(monkeypatch):
-    """A 1×1 writer runs the library product on one thread (which writes a dense buffer): its reader fills there."""
+    """A 1×1 writer on the library product (on one thread, with `cpu_library`) writes a dense buffer: its reader fills
+    there."""
     net = _chain(nn.Conv2d(8, 16, 1), nn.Conv2d(16, 8, 3, padding=1))
     first, second = _convolutions(net)
-    for threads, fills in ((1, 1), (2, 0)):
+    for threads, library, fills in ((1, True, 1), (1, False, 0), (2, True, 0)):
         net.set_backend("cpu", threads)
+        net.cpu_library = library
         assert net.state.planes_readers == {first.name: second}
         calls = count_kernel_calls(monkeypatch, KERNELS)
         net(torch.randn(1, 8, SIZE, SIZE))

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from tendril.sparse import convert, prune
+from tendril.sparse import network as network_module
 from tendril.sparse.network import SparseNetwork
 from tendril.sparse.steps import DenseStep, SparseConvStep, SparseLinearStep
 from tests.sparse.cpu_checks import assert_same_run
@@ -21,16 +22,18 @@ SIZE = 40
 
 
 def _network(capacity: float = 1.0) -> SparseNetwork:
-    """A bottleneck ResNet: unpadded 1×1 layers (`spmm` on one thread), strided 1×1 downsamples, 3×3 and strided
-    3×3 layers (the compiled dataflows), fused residual adds, max pooling and an FC layer."""
+    """A bottleneck ResNet: unpadded 1×1 layers (`spmm` on one thread with `cpu_library`), strided 1×1 downsamples,
+    3×3 and strided 3×3 layers (the compiled dataflows), fused residual adds, max pooling and an FC layer."""
     torch.manual_seed(0)
     model = randomize_batchnorm(ResNetLike(Bottleneck, (1, 2, 1))).eval()
     prune(model, 0.3)
     return convert(model, torch.randn(1, 3, SIZE, SIZE), activation_capacity=capacity)
 
 
-def test_prepared_calls_match_the_unprepared_path_across_thread_and_backend_changes():
+@pytest.mark.parametrize("library", [True, False])
+def test_prepared_calls_match_the_unprepared_path_across_thread_and_backend_changes(library):
     net = _network()
+    net.cpu_library = library
     inputs = [torch.randn(1, 3, SIZE, SIZE) for _ in range(2)]
     first: dict[int, list[torch.Tensor]] = {}
     for backend, threads in (("cpu", 1), ("cpu", 2), ("cpu", 1), ("triton", 1), ("cpu", 3), ("cpu", 2)):
@@ -45,11 +48,12 @@ def test_prepared_calls_match_the_unprepared_path_across_thread_and_backend_chan
     assert all(torch.equal(a, b) for a, b in zip(first[1][:2], first[1][2:], strict=True))
 
 
-@pytest.mark.parametrize("threads", [1, 2])
-def test_prepared_calls_count_and_flag_overflow_as_the_unprepared_path(threads):
+@pytest.mark.parametrize(("threads", "library"), [(1, True), (1, False), (2, True)])
+def test_prepared_calls_count_and_flag_overflow_as_the_unprepared_path(threads, library):
     """Counting forwards (every layer counts, strided 1×1 layers through their phase planes), a reduced capacity
     that overflows, a batch of two, then a batch of one again."""
     net = _network(capacity=0.5).set_backend("cpu", threads)
+    net.cpu_library = library
     for batch, count in ((1, False), (1, True), (2, True), (2, False), (1, True)):
         net.count_activations = count
         net.reset_overflow()
@@ -155,3 +159,46 @@ def test_the_python_work_of_a_forward_stays_bounded_per_layer(threads, monkeypat
     assert work["calls"] <= calls_per_layer * sparse, work
     assert work.get("numpy", 0) <= 2 * dense + 2, work
     assert work.get("empty", 0) <= dense + 1, work
+
+
+class _Clock:
+    """A `perf_counter` under which every forward of `net` on the library product takes `library_s`, every other one
+    a second: `tune`'s choice by forward times, without timing anything."""
+
+    def __init__(self, net: SparseNetwork, library_s: float) -> None:
+        self.net, self.library_s, self.now = net, library_s, 0.0
+
+    def perf_counter(self) -> float:
+        self.now += self.library_s if self.net.state.library else 1.0
+        return self.now
+
+
+@pytest.mark.parametrize(("library_s", "chosen"), [(3.0, False), (0.5, True)])
+def test_tune_on_one_thread_keeps_the_faster_forward_of_the_library_product_and_the_compiled_loops(
+    monkeypatch, library_s, chosen
+):
+    net = _network()
+    clock = _Clock(net, library_s)
+    monkeypatch.setattr(network_module, "time", clock)
+    pointwise = {s.name for s in net.steps if isinstance(s, SparseConvStep) and s.weights.geometry.kernel == (1, 1)}
+    strided = {s.name for s in net.steps if isinstance(s, SparseConvStep) and s.weights.geometry.stride != (1, 1)}
+    choice = net.tune(torch.randn(1, 3, SIZE, SIZE), reps=3)
+    assert choice == dict.fromkeys(pointwise, "spmm" if chosen else "compiled") and pointwise & strided
+    assert net.cpu_library is chosen and net.state.library is chosen
+    assert net.cpu_library_ms == {"library": library_s * 1e3, "compiled": 1e3}
+    assert net.state.prepared  # the faster way's prepared calls are kept
+    assert_same_run(net, torch.randn(1, 3, SIZE, SIZE))
+
+
+def test_tune_has_nothing_to_choose_on_several_threads_or_without_pointwise_layers():
+    net = _network().set_backend("cpu", 2)
+    before = (net.cpu_library, dict(net.cpu_library_ms))
+    assert net.tune(torch.randn(1, 3, SIZE, SIZE)) == {} and (net.cpu_library, net.cpu_library_ms) == before
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 8, 3)).eval()
+    assert convert(model, torch.randn(1, 3, 12, 12)).tune(torch.randn(1, 3, 12, 12)) == {}
+
+
+def test_convert_on_the_cpu_tunes_the_library_choice():
+    net = _network()
+    assert net.cpu_library_ms.keys() == {"library", "compiled"}
+    assert net.cpu_library is (net.cpu_library_ms["library"] <= net.cpu_library_ms["compiled"])

@@ -314,7 +314,8 @@ def convert(
     model's parameters. It holds its own compressed copies of the weights, so later changes to the model's weights
     do not reach it: convert again. `activation_capacity` is the fraction of each activation plane the compressed
     buffers can hold (1.0, the default, can never overflow). On a GPU, `tune` times both convolution
-    kernels on every layer with `example_input` and keeps the faster (`SparseNetwork.tune`); an
+    kernels on every layer with `example_input` and keeps the faster (`SparseNetwork.tune`); on the CPU backend it
+    times forwards with and without the library's product for 1×1 layers (`SparseNetwork.cpu_library`). An
     overflow of a reduced capacity while tuning is not reported (it concerns the example only).
     `pixel_runs=False` keeps `tune` from timing the register-tiled kernel's 1×1 pixel-run plans
     (`SparseNetwork.pixel_runs`); `dense_fallback=False` keeps it from running a convolution densely (cuDNN, cuBLAS)
@@ -344,5 +345,8 @@ def convert(
     network.dense_fallback = dense_fallback
     if tune and network.device.type == "cuda":
         network.tune(example_input[:1].to(network.device))
+        network.reset_overflow()
+    elif tune and network.backend == "cpu":
+        network.tune(example_input)
         network.reset_overflow()
     return network

@@ -9,7 +9,8 @@ fastest for that layer (`tendril.sparse.tuning`); compression and FC layers by T
 `"triton"` (every op a Triton kernel, convolutions accumulating by global atomics; also runs on
 CPU tensors under `TRITON_INTERPRET=1`) and `"cpu"` (compiled numba loops, `ops/conv/cpu/`: per layer SCNN's
 Cartesian product or the output-stationary sparse-weight dataflow, whichever its cost model
-predicts faster, on `threads` threads of numba's pool; the CPU steps read their dense input
+predicts faster, on `threads` threads of numba's pool, and on one thread the unpadded 1×1 layers by the library's
+sparse product where `tune` found the forward faster that way, `cpu_library`; the CPU steps read their dense input
 directly, compress it only for SCNN's dataflow, and fuse bias, residual and ReLU into the kernels).
 
 A plain forward launches the layers' kernels and nothing else: the kernels that read compressed
@@ -30,6 +31,7 @@ run the network's dtype (`ConvKernel.dtypes`; the CUDA C++ ones are fp32 only), 
 from __future__ import annotations
 
 import contextlib
+import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -98,6 +100,10 @@ class SparseNetwork:
         """The dtype of inputs, weights, activations and outputs (fp32, fp16 or bf16)."""
         self.backend = "cuda" if device.type == "cuda" else ("cpu" if dtype == torch.float32 else "triton")
         self.threads = 1
+        self._cpu_library = True
+        self.cpu_library_ms: dict[str, float] = {}
+        """`{"library": ms, "compiled": ms}`: the median forward times on which `tune` chose `cpu_library` (empty
+        until it has)."""
         self._reused_outputs = _outputs_never_returned(steps, output_name)
         self._counted_outputs = _outputs_read_directly(steps, self._reused_outputs)
         self._planes_readers = _planes_readers(steps, self._reused_outputs)
@@ -144,11 +150,26 @@ class SparseNetwork:
         self.state = self._new_state(self.state.overflow)
         return self
 
-    def _new_state(self, overflow: torch.Tensor) -> RunState:
+    @property
+    def cpu_library(self) -> bool:
+        """Whether the CPU backend on one thread runs the unpadded 1×1 convolutions as the library's sparse product
+        (torch's CSR `addmm`, MKL's sparse BLAS on x86) rather than the compiled loops. Which is faster depends on the
+        host's library and cores, so `tune` times whole forwards both ways and keeps the faster (the compiled loops'
+        outputs also land in the next layer's planes, which a layer-by-layer comparison would not count). True until
+        then; setting it starts a new run state."""
+        return self._cpu_library
+
+    @cpu_library.setter
+    def cpu_library(self, library: bool) -> None:
+        self._cpu_library = bool(library)
+        self.state = self._new_state(self.state.overflow)
+
+    def _new_state(self, overflow: torch.Tensor, library: bool | None = None) -> RunState:
         return RunState(
             self.backend,
             self.threads,
             overflow,
+            library=self._cpu_library if library is None else library,
             reused_outputs=self._reused_outputs,
             counted_outputs=self._counted_outputs,
             planes_readers=self._planes_readers,
@@ -224,10 +245,42 @@ class SparseNetwork:
         input shape) are candidates only once the layer output agrees with the layer's float64 dense reference
         (`SparseConvStep.reference`, relative error <= `tuning.AGREEMENT_RTOL`); one that fails to build or run, or
         disagrees, is left out, with the reason in `rejected_kernels` and a warning (`tendril.sparse.tuning`).
+
+        On the CPU backend on one thread it chooses `cpu_library` instead, by `reps` forwards each way, interleaved
+        (`cpu_library_ms`), and returns `{layer: "spmm" or "compiled"}` for the layers it concerns; on several
+        threads, where the compiled loops run every layer, it has nothing to choose.
         """
         if self._released:
             raise ValueError("release_unused_kernels() freed the other kernels' weights: convert again to tune")
+        if self.backend == "cpu":
+            return self._tune_cpu_library(x, reps)
         return KernelTuner(self).tune(x, reps)
+
+    def _tune_cpu_library(self, x: torch.Tensor, reps: int) -> dict[str, str]:
+        """`tune` on the CPU backend: on one thread, `cpu_library` set to whichever way gives the faster forward on
+        `x`, by the median of `reps` forwards each way, interleaved, each way in a run state of its own that an untimed
+        forward prepares first; the faster way's state is kept."""
+        layers = [
+            step.name
+            for step in self.steps
+            if isinstance(step, SparseConvStep) and cpu_kernel.has_library_product(step.weights.geometry)
+        ]
+        if self.threads != 1 or not layers:
+            return {}
+        states = {library: self._new_state(self.state.overflow, library) for library in (True, False)}
+        samples: dict[bool, list[float]] = {True: [], False: []}
+        for rep in range(reps + 1):
+            for library, state in states.items():
+                self.state = state
+                start = time.perf_counter()
+                self(x)
+                if rep:  # the first forward of each way prepares its calls
+                    samples[library].append(time.perf_counter() - start)
+        median = {library: statistics.median(times) * 1e3 for library, times in samples.items()}
+        self.cpu_library_ms = {"library": median[True], "compiled": median[False]}
+        self._cpu_library = median[True] <= median[False]
+        self.state = states[self._cpu_library]
+        return dict.fromkeys(layers, "spmm" if self._cpu_library else "compiled")
 
     def register_plans(self) -> list[RegisterTilePlan]:
         """Every register-tiled plan `tune` would time on this network (GPU only), e.g. to compile several

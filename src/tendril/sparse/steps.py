@@ -72,6 +72,9 @@ class RunState:
     straight into planes laid out as that reader's (`ops/conv/cpu/prepared.py`)."""
     output_planes: dict[str, PlanesOutput] = field(default_factory=dict)
     """Per activation name, the planes a step of `planes_readers` writes under it (and the tensor it returns)."""
+    library: bool = True
+    """Whether CPU calls on one thread run unpadded 1×1 layers as the library's sparse product (`spmm`) rather than the
+    compiled loops (`SparseNetwork.cpu_library`)."""
     prepared: dict[int, Any] = field(default_factory=dict)
     """The CPU backend's prepared call of each step (by `id`; the call holds its step), built at the step's first
     call under this state (`ops/conv/cpu/prepared.py`, `linear_cpu.PreparedLinear`): a new state (a new backend or

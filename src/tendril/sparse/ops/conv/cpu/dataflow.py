@@ -67,6 +67,7 @@ def run_unprepared(
             relu=step.relu,
             threads=state.threads,
             count=state.count_inputs or step.layout.capacity < step.layout.plane_size,
+            library=state.library,
         )
         if counts is not None:
             state.count(step.name, counts, step.layout)

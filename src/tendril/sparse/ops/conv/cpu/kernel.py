@@ -27,11 +27,12 @@ default) both work counts are computed from the true nonzero counts and the chea
 weights as a `[K, C]` sparse CSR matrix (built once, in the plan) times the input as a dense `[C, OH·OW]`
 matrix (the input itself at stride 1, else its first phase planes or a subsampled copy), by torch's
 sparse-dense `addmm` (MKL's sparse BLAS on x86) written straight into the output; bias, residual and ReLU
-follow in one compiled pass, and the input's nonzeros are counted only when asked. On one thread it beats the
-compiled loop on these shapes, so `auto` takes it there; on several threads `auto` keeps the compiled loops, because
-MKL's OpenMP pool and numba's, alternating between layers, contend for the cores (the `sparse-cpu`
-benchmark's per-layer `extra` times MKL beside each dataflow). Elsewhere the library loses: on im2col
-columns it pays the unfold, and per kernel tap it is no faster than the compiled loop.
+follow in one compiled pass, and the input's nonzeros are counted only when asked. Whether it beats the compiled
+loop on these shapes depends on the host's library and cores (the `sparse-cpu` benchmark's per-layer `extra` times
+MKL beside each dataflow), so `auto` takes it on one thread only where the caller says so (`library`; a network's
+`SparseNetwork.cpu_library`, which `tune` measures); on several threads `auto` keeps the compiled loops, because
+MKL's OpenMP pool and numba's, alternating between layers, contend for the cores. Elsewhere the library loses: on
+im2col columns it pays the unfold, and per kernel tap it is no faster than the compiled loop.
 
 Two entry points:
 - `conv(acts, weights, init)`: from compressed activations (the op as the GPU kernels see it;
@@ -133,7 +134,6 @@ class CpuConvPlan:
         block_ptr[1:] = torch.cumsum(torch.bincount(block_key, minlength=blocks * channels), 0)
         block_ptr = torch.cat([block_ptr[:-1].view(blocks, channels), block_ptr[channels::channels, None]], 1)
         base = (k % k_block) * plane - rp * acc_w - sp + (kh - 1) * acc_w + (kw - 1)
-        pointwise = g.kernel == (1, 1) and g.padding == (0, 0) and g.groups == 1
         direct_input = reads_input(g)
         return cls(
             weights,
@@ -141,7 +141,7 @@ class CpuConvPlan:
             plane_rows,
             torch.empty(0 if direct_input else channels, plane_stride),
             direct_input,
-            _csr_weights(weights) if pointwise else None,
+            _csr_weights(weights) if has_library_product(g) else None,
             direct_values,
             direct_base,
             k_ptr,
@@ -181,6 +181,11 @@ class CpuConvPlan:
         """`choose` given the products (`products(counts)`): `cartesian` where it costs no more than `direct`."""
         cartesian = float(products) * NS_PER_PRODUCT["cartesian"]
         return "cartesian" if cartesian <= self.direct_macs * NS_PER_PRODUCT["direct"] else "direct"
+
+
+def has_library_product(geometry: ConvGeometry) -> bool:
+    """Whether a layer can run as the library's sparse product (`spmm`): an unpadded 1×1 layer without groups."""
+    return geometry.kernel == (1, 1) and geometry.padding == (0, 0) and geometry.groups == 1
 
 
 def holds_input(geometry: ConvGeometry) -> bool:
@@ -274,6 +279,7 @@ def conv_dense_input(
     threads: int = 1,
     method: str = "auto",
     count: bool = True,
+    library: bool = True,
 ) -> torch.Tensor | None:
     """`out = [relu](bias + residual + conv(x))` for a dense `[C, H, W]` input; returns its true nonzero
     counts per virtual channel. `out` is a contiguous `[K, OH, OW]` tensor. `layout` is used only
@@ -284,14 +290,15 @@ def conv_dense_input(
     `count=False` lets unpadded 1×1 layers skip the pass that only counts (a whole read of the input beside a
     product that is itself short; a strided one then reads a subsampled copy of the input instead of its phase
     planes); they then return None, every other layer its counts (they count on the way, for free). Pass it only
-    where no count can overflow and none is reported."""
+    where no count can overflow and none is reported. `library=False` keeps `auto` from taking `spmm` (which it takes
+    on one thread for the layers that have it, otherwise)."""
     _check_method(method)
     g = plan.weights.geometry
     if tuple(x.shape) != (g.in_channels, *g.in_hw):
         raise ValueError(f"activation shape {tuple(x.shape)}: the layout expects {(g.in_channels, *g.in_hw)}")
     if tuple(out.shape) != (g.out_channels, *g.out_hw) or not out.is_contiguous():
         raise ValueError(f"out must be a contiguous tensor of shape {(g.out_channels, *g.out_hw)}")
-    if method == "auto" and plan.csr is not None and threads == 1:
+    if method == "auto" and plan.csr is not None and threads == 1 and library:
         method = "spmm"
     _check_supported(plan, method)
     x = x.contiguous()

@@ -5,7 +5,8 @@ its counts and converts every tensor to a numpy array on each call: host work th
 count, so on many threads it is much of a small layer's time. A `PreparedConv` does that once per layer, thread
 count and batch size (`RunState.prepared` keeps it, so `SparseNetwork.set_backend` drops it with the old state) and
 then, per call, compares the input's shape with a tuple, looks up its numpy view and runs the kernels: the same
-kernels on the same operands as `conv_dense_input`'s `auto` method, so the outputs are bit-identical.
+kernels on the same operands as `conv_dense_input`'s `auto` method (`library` as the state's), so the outputs are
+bit-identical.
 
 What it reuses between calls:
 - the numpy views of the weights, bias and plan, the counts buffer (`RunState.last_counts` holds it: each forward
@@ -123,7 +124,7 @@ class PreparedConv:
         self.threads, self.used = state.threads, cpu_threads.usable(state.threads)
         self.in_shape = (batch, g.in_channels, *g.in_hw)
         self.out_shape = (batch, g.out_channels, *g.out_hw)
-        self.spmm = plan.csr is not None and state.threads == 1
+        self.spmm = plan.csr is not None and state.threads == 1 and state.library
         self.csr = plan.csr if plan.csr is not None else torch.empty(0)
         self.kernels = cpu_threads.kernels()
         """The compiled kernels' module (each looked up there at its call, as everywhere)."""
