@@ -167,6 +167,12 @@ class ModuleState:
         name, module = self._mode_modules[flipped]
         return f"{name or type(module).__name__} switched to {'training' if modes[flipped] else 'eval'} mode"
 
+    def modes(self) -> tuple[bool, ...]:
+        """The training modes now of the recorded modules and of their layers that act differently in training, in
+        module order (each root before its submodules): part of a graph's key where modes select graphs rather than
+        invalidate them (`tendril.graphs.training.step`)."""
+        return tuple(map(_training, self._mode_list))
+
     def _sentinels_in_place(self) -> bool:
         for ref, address in self._sentinels:
             tensor = ref()

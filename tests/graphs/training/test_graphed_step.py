@@ -262,7 +262,40 @@ def test_train_and_eval_modes_are_separate_keys():
     for batch in batches([4] * 3):
         step(*batch)
     captured = step.keys()
-    assert len(captured) == 2 and {key.structure[1] for key in captured} == {True, False}
+    assert len(captured) == 2 and {key.structure[1] for key in captured} == {(True, True), (False, False)}
+
+
+def test_a_dropout_layer_switched_alone_selects_a_graph_of_its_own():
+    """Monte Carlo style: the root stays in training while its dropout layer runs in eval mode (the dropout layer's
+    mode is baked into a graph: a graph captured with it on would keep dropping)."""
+    model, _ = twins(lambda: TokenMLP(dropout=0.3))
+    optimizer = adamw(model)
+    step = graphed(full_step(model, optimizer), model, optimizer)
+    for batch in batches([4] * 3):
+        step(*batch)
+    model.net[2].eval()
+    for batch in batches([4] * 3):
+        step(*batch)
+    assert [key.structure[1] for key in step.keys()] == [(True, True), (True, False)]
+
+
+@pytest.mark.parametrize("change", ["load_state_dict_assign", "data_swapped", "cast_and_back"])
+def test_replacing_or_moving_the_models_tensors_after_the_step_was_made_raises_naming_the_tensor(change):
+    """The gradients, the optimizer's state and the graphs hold the old tensors: the next graphed call refuses."""
+    model, other = twins(TokenMLP)
+    optimizer = adamw(model)
+    step = graphed(full_step(model, optimizer), model, optimizer)
+    data = batches([4] * 3)
+    for batch in data:
+        step(*batch)
+    if change == "load_state_dict_assign":
+        model.load_state_dict(other.state_dict(), assign=True)
+    elif change == "data_swapped":
+        model.net[0].weight.data = model.net[0].weight.data.clone()
+    else:
+        model.double().float()
+    with pytest.raises(RuntimeError, match=r"parameter net\.\d\.(weight|bias) (was replaced|moved).*make the optimizer"):
+        step(*data[0])
 
 
 def test_with_dropout_on_the_graphed_loop_draws_the_eager_loops_masks():

@@ -6,7 +6,8 @@
 
 where `train_step(*batch)` does the forward pass, the loss, `loss.backward()`, the optimizer step (through the
 scaler under AMP) and `optimizer.zero_grad(set_to_none=False)`, and returns the loss. Calls are keyed as
-`tendril.graphed` keys them (tensor shapes and dtypes, other arguments' values; plus `model.training`), padded to
+`tendril.graphed` keys them (tensor shapes and dtypes, other arguments' values; plus the training modes of the model
+and of its mode-dependent layers: `model.eval()`, or batch norm frozen alone, selects other graphs), padded to
 `buckets` first, and every graph is captured into one pool shared by all keys (`CudaBackend`).
 
 Exactly one step per call. At a key without a graph:
@@ -30,8 +31,9 @@ Exactly one step per call. At a key without a graph:
 largest one's memory, and undoes rule 1's step: no training happens there.
 
 The invariants the graphs rely on (fixed gradient and state addresses, capturable optimizers and scalers, settings
-baked into the graphs) are checked by `invariants` and `scaler`; random numbers (dropout) draw fresh values at every
-replay, see `tendril.graphs.training`.
+baked into the graphs) are checked by `invariants` and `scaler`; the model's tensors must stay the ones they were,
+where they were (`module_state`), or the next call that may graph raises. Random numbers (dropout) draw fresh values
+at every replay, see `tendril.graphs.training`.
 
 Gradient accumulation: with `accumulate=N`, `fn` only accumulates (forward, loss divided by N, backward; no
 optimizer step, no zero_grad) and every Nth call also runs the optimizer update, made here: `scaler.step(optimizer)`
@@ -62,6 +64,7 @@ from tendril.graphs.buckets import Buckets, parameter_positions
 from tendril.graphs.examples import as_call
 from tendril.graphs.key import Flattened, GraphKey, Unkeyable, flatten_call, key_of
 from tendril.graphs.memory import PlaceholderArena
+from tendril.graphs.module_state import ModuleState
 from tendril.graphs.options import DEFAULT_MAX_GRAPHS, GraphMemoryPolicy
 from tendril.graphs.outputs import clone_outputs
 from tendril.graphs.stats import Fallback, GraphRecord, GraphStats
@@ -148,6 +151,7 @@ class GraphedStep:
             raise ValueError("model has no parameter that requires grad: nothing to train")
         invariants.allocate_grads(self._parameters)
         self._addresses = invariants.AddressBook(self._parameters)
+        self._modules = ModuleState([model])
         self._state_recorded = False
         self._hyperparameters: tuple[Any, ...] | None = None
         from tendril.graphs.cuda_backend import CudaBackend
@@ -203,7 +207,7 @@ class GraphedStep:
             if isinstance(key, Unkeyable):
                 self._note(Fallback.UNKEYABLE, key.reason)
                 continue
-            key = dataclasses.replace(key, structure=(STEP, self.model.training, key.structure))
+            key = self._keyed(STEP, key)
             if key not in self._graphs:
                 pending.setdefault(key, flat)
         if self._unavailable is not None:
@@ -273,7 +277,7 @@ class GraphedStep:
         key = key_of(flat)
         if isinstance(key, Unkeyable):
             return self._eager(fn, args, kwargs, Fallback.UNKEYABLE, key.reason)
-        key = dataclasses.replace(key, structure=(kind, self.model.training, key.structure))
+        key = self._keyed(kind, key)
         graph = self._graphs.get(key)
         if graph is not None:
             if padded is not None:
@@ -287,6 +291,19 @@ class GraphedStep:
         if padded is not None:
             self.stats.padded_calls += 1
         return self._capture_and_replay(fn, flat, key, (args, kwargs))
+
+    def _keyed(self, kind: str, key: GraphKey) -> GraphKey:
+        """`key` for a `kind` call (a step or an update) in the modules' current modes, once the model's tensors are
+        checked to be the ones the step was made over (module docstring)."""
+        change = self._modules.changed_tensors()
+        if change is not None:
+            raise RuntimeError(
+                f"tendril.graphed_step({self.name}): {change} since the step was made; its gradients, optimizer state "
+                "and graphs are bound to the model's tensors as they were. Load new values in place "
+                "(load_state_dict without assign=True, param.data.copy_(...)), or make the optimizer and the graphed "
+                "step again after replacing or moving the model's tensors"
+            )
+        return dataclasses.replace(key, structure=(kind, self._modules.modes(), key.structure))
 
     def _refusal(self, key: GraphKey) -> tuple[Fallback, str] | None:
         """Why a key without a graph runs eagerly, or None if it may be warmed and captured."""
