@@ -86,7 +86,7 @@ def test_step_calls_rerun_each_step_on_the_activations_of_one_forward():
     calls = net.step_calls(x)
     assert [c.name for c in calls] == [s.name for s in net.steps]
     kernels = {c.kernel for c in calls}
-    assert "dense op" in kernels and kernels - {"dense op"} <= {"cuda", "spmspv"}
+    assert kernels == {"dense op", "cpu"}
     assert torch.equal(calls[-1].run(), net(x))
 
 

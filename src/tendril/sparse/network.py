@@ -75,7 +75,8 @@ class StepCall:
 
     name: str
     kernel: str
-    """The kernel the step runs: a convolution's `conv_kernel`, a linear layer's `fc_kernel`, or `"dense op"`."""
+    """The kernel the step runs: on the `"cuda"` backend a convolution's `conv_kernel` and a linear layer's
+    `fc_kernel`, on the others the backend's name; `"dense op"` for the steps between layers."""
     run: Callable[[], torch.Tensor]
 
 
@@ -300,7 +301,7 @@ class SparseNetwork:
                 return step.run(args, self.state)
 
             values[step.output] = run()
-            calls.append(StepCall(step.name, _kernel_of(step), run))
+            calls.append(StepCall(step.name, _kernel_of(step, self.backend), run))
         return calls
 
     def reset_overflow(self) -> None:
@@ -414,9 +415,10 @@ def _planes_readers(steps: list[Step], reused: frozenset[str]) -> dict[str, Spar
     return found
 
 
-def _kernel_of(step: Step) -> str:
+def _kernel_of(step: Step, backend: str) -> str:
+    """The kernel `step` runs under `backend`: the `"cpu"` and `"triton"` backends run their own for every layer."""
     if isinstance(step, SparseConvStep):
-        return step.conv_kernel
+        return step.conv_kernel if backend == "cuda" else backend
     if isinstance(step, SparseLinearStep):
-        return step.fc_kernel
+        return step.fc_kernel if backend == "cuda" else backend
     return "dense op"

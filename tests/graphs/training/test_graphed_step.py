@@ -276,7 +276,8 @@ def test_a_dropout_layer_switched_alone_selects_a_graph_of_its_own():
     model.net[2].eval()
     for batch in batches([4] * 3):
         step(*batch)
-    assert [key.structure[1] for key in step.keys()] == [(True, True), (True, False)]
+    captured = step.keys()
+    assert [key.structure[1] for key in captured] == [(True, True), (True, False)]
 
 
 @pytest.mark.parametrize("change", ["load_state_dict_assign", "data_swapped", "cast_and_back"])
@@ -294,7 +295,8 @@ def test_replacing_or_moving_the_models_tensors_after_the_step_was_made_raises_n
         model.net[0].weight.data = model.net[0].weight.data.clone()
     else:
         model.double().float()
-    with pytest.raises(RuntimeError, match=r"parameter net\.\d\.(weight|bias) (was replaced|moved).*make the optimizer"):
+    named = r"parameter net\.\d\.(weight|bias) (was replaced|moved).*make the optimizer"
+    with pytest.raises(RuntimeError, match=named):
         step(*data[0])
 
 
