@@ -1,5 +1,6 @@
 """Buckets pad calls up to a declared size and cut outputs back; pure Python on CPU tensors."""
 
+import numpy as np
 import pytest
 import torch
 
@@ -25,6 +26,10 @@ def test_invalid_sizes_and_missing_pads_are_rejected():
         Buckets((16, 8), (("x", Pad(1)),))
     with pytest.raises(ValueError, match="at least one padded argument"):
         Buckets((8,), ())
+    for sizes in ((4.5, 8), (True, 8)):  # a length is padded to a whole number of positions
+        with pytest.raises(ValueError, match="positive integers"):
+            sequence_buckets(sizes)
+    assert sequence_buckets(np.array([4, 8])).sizes == (4, 8)
 
 
 def test_sequence_buckets_pad_ids_and_create_the_mask():
@@ -92,6 +97,9 @@ def test_pow2_sizes():
     assert pow2_sizes(65, 32) == (32, 64, 128)
     with pytest.raises(ValueError):
         pow2_sizes(4, 8)
+    for maximum in (8.5, True):
+        with pytest.raises(ValueError, match="integers"):
+            pow2_sizes(maximum)
 
 
 def test_empty_calls_and_arguments_of_another_rank_than_declared_are_not_padded():

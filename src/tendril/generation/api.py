@@ -11,7 +11,6 @@ from __future__ import annotations
 import copy
 import functools
 import math
-import numbers
 import threading
 import warnings
 from collections.abc import Callable, Sequence
@@ -32,6 +31,7 @@ from tendril.generation.processors import LogitsProcessing
 from tendril.generation.streaming import Streamer, TokenDelivery, check_streamable
 from tendril.graphs.callable import GraphedCallable, graphed
 from tendril.graphs.module_state import ModuleChangedWarning, ModuleState
+from tendril.utils.checks import is_integer
 
 _SUPPORTED = (
     "attention_mask, max_new_tokens, eos_token_id, pad_token_id, do_sample, temperature, top_k, top_p, "
@@ -63,7 +63,7 @@ def _check_inputs(input_ids: torch.Tensor, attention_mask: torch.Tensor | None, 
     if attention_mask is not None and attention_mask.shape != input_ids.shape:
         raise ValueError(f"attention_mask shape {tuple(attention_mask.shape)} differs from input_ids "
                          f"{tuple(input_ids.shape)}")
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, numbers.Integral) or max_new_tokens < 1:
+    if not is_integer(max_new_tokens) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
 
 

@@ -30,6 +30,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils import _pytree as pytree
 
+from tendril.utils.checks import is_integer
+
 
 @dataclass(frozen=True)
 class Pad:
@@ -70,11 +72,13 @@ class Buckets:
 
     def __post_init__(self) -> None:
         sizes = tuple(self.sizes)
-        if not sizes or any(size < 1 for size in sizes) or list(sizes) != sorted(set(sizes)):
+        if not sizes or not all(map(is_integer, sizes)) or any(size < 1 for size in sizes) or (
+            list(sizes) != sorted(set(sizes))
+        ):
             raise ValueError(f"bucket sizes must be distinct positive integers in ascending order, got {sizes}")
         if not self.pads:
             raise ValueError("Buckets needs at least one padded argument, e.g. pads=(('input_ids', Pad(dim=1)),)")
-        object.__setattr__(self, "sizes", sizes)
+        object.__setattr__(self, "sizes", tuple(map(int, sizes)))
 
     def bucket_for(self, length: int) -> int | None:
         """The smallest bucket >= `length`, or None if the call is longer than the largest."""
@@ -265,8 +269,8 @@ def sequence_buckets(
 
 def pow2_sizes(maximum: int, minimum: int = 1) -> tuple[int, ...]:
     """Powers of two from `minimum` up to the first >= `maximum`, e.g. (8, 16, 32, 64) for (64, 8)."""
-    if minimum < 1 or maximum < minimum:
-        raise ValueError(f"need 1 <= minimum <= maximum, got minimum={minimum}, maximum={maximum}")
+    if not (is_integer(minimum) and is_integer(maximum)) or minimum < 1 or maximum < minimum:
+        raise ValueError(f"need integers 1 <= minimum <= maximum, got minimum={minimum!r}, maximum={maximum!r}")
     sizes = [minimum]
     while sizes[-1] < maximum:
         sizes.append(sizes[-1] * 2)

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import numbers
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -51,6 +50,7 @@ from tendril.graphs.control.checks import (
     unmodified,
 )
 from tendril.graphs.control.stats import LoopBoundCheck, LoopBoundExceeded
+from tendril.utils.checks import is_integer
 
 Lowering = Literal["auto", "predication"]
 IF_ELSE_MIN_DRIVER = 12080
@@ -58,11 +58,6 @@ IF_ELSE_MIN_DRIVER = 12080
 
 
 # ---------------------------------------------------------------------------------------------- API
-
-
-def _is_count(value: object) -> bool:
-    """An integer (numpy's included), not a bool: `max_iterations=True` is a mistake, not a bound of 1."""
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 def while_loop(
@@ -82,7 +77,7 @@ def while_loop(
     `LoopBoundExceeded` when the loop would run longer. `name` labels the loop in errors.
     """
     state = as_tensors(carried, "while_loop carried")
-    if max_iterations is not None and (not _is_count(max_iterations) or max_iterations < 0):
+    if max_iterations is not None and (not is_integer(max_iterations) or max_iterations < 0):
         raise ValueError(f"max_iterations must be a non-negative int, got {max_iterations!r}")
     label = name or f"while_loop({fn_name(cond_fn)}, {fn_name(body_fn)})"
     how, reason = _choose_lowering(_named("while_loop carried", state), lowering, needs_else=False)
