@@ -147,6 +147,24 @@ def test_options_outside_the_supported_set_are_refused(gpt2):
         generate(gpt2, ids, mask, max_new_tokens=0)
 
 
+@pytest.mark.parametrize(
+    ("options", "named"),
+    [
+        (dict(num_beams=2.0), "num_beams must be an integer"),
+        (dict(num_beams=True), "num_beams must be an integer"),
+        (dict(do_sample=True, num_return_sequences=2.0), "num_return_sequences must be an integer"),
+        (dict(do_sample=True, top_k=2.5), "top_k must be an integer"),
+        (dict(do_sample=True, seed=1.5), "seed must be an integer"),
+        (dict(do_sample=True, seed=2**64), "seed must be an integer"),
+        (dict(num_beams=2, length_penalty="1"), "length_penalty must be a finite number"),
+    ],
+)
+def test_options_that_must_be_whole_or_real_numbers_are_refused_not_truncated(gpt2, options, named):
+    ids, mask = left_padded([3])
+    with pytest.raises(ValueError, match=named):
+        generate(gpt2, ids, mask, max_new_tokens=2, **options)
+
+
 def test_token_ids_outside_the_vocabulary_are_refused_before_anything_runs(gpt2):
     ids, mask = left_padded([3])
     vocab = gpt2.get_input_embeddings().num_embeddings

@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import functools
 import math
+import numbers
 import threading
 import warnings
 from collections.abc import Callable, Sequence
@@ -65,6 +66,13 @@ def _check_inputs(input_ids: torch.Tensor, attention_mask: torch.Tensor | None, 
                          f"{tuple(input_ids.shape)}")
     if not is_integer(max_new_tokens) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
+
+
+def _check_integers(**options: Any) -> None:
+    """Each option must be an integer (not a bool): a float would be truncated, `True` taken for 1."""
+    for name, value in options.items():
+        if not is_integer(value):
+            raise ValueError(f"{name} must be an integer, got {value!r}")
 
 
 def _check_prompt(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, eos: list[int],
@@ -188,6 +196,9 @@ def generate(
     decoding = resolve(model, given)
     beams, returned = decoding["num_beams"], decoding["num_return_sequences"]
     _check_inputs(input_ids, attention_mask, max_new_tokens)
+    _check_integers(num_beams=beams, num_return_sequences=returned, top_k=decoding["top_k"])
+    if seed is not None and not (is_integer(seed) and -(2**63) <= seed < 2**64):
+        raise ValueError(f"seed must be an integer in [-2**63, 2**64) (a torch.Generator seed), got {seed!r}")
     if beams < 1 or returned < 1:
         raise ValueError("num_beams and num_return_sequences must be >= 1")
     if beams == 1 and not decoding["do_sample"] and returned != 1:
@@ -222,10 +233,12 @@ def generate(
     early_stopping, length_penalty = decoding["early_stopping"], decoding["length_penalty"]
     if early_stopping not in (True, False, "never"):
         raise ValueError(f"early_stopping must be True, False or 'never', got {early_stopping!r}")
-    if not math.isfinite(length_penalty):
+    if isinstance(length_penalty, bool) or not isinstance(length_penalty, numbers.Real) or (
+        not math.isfinite(length_penalty)
+    ):
         raise ValueError(f"length_penalty must be a finite number, got {length_penalty!r}")
     plan = Plan.build(max_new_tokens=max_new_tokens, processing=processing, eos=eos, pad=pad, num_beams=beams,
-                      length_penalty=length_penalty, early_stopping=early_stopping, step=step,
+                      length_penalty=float(length_penalty), early_stopping=early_stopping, step=step,
                       stream_slots=streaming.RING_SLOTS if streamer is not None and beams == 1 else 0)
     device = input_ids.device
     batch, prompt_len = input_ids.shape
