@@ -21,11 +21,14 @@ def double(x: torch.Tensor) -> torch.Tensor:
     return x * 2
 
 
-def test_graph_options_refuse_negative_bounds():
-    with pytest.raises(ValueError, match="max_graphs"):
-        GraphOptions(max_graphs=-1)
-    with pytest.raises(ValueError, match="warmup"):
-        GraphOptions(warmup=-1)
+def test_graph_options_refuse_negative_bounds_and_values_of_another_type():
+    for bad in (-1, 2.5, True):
+        with pytest.raises(ValueError, match="max_graphs must be an integer"):
+            GraphOptions(max_graphs=bad)
+        with pytest.raises(ValueError, match="warmup must be an integer"):
+            GraphOptions(warmup=bad)
+    with pytest.raises(TypeError, match="clone_outputs must be True or False"):
+        GraphOptions(clone_outputs="yes")
     assert GraphOptions().memory == GraphMemoryPolicy()
 
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from tendril.graphs.memory import parse_bytes
+from tendril.utils.checks import is_integer
 
 if TYPE_CHECKING:
     from tendril.config import Config
@@ -151,10 +152,12 @@ class GraphOptions:
     compile: CompileOptions | None = None
 
     def __post_init__(self) -> None:
-        if self.max_graphs < 0:
-            raise ValueError(f"max_graphs must be >= 0, got {self.max_graphs}")
-        if self.warmup < 0:
-            raise ValueError(f"warmup must be >= 0, got {self.warmup}")
+        if not is_integer(self.max_graphs) or self.max_graphs < 0:
+            raise ValueError(f"max_graphs must be an integer >= 0, got {self.max_graphs!r}")
+        if not is_integer(self.warmup) or self.warmup < 0:
+            raise ValueError(f"warmup must be an integer >= 0, got {self.warmup!r}")
+        if not isinstance(self.clone_outputs, bool):
+            raise TypeError(f"clone_outputs must be True or False, got {self.clone_outputs!r}")
         if self.compile is not None and self.warmup < 1:
             raise ValueError(
                 f"warmup={self.warmup} with compile: a compiled function needs warmup >= 1, so that a recompile "

@@ -49,6 +49,9 @@ def test_a_grad_scaler_that_syncs_is_refused_and_bad_options_name_the_argument()
     fused = torch.optim.AdamW(model.parameters(), fused=True, capturable=True)
     with pytest.raises(ValueError, match="accumulate"):
         graphed(lambda x: x, model, fused, accumulate=0)
+    for bad in (2.5, True):
+        with pytest.raises(ValueError, match="max_graphs must be an integer"):
+            graphed(lambda x: x, model, fused, max_graphs=bad)
     with pytest.raises(ValueError, match="accumulate= needs optimizer"):
         graphed(lambda x: x, model, None, accumulate=2)
     with pytest.raises(TypeError, match="model must be"):

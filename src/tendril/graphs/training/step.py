@@ -73,6 +73,7 @@ from tendril.graphs.training import invariants
 from tendril.graphs.training.layerdrop import HostLayerDropWarning, host_layerdrop
 from tendril.graphs.training.scaler import check_scaler, reset_after_failed_capture
 from tendril.graphs.training.simulated import Recording, runs_on_capture
+from tendril.utils.checks import is_integer
 
 STEP = "step"
 UPDATE = "optimizer update"
@@ -127,14 +128,14 @@ class GraphedStep:
         if optimizer is not None:
             invariants.check_optimizer(optimizer)
         check_scaler(scaler, optimizer)
-        if accumulate is not None and (type(accumulate) is not int or accumulate < 1):
+        if accumulate is not None and (not is_integer(accumulate) or accumulate < 1):
             raise ValueError(f"accumulate must be a positive int (micro-batches per update), got {accumulate!r}")
         if accumulate is not None and optimizer is None:
             raise ValueError("accumulate= needs optimizer=: every Nth call runs the optimizer update")
         if buckets is not None and not isinstance(buckets, Buckets):
             raise TypeError(f"buckets must be a tendril.Buckets, got {type(buckets).__name__}")
-        if max_graphs < 0:
-            raise ValueError(f"max_graphs must be >= 0, got {max_graphs}")
+        if not is_integer(max_graphs) or max_graphs < 0:
+            raise ValueError(f"max_graphs must be an integer >= 0, got {max_graphs!r}")
         self.fn = fn
         self.model = model
         self.optimizer = optimizer
