@@ -202,3 +202,12 @@ def test_convert_on_the_cpu_tunes_the_library_choice():
     net = _network()
     assert net.cpu_library_ms.keys() == {"library", "compiled"}
     assert net.cpu_library is (net.cpu_library_ms["library"] <= net.cpu_library_ms["compiled"])
+
+
+@pytest.mark.parametrize("bad", [0, 2.5, True])
+def test_thread_counts_and_tune_repetitions_must_be_positive_integers(bad):
+    net = _network()
+    with pytest.raises(ValueError, match=rf"threads={bad!r}: expected an integer"):
+        net.set_backend("cpu", bad)
+    with pytest.raises(ValueError, match=rf"reps={bad!r}: expected an integer"):
+        net.tune(torch.randn(1, 3, SIZE, SIZE), reps=bad)

@@ -44,6 +44,7 @@ from tendril.sparse.ops.conv.register.tiling import RegisterTilePlan
 from tendril.sparse.steps import DenseStep, RunState, SparseConvStep, SparseLinearStep, Step
 from tendril.sparse.tuning import KernelTuner
 from tendril.sparse.validation import VALUE_DTYPES
+from tendril.utils.checks import is_integer
 
 BACKENDS = ("cuda", "triton", "cpu")
 
@@ -145,8 +146,8 @@ class SparseNetwork:
             )
         if backend == "cuda" and self.device.type != "cuda":
             raise ValueError("the cuda backend needs a network converted on a GPU")
-        if threads < 1:
-            raise ValueError(f"threads={threads}: expected at least 1")
+        if not is_integer(threads) or threads < 1:
+            raise ValueError(f"threads={threads!r}: expected an integer, at least 1")
         self.backend, self.threads = backend, threads
         self.state = self._new_state(self.state.overflow)
         return self
@@ -253,6 +254,8 @@ class SparseNetwork:
         """
         if self._released:
             raise ValueError("release_unused_kernels() freed the other kernels' weights: convert again to tune")
+        if not is_integer(reps) or reps < 1:
+            raise ValueError(f"reps={reps!r}: expected an integer, at least 1 (timed calls of each candidate)")
         if self.backend == "cpu":
             return self._tune_cpu_library(x, reps)
         return KernelTuner(self).tune(x, reps)
