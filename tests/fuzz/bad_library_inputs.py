@@ -1,4 +1,5 @@
-"""Bad inputs to tendril's other entry points: malformed sparse formats and invalid `generate` arguments.
+"""Bad inputs to tendril's other entry points: malformed sparse formats, invalid conversion, pruning and graph options,
+and invalid `generate` arguments.
 
 Malformed formats must be refused when they are constructed (ValueError or TypeError); `generate` must raise a
 clear exception (or return what it returns for the equivalent valid call) and generate correctly afterwards.
@@ -90,6 +91,109 @@ def malformed_check(name: str) -> Callable[[str], None]:
     return check
 
 
+# -- conversion, pruning and graph options ---------------------------------------------------------------------
+
+
+def _small_cnn(device: str) -> torch.nn.Module:
+    torch.manual_seed(3)
+    layers = [torch.nn.Conv2d(3, 4, 3, padding=1), torch.nn.BatchNorm2d(4), torch.nn.ReLU(), torch.nn.Conv2d(4, 4, 1)]
+    return torch.nn.Sequential(*layers).eval().to(device)
+
+
+def _batch_norm_training(device: str) -> object:
+    from tendril.sparse import convert
+
+    model = _small_cnn(device)
+    model[1].train()
+    return convert(model, torch.randn(1, 3, 8, 8, device=device))
+
+
+def _prune_later_density(device: str) -> object:
+    from tendril.sparse import prune
+
+    model = _small_cnn(device)
+    before = [p.detach().clone() for p in model.parameters()]
+    try:
+        return prune(model, [0.5, 2.0])
+    finally:
+        if not all(torch.equal(p, b) for p, b in zip(model.parameters(), before, strict=True)):
+            raise SilentWrong("prune changed layers before refusing a later layer's density")
+
+
+def _graphed(**options: Any) -> Callable[[str], object]:
+    def build(device: str) -> object:
+        import tendril
+
+        return tendril.graphed(lambda x: x * 2, **options)
+
+    return build
+
+
+def _loop_bound(device: str) -> object:
+    import tendril
+
+    start = torch.zeros((), dtype=torch.long, device=device)
+    return tendril.while_loop(lambda i: i < 1, lambda i: i + 1, (start,), max_iterations=True)
+
+
+def _bucket_sizes(device: str) -> object:
+    import tendril
+
+    return tendril.sequence_buckets((4.5, 8))
+
+
+REFUSED: dict[str, Callable[[str], object]] = {
+    # name: a call that must raise ValueError or TypeError, naming the argument
+    "convert-batch_norm_in_training_mode": _batch_norm_training,
+    "prune-density_of_a_later_layer": _prune_later_density,
+    "graphed-max_graphs_float": _graphed(max_graphs=2.5),
+    "graphed-warmup_float": _graphed(warmup=1.5),
+    "graphed-clone_outputs_str": _graphed(clone_outputs="yes"),
+    "while_loop-bound_bool": _loop_bound,
+    "buckets-size_float": _bucket_sizes,
+}
+
+
+def refused_check(name: str) -> Callable[[str], None]:
+    def check(device: str) -> None:
+        try:
+            built = REFUSED[name](device)
+        except (ValueError, TypeError):
+            return
+        raise SilentWrong(f"{name} did not raise ValueError or TypeError (returned {type(built).__name__})")
+
+    return check
+
+
+class _AddedToItself(torch.nn.Module):
+    """A layer's output added to itself and functional ReLUs with `inplace` (each once failed at the first call)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.second = torch.nn.Conv2d(3, 4, 3, padding=1), torch.nn.Conv2d(4, 4, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        z = self.second(self.first(torch.nn.functional.relu(x)))
+        return torch.nn.functional.relu(z + z, inplace=True)
+
+
+def convert_matches_check(device: str) -> None:
+    """A converted network of `_AddedToItself` equals the model (fp32: within rounding)."""
+    from tendril.sparse import convert
+
+    torch.manual_seed(4)
+    model = _AddedToItself().eval().to(device)
+    x = torch.randn(1, 3, 8, 8, device=device)
+    try:
+        got = convert(model, x)(x)
+    except Exception as error:
+        raise Broken(f"convert or its forward raised {type(error).__name__}: {error}") from error
+    with torch.no_grad():
+        expected = model(x)
+    if not torch.allclose(got, expected, rtol=1e-4, atol=1e-5):
+        raise SilentWrong(f"converted output differs from the model's by {(got - expected).abs().max().item():.3g}")
+
+
 # -- generate ----------------------------------------------------------------------------------------------
 
 
@@ -131,6 +235,12 @@ GENERATE: dict[str, tuple[dict[str, Any], Callable[[torch.Tensor], torch.Tensor]
     "mask_row_all_zero": ({"attention_mask": "empty_row"}, None),
     "mask_not_binary": ({"attention_mask": "twos"}, None),
     "ids_on_another_device": ({}, lambda ids: ids.to("meta" if ids.is_cpu else "cpu")),
+    "num_beams_float": ({"num_beams": 2.0}, None),
+    "num_beams_bool": ({"num_beams": True}, None),
+    "top_k_float": ({"do_sample": True, "top_k": 2.5}, None),
+    "seed_float": ({"do_sample": True, "seed": 1.5}, None),
+    "seed_out_of_range": ({"do_sample": True, "seed": 2**64}, None),
+    "length_penalty_str": ({"num_beams": 2, "length_penalty": "1"}, None),
 }
 
 
@@ -243,3 +353,6 @@ def library_cases() -> Iterator[BadCase]:
         yield BadCase(f"generate-eos_{eos}", invalid_eos_check(eos))
     for token in (96, -1):
         yield BadCase(f"generate-token_{token}", invalid_ids_check(token))
+    for name in REFUSED:
+        yield BadCase(name, refused_check(name))
+    yield BadCase("convert-layer_output_added_to_itself", convert_matches_check)
