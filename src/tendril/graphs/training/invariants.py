@@ -14,7 +14,8 @@ the step, and live outside the graphs' shared pool (whose blocks every graph reu
   key runs eagerly), so outside the pool; likewise a grad scaler's scale and growth tracker.
 
 `AddressBook` records these tensors after the first eager step and raises, naming the tensor and the fix, when one
-of them is replaced.
+of them is replaced. The model's own parameters and buffers are bound the same way, from the step's creation:
+`check_model_tensors` raises once one was replaced or moved (`tendril.graphs.module_state`).
 
 Capturable optimizers. An optimizer whose step reads a value on the host (Adam's step count held on the CPU when not
 `capturable`) cannot be captured, and `Optimizer.step` refuses to run under a capture unless its groups say
@@ -33,6 +34,8 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
+
+from tendril.graphs.module_state import ModuleState
 
 HOST_STATE_FREE = (torch.optim.SGD,)
 """Optimizers whose step keeps no value on the host (SGD's state is its momentum buffers), capturable as they are."""
@@ -170,3 +173,14 @@ def check_hyperparameters(captured: tuple[Any, ...], optimizer: torch.optim.Opti
                 "device=...)) and update them in place (schedulers do)"
             )
     raise RuntimeError("the optimizer's param groups changed after graphs were captured (groups added or removed)")
+
+
+def check_model_tensors(modules: ModuleState, step: str) -> None:
+    """Raise `RuntimeError` naming the first of the model's tensors replaced or moved since the step was made."""
+    change = modules.changed_tensors()
+    if change is not None:
+        raise RuntimeError(
+            f"{step}: {change} since the step was made; its gradients, optimizer state and graphs are bound to the "
+            "model's tensors as they were. Load new values in place (load_state_dict without assign=True, "
+            "param.data.copy_(...)), or make the optimizer and the graphed step again after replacing or moving them"
+        )

@@ -296,14 +296,7 @@ class GraphedStep:
     def _keyed(self, kind: str, key: GraphKey) -> GraphKey:
         """`key` for a `kind` call (a step or an update) in the modules' current modes, once the model's tensors are
         checked to be the ones the step was made over (module docstring)."""
-        change = self._modules.changed_tensors()
-        if change is not None:
-            raise RuntimeError(
-                f"tendril.graphed_step({self.name}): {change} since the step was made; its gradients, optimizer state "
-                "and graphs are bound to the model's tensors as they were. Load new values in place "
-                "(load_state_dict without assign=True, param.data.copy_(...)), or make the optimizer and the graphed "
-                "step again after replacing or moving the model's tensors"
-            )
+        invariants.check_model_tensors(self._modules, f"tendril.graphed_step({self.name})")
         return dataclasses.replace(key, structure=(kind, self._modules.modes(), key.structure))
 
     def _refusal(self, key: GraphKey) -> tuple[Fallback, str] | None:
