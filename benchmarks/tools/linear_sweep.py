@@ -60,8 +60,9 @@ def sweep_configs(out_f: int, in_f: int, k_contiguous: bool, rows: int = 1, size
                   normed: bool = False, segments: int = 1, sm_count: int | None = None,
                   grid: bool = False) -> list[tuple[int, int, int, int, bool]]:
     """(BLOCK_N, BLOCK_K, SPLIT_K, num_warps, dot) tried by `--sweep` for one shape and row count, the default first,
-    for several rows the other path's default (CUDA cores or tensor cores, `launch.launch_config`) second, at one
-    row on nn.Linear weights every deep one-row launch (`deep_one_row_configs`) next, then `size` others drawn
+    for several rows the other path's default (CUDA cores or tensor cores, `launch.launch_config`) second, on
+    nn.Linear weights and up to `launch.MAX_ROWS_PER_PROGRAM` rows every deep CUDA-core launch (`deep_configs`)
+    next, then `size` others drawn
     (with a fixed seed) from the plausible ones (all of them when `size` is larger): tiles of 2-16K elements, at
     least 64 programs, at most 8 tiles a program, K split into whole non-empty shares, on either path for several
     rows. `grid` (several rows): every tensor-core launch of `tensor_core_grid` instead of the drawn ones.
@@ -79,8 +80,8 @@ def sweep_configs(out_f: int, in_f: int, k_contiguous: bool, rows: int = 1, size
         defaults.append(launch.launch_config(columns, in_f, rows, k_contiguous=k_contiguous, sm_count=sm_count,
                                              normed=normed, dot=not defaults[0].dot, matrices=segments))
     chosen = [(d.block_n, d.block_k, d.split_k, d.num_warps, d.dot) for d in defaults]
-    if rows == 1 and k_contiguous:
-        chosen += [c for c in deep_one_row_configs(in_f, segments) if c not in chosen]
+    if k_contiguous and rows <= launch.MAX_ROWS_PER_PROGRAM:
+        chosen += [c for c in deep_configs(in_f, segments, rows) if c not in chosen]
     if grid and rows > 1:
         return [*chosen, *[c for c in tensor_core_grid(in_f, segments) if c not in chosen]]
     pool = []
@@ -106,20 +107,24 @@ def tensor_core_grid(in_f: int, segments: int = 1) -> list[tuple[int, int, int, 
             if 1024 <= block_n * block_k * segments <= 8192 and split_k <= -(-in_f // block_k)]
 
 
-def deep_one_row_configs(in_f: int, segments: int = 1) -> list[tuple[int, int, int, int, bool]]:
-    """The deep one-row launches around the default rule's (`launch._one_row_deep`): shares of one tile over all of
-    K or two of half of it, 1-16 columns wide, unsplit, holding at least 4K weight elements (tiles in flight, every
-    matrix counted) and at most `launch.ONE_ROW_TILE` at 4 warps (more spill), twice that at 8."""
+def deep_configs(in_f: int, segments: int = 1, rows: int = 1) -> list[tuple[int, int, int, int, bool]]:
+    """The deep CUDA-core launches around the one-row rule's (`launch._one_row_deep`): shares of one tile over all of
+    K or two of half of it, 1-16 columns wide, unsplit, whose products (tiles in flight, every matrix counted, times
+    the program's rows: the broadcast product holds one per row) come to at least 4K elements and at most
+    `launch.ONE_ROW_TILE` at 4 warps (more spill), twice that at 8. For several rows (beams) they are what the
+    tensor-core launches the rule takes there are measured against."""
     import triton
 
     from tendril.generation.kernels import launch
 
+    block_m = min(triton.next_power_of_2(rows), launch.MAX_ROWS_PER_PROGRAM)
     configs = []
     top = triton.next_power_of_2(in_f)
     for block_k in (top, top // 2):
         for block_n in (1, 2, 4, 8, 16):
             for warps in (4, 8):
-                if 4096 <= launch.one_row_held(block_n, block_k, in_f, segments) <= launch.ONE_ROW_TILE * warps // 4:
+                held = block_m * launch.one_row_held(block_n, block_k, in_f, segments)
+                if 4096 <= held <= launch.ONE_ROW_TILE * warps // 4:
                     configs.append((block_n, block_k, 1, warps, False))
     return configs
 

@@ -26,7 +26,7 @@ def test_one_row_sweeps_try_the_default_first_and_every_deep_launch_on_contiguou
         assert configs == configs[:1]
         return
     deep = configs[1:]
-    assert deep == [c for c in tool.deep_one_row_configs(in_f, segments) if c != configs[0]]
+    assert deep == [c for c in tool.deep_configs(in_f, segments) if c != configs[0]]
     assert {c[3] for c in deep} == {4, 8} and {c[1] for c in deep} == {triton.next_power_of_2(in_f) // d
                                                                         for d in (1, 2)}
     for config in deep:
@@ -34,6 +34,21 @@ def test_one_row_sweeps_try_the_default_first_and_every_deep_launch_on_contiguou
         assert config[2] == 1 and 4096 <= held <= launch.ONE_ROW_TILE * config[3] // 4
     assert len(tool.sweep_configs(out_f, in_f, True, rows=1, size=4, segments=segments, sm_count=132)) == (
         len(configs) + 4)  # the drawn ones come after, none repeated
+
+
+@pytest.mark.parametrize("rows", [2, 4])
+def test_beam_sweeps_on_contiguous_weights_try_deep_cuda_core_launches_within_the_register_budget(rows):
+    """Beams (a few rows) on nn.Linear weights: after both paths' defaults, the deep CUDA-core launches whose broadcast
+    products (one per row of the program) fit the one-row budget; none on Conv1D weights."""
+    configs = tool.sweep_configs(2304, 768, True, rows=rows, size=0, normed=True, sm_count=132)
+    assert configs[0][4] and not configs[1][4]  # tensor cores by default, then the CUDA-core path's default
+    deep = configs[2:]
+    assert deep and deep == [c for c in tool.deep_configs(768, 1, rows) if c not in configs[:2]]
+    for block_n, block_k, split_k, warps, dot in deep:
+        held = rows * launch.one_row_held(block_n, block_k, 768)
+        assert not dot and split_k == 1 and 4096 <= held <= launch.ONE_ROW_TILE * warps // 4
+    assert set(tool.deep_configs(768, 1, 1)) - set(tool.deep_configs(768, 1, 4))  # one row's widest are too wide
+    assert len(tool.sweep_configs(2304, 768, False, rows=rows, size=0, normed=True, sm_count=132)) == 2  # Conv1D
 
 
 def test_a_projection_swept_in_another_layout_says_so():
