@@ -40,6 +40,18 @@ def test_unknown_command_exits_with_usage():
         main(["nope"])
 
 
+@pytest.mark.parametrize(
+    ("device", "said"),
+    [("nope", "is not a torch device"), ("meta", "runs on 'cpu' or 'cuda"), ("cuda:99", "CUDA device")],
+)
+def test_a_device_the_demo_cannot_run_on_is_refused_before_any_section(capsys, device, said):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["demo", "--device", device])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert f"argument --device: '{device}'" in err and said in err
+
+
 def test_a_failing_demo_section_is_reported_and_the_others_still_run(monkeypatch, capsys):
     import tendril.demo
 

@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import TYPE_CHECKING
 
 from rich.console import Console
 from rich.table import Table
+
+if TYPE_CHECKING:
+    import torch
 
 
 def _info(console: Console) -> int:
@@ -19,12 +23,29 @@ def _info(console: Console) -> int:
     return 0
 
 
-def _demo(console: Console, quick: bool, device_name: str | None) -> int:
+def _device(name: str) -> torch.device:
+    """`--device`: "cpu", or a CUDA device this machine has ("cuda", "cuda:1")."""
+    import torch
+
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise argparse.ArgumentTypeError(f"{name!r} is not a torch device; use 'cpu' or 'cuda[:index]'") from None
+    if device.type not in ("cpu", "cuda"):
+        raise argparse.ArgumentTypeError(f"{name!r}: the demo runs on 'cpu' or 'cuda[:index]'")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise argparse.ArgumentTypeError(f"{name!r}: no CUDA device here (torch.cuda.is_available() is False)")
+    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+        raise argparse.ArgumentTypeError(f"{name!r}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    return device
+
+
+def _demo(console: Console, quick: bool, device: torch.device | None) -> int:
     import torch
 
     from tendril.demo import sections
 
-    device = torch.device(device_name or ("cuda" if torch.cuda.is_available() else "cpu"))
+    device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type != "cuda":
         console.print(
             "[bold yellow]No NVIDIA GPU here:[/] running tendril's CPU paths only. "
@@ -64,7 +85,8 @@ def main(argv: list[str] | None = None) -> int:
     commands = parser.add_subparsers(dest="command", required=True)
     demo = commands.add_parser("demo", help="side-by-side demo of tendril against what users do today")
     demo.add_argument("--quick", action="store_true", help="fewer repetitions (noisier numbers)")
-    demo.add_argument("--device", help="run on this torch device (default: cuda if available, else cpu)")
+    demo.add_argument("--device", type=_device, help="run on 'cpu' or 'cuda[:index]' (default: cuda if available, "
+                      "else cpu)")
     commands.add_parser("info", help="versions, GPU, driver and CUDA feature support")
     args = parser.parse_args(argv)
     console = Console()
