@@ -3,6 +3,8 @@ HF's tokens. Dynamo's "eager" backend checks the tracing quickly; code generatio
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
@@ -21,3 +23,23 @@ def test_compiled_step_traces_in_one_graph_and_matches_hf(family, monkeypatch):
         got = generate(model, ids, mask, max_new_tokens=6, eos_token_id=[], pad_token_id=0, step="compiled",
                        **options)
         assert torch.equal(got, expected)
+
+
+def test_shapes_past_dynamos_recompile_limit_run_uncompiled_with_a_warning_and_hfs_tokens(monkeypatch):
+    """Each prompt length compiles the step anew; past dynamo's limit (2 here) a length runs the forward uncompiled,
+    warned once per shape, where the compiled call would raise."""
+    monkeypatch.setattr(loop, "COMPILE_BACKEND", "eager")
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 2)
+    torch._dynamo.reset()
+    model = tiny_model("llama")
+    warned = []
+    for length in (3, 4, 5, 6, 6):
+        ids, mask = left_padded([length])
+        expected = hf_generate(model, ids, mask, None, max_new_tokens=4)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            got = generate(model, ids, mask, max_new_tokens=4, eos_token_id=[], pad_token_id=0, step="compiled")
+        assert torch.equal(got, expected), length
+        warned.append(sum(issubclass(w.category, loop.CompileLimitWarning) for w in caught))
+    assert warned == [0, 0, 1, 1, 0]
+    torch._dynamo.reset()

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 from tendril.generation.api import generate
 from tendril.generation.architectures import UnsupportedModelError, supported_model_types
-from tendril.generation.loop import STEPS, Step
+from tendril.generation.loop import STEPS, CompileLimitWarning, Step
 from tendril.generation.stepping import DecodeStep, decode_step
 from tendril.generation.streaming import StreamerWarning
 
-__all__ = ["STEPS", "DecodeStep", "Step", "StreamerWarning", "UnsupportedModelError", "decode_step", "generate",
-           "supported_model_types"]
+__all__ = ["STEPS", "CompileLimitWarning", "DecodeStep", "Step", "StreamerWarning", "UnsupportedModelError",
+           "decode_step", "generate", "supported_model_types"]

@@ -164,7 +164,8 @@ def generate(
     default generator otherwise).
     `step` chooses how the one-token decode forward runs inside the loop graph: "eager" (the architecture's
     forward, captured as is), "compiled" (that forward through `torch.compile`/Inductor; the first call per
-    shape pays the compilation) or "fused" (tendril's Triton decode kernels, five per layer, no compilation
+    shape pays the compilation, and a shape past torch._dynamo's recompile limit runs uncompiled, with a
+    `CompileLimitWarning`) or "fused" (tendril's Triton decode kernels, five per layer, no compilation
     step, overlapped by programmatic dependent launch on Hopper; GPT-2, GPT-J and the Llama family; see
     `tendril.generation.kernels`). What "fused" guarantees: in fp32 the same tokens as HF (tested for greedy
     and beams on every family); in fp16/bf16 the same computation, rounded to the dtype wherever HF's eager

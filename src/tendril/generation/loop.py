@@ -6,7 +6,7 @@ plan's `step`, one of `STEPS`:
 
 - "eager": the architecture's own forward, captured as is (PyTorch's kernels);
 - "compiled": that forward through `torch.compile` (Inductor), one graph with no breaks; the first call per
-  shape pays the compilation;
+  shape pays the compilation (`CompiledStep`);
 - "fused": tendril's Triton decode kernels (`tendril.generation.kernels`), no compilation of the forward; they
   also run prompts of up to `FUSED_PROMPT_TOKENS` tokens (all rows counted), longer ones the model's own forward.
 
@@ -17,15 +17,18 @@ dozen small operations would otherwise be as many launches again. One compile pe
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal, get_args
 
 import torch
 from torch import nn
+from torch._dynamo.exc import FailOnRecompileLimitHit
 
 from tendril.generation.architectures import DecoderArchitecture
 from tendril.generation.beam import BeamSearch
+from tendril.generation.cache import StaticKVCache
 from tendril.generation.greedy import TokenSearch
 from tendril.generation.processors import LogitsProcessing
 from tendril.generation.state import Decoder, StepForward
@@ -149,15 +152,56 @@ COMPILE_BACKEND = "inductor"
 """`torch.compile` backend of `step="compiled"` (tests use "eager" to check tracing without code generation)."""
 
 
-def compiled_step(arch: DecoderArchitecture) -> StepForward:
-    """`arch.forward` compiled for one-token steps: static shapes, one graph (no breaks, so no host code)."""
-    return torch.compile(arch.forward, backend=COMPILE_BACKEND, fullgraph=True, dynamic=False)
+class CompileLimitWarning(UserWarning):
+    """`step="compiled"` ran a shape's one-token forward uncompiled: compiling it would have passed dynamo's limit."""
+
+
+class CompiledStep:
+    """`arch.forward` compiled for one-token steps: static shapes, one graph (no breaks, so no host code).
+
+    Every new shape (rows, cache length) compiles anew, and dynamo compiles one function at most `recompile_limit`
+    times a process (its configuration, 8 by default, counted over every model of the architecture); past that a
+    compiled call raises. A shape whose compile would pass the limit runs `arch.forward` uncompiled instead, from then
+    on (`eager_shapes`), with a `CompileLimitWarning`: the call goes on, slower, and says why. Its first call is the
+    decode loop's warm-up, outside any graph capture (`_warm_step`), where dynamo refuses before running anything."""
+
+    def __init__(self, arch: DecoderArchitecture) -> None:
+        self.forward = arch.forward
+        self.compiled = torch.compile(arch.forward, backend=COMPILE_BACKEND, fullgraph=True, dynamic=False)
+        self.eager_shapes: set[tuple[object, ...]] = set()
+        """The shapes (`_shape`) that run uncompiled."""
+
+    def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, query_slots: torch.Tensor,
+                 cache: StaticKVCache) -> torch.Tensor:
+        shape = _shape(tokens, positions, query_slots, cache)
+        if shape in self.eager_shapes:
+            return self.forward(tokens, positions, query_slots, cache)
+        try:
+            return self.compiled(tokens, positions, query_slots, cache)
+        except FailOnRecompileLimitHit:
+            if capturing():  # the warm-up compiles every shape first: a capture never meets a new one
+                raise
+        self.eager_shapes.add(shape)
+        warnings.warn(
+            f"step='compiled': the one-token forward for {tokens.shape[0]} rows and a cache of {cache.max_len} slots "
+            "runs uncompiled: compiling one more shape would pass torch._dynamo's recompile_limit (each new prompt "
+            "length or batch compiles anew). Pad prompts to a few lengths (left padding with an attention_mask), raise "
+            "torch._dynamo.config.recompile_limit, or use step='fused'", CompileLimitWarning, stacklevel=2,
+        )
+        return self.forward(tokens, positions, query_slots, cache)
+
+
+def _shape(tokens: torch.Tensor, positions: torch.Tensor, query_slots: torch.Tensor,
+           cache: StaticKVCache) -> tuple[object, ...]:
+    """What a compiled step's graph is specialised on among its arguments: their shapes and the cache's layout."""
+    return (tuple(tokens.shape), tuple(positions.shape), tuple(query_slots.shape), tuple(cache.storage.shape),
+            cache.storage.dtype, cache.source_rows is not None)
 
 
 def step_forward(arch: DecoderArchitecture, step: Step) -> StepForward | None:
     """What runs the one-token forward for `step` (None: `arch.forward` itself)."""
     if step == "compiled":
-        return compiled_step(arch)
+        return CompiledStep(arch)
     if step == "fused":
         return arch.fused_step()
     return None
