@@ -5,10 +5,13 @@ two prompt lengths (one compile per set of rules); its top-k orders as the beam 
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
 from tendril.generation.beam import _NEG, BeamRules, _largest, _ranked, bookkeep_and_reorder, compiled_bookkeep
+from tendril.generation.compile_limit import CompileLimitWarning
 from tendril.generation.kernels import reference
 
 B, K, VOCAB, NEW = 2, 3, 7, 6
@@ -66,6 +69,27 @@ def test_compiled_bookkeeping_equals_the_plain_function_bit_for_bit(rules, monke
     assert counters["stats"]["unique_graphs"] - graphs_before == 1, "not compiled once for both prompt lengths"
     finished_any = any(bool(out[5].any()) for out in expected)
     assert finished_any, "no hypothesis finished: the scoreboard was not exercised"
+    torch._dynamo.reset()
+
+
+def test_rules_past_dynamos_recompile_limit_keep_their_bookkeeping_uncompiled_with_a_warning(monkeypatch, tmp_path):
+    """A new set of rules compiles the bookkeeping again; past dynamo's limit (1 here) it runs the plain function, for
+    that set from then on, warned once, where the compiled call would raise."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    torch._dynamo.reset()
+    compiled_bookkeep.cache_clear()
+    compiled = compiled_bookkeep()
+    first, second = BeamRules(VOCAB, 1.0, True), BeamRules(VOCAB, 0.5, False)
+    warned = []
+    for rules in (first, second, second):
+        with warnings.catch_warnings(record=True) as caught, torch._dynamo.config.patch(recompile_limit=1):
+            warnings.simplefilter("always")
+            got = run(compiled, rules, 4, 0)
+        warned.append(sum(issubclass(w.category, CompileLimitWarning) for w in caught))
+        for want, have in zip(run(bookkeep_and_reorder, rules, 4, 0), got, strict=True):
+            assert all(torch.equal(a, b) for a, b in zip(want, have, strict=True))
+    assert warned == [0, 1, 0] and compiled.plain_keys == {(second, "row table")}
+    compiled_bookkeep.cache_clear()
     torch._dynamo.reset()
 
 

@@ -32,6 +32,7 @@ import torch.nn.functional as F
 
 from tendril.generation import kernels
 from tendril.generation.cache import reorder_rows
+from tendril.generation.compile_limit import WithinLimit
 from tendril.generation.noise import gumbel
 from tendril.generation.state import Decoder, is_eos
 
@@ -277,10 +278,17 @@ class BeamSearch:
 @functools.cache
 def compiled_bookkeep() -> Callable[..., tuple[Carried, torch.Tensor]]:
     """`bookkeep_and_reorder` through Inductor, made once per process: one compile serves every search of a model and
-    config (sizes dynamic; the rules are constants, a new set of them compiles again). Its float32 divisions round as
-    eager's do (Triton's `/` is approximate unless Inductor is told otherwise), so the scores, and the hypotheses
-    chosen by comparing them, are eager's bit for bit."""
-    return torch.compile(bookkeep_and_reorder, fullgraph=True, dynamic=True, options=_eager_numerics())
+    config (sizes dynamic; the rules are constants, a new set of them compiles again, and past dynamo's recompile
+    limit runs uncompiled, `compile_limit`). Its float32 divisions round as eager's do (Triton's `/` is approximate
+    unless Inductor is told otherwise), so the scores, and the hypotheses chosen by comparing them, are eager's bit
+    for bit."""
+    compiled = torch.compile(bookkeep_and_reorder, fullgraph=True, dynamic=True, options=_eager_numerics())
+    return WithinLimit(compiled, bookkeep_and_reorder, "beam search's bookkeeping", _rules_of)
+
+
+def _rules_of(rules: BeamRules, table: torch.Tensor | None, *_: torch.Tensor) -> tuple[object, ...]:
+    """What compiled bookkeeping is specialised on: its rules and whether the cache has a row table."""
+    return (rules, "row table" if table is not None else "no row table")
 
 
 def _eager_numerics() -> dict[str, str | int | bool | Callable[..., Any]]:

@@ -17,18 +17,17 @@ dozen small operations would otherwise be as many launches again. One compile pe
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal, get_args
 
 import torch
 from torch import nn
-from torch._dynamo.exc import FailOnRecompileLimitHit
 
 from tendril.generation.architectures import DecoderArchitecture
 from tendril.generation.beam import BeamSearch
 from tendril.generation.cache import StaticKVCache
+from tendril.generation.compile_limit import WithinLimit
 from tendril.generation.greedy import TokenSearch
 from tendril.generation.processors import LogitsProcessing
 from tendril.generation.state import Decoder, StepForward
@@ -152,50 +151,25 @@ COMPILE_BACKEND = "inductor"
 """`torch.compile` backend of `step="compiled"` (tests use "eager" to check tracing without code generation)."""
 
 
-class CompileLimitWarning(UserWarning):
-    """`step="compiled"` ran a shape's one-token forward uncompiled: compiling it would have passed dynamo's limit."""
-
-
 class CompiledStep:
-    """`arch.forward` compiled for one-token steps: static shapes, one graph (no breaks, so no host code).
-
-    Every new shape (rows, cache length) compiles anew, and dynamo compiles one function at most `recompile_limit`
-    times a process (its configuration, 8 by default, counted over every model of the architecture); past that a
-    compiled call raises. A shape whose compile would pass the limit runs `arch.forward` uncompiled instead, from then
-    on (`eager_shapes`), with a `CompileLimitWarning`: the call goes on, slower, and says why. Its first call is the
-    decode loop's warm-up, outside any graph capture (`_warm_step`), where dynamo refuses before running anything."""
+    """`arch.forward` compiled for one-token steps: static shapes, one graph (no breaks, so no host code), every new
+    shape (rows, cache layout) compiled anew; past dynamo's recompile limit a shape runs `arch.forward` uncompiled
+    (`compile_limit`)."""
 
     def __init__(self, arch: DecoderArchitecture) -> None:
-        self.forward = arch.forward
-        self.compiled = torch.compile(arch.forward, backend=COMPILE_BACKEND, fullgraph=True, dynamic=False)
-        self.eager_shapes: set[tuple[object, ...]] = set()
-        """The shapes (`_shape`) that run uncompiled."""
+        compiled = torch.compile(arch.forward, backend=COMPILE_BACKEND, fullgraph=True, dynamic=False)
+        self.calls = WithinLimit(compiled, arch.forward, "step='compiled': the one-token forward", _shape)
 
     def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, query_slots: torch.Tensor,
                  cache: StaticKVCache) -> torch.Tensor:
-        shape = _shape(tokens, positions, query_slots, cache)
-        if shape in self.eager_shapes:
-            return self.forward(tokens, positions, query_slots, cache)
-        try:
-            return self.compiled(tokens, positions, query_slots, cache)
-        except FailOnRecompileLimitHit:
-            if capturing():  # the warm-up compiles every shape first: a capture never meets a new one
-                raise
-        self.eager_shapes.add(shape)
-        warnings.warn(
-            f"step='compiled': the one-token forward for {tokens.shape[0]} rows and a cache of {cache.max_len} slots "
-            "runs uncompiled: compiling one more shape would pass torch._dynamo's recompile_limit (each new prompt "
-            "length or batch compiles anew). Pad prompts to a few lengths (left padding with an attention_mask), raise "
-            "torch._dynamo.config.recompile_limit, or use step='fused'", CompileLimitWarning, stacklevel=2,
-        )
-        return self.forward(tokens, positions, query_slots, cache)
+        return self.calls(tokens, positions, query_slots, cache)
 
 
 def _shape(tokens: torch.Tensor, positions: torch.Tensor, query_slots: torch.Tensor,
            cache: StaticKVCache) -> tuple[object, ...]:
-    """What a compiled step's graph is specialised on among its arguments: their shapes and the cache's layout."""
-    return (tuple(tokens.shape), tuple(positions.shape), tuple(query_slots.shape), tuple(cache.storage.shape),
-            cache.storage.dtype, cache.source_rows is not None)
+    """What a compiled step's graph is specialised on: the rows, the cache's slots and dtype, and its row table."""
+    return (f"{tokens.shape[0]} rows", f"{cache.max_len} cache slots", cache.storage.dtype,
+            "row table" if cache.source_rows is not None else "no row table")
 
 
 def step_forward(arch: DecoderArchitecture, step: Step) -> StepForward | None:
