@@ -16,8 +16,9 @@ For each step variant (`generate`'s `step`, the compiled one optionally with Ind
   ms per call less the first token and the iterations after it).
 `--sweep` also times the fused linear kernel over launch configurations (block sizes, split-K, warps, with
 `--beams` > 1 its tensor-core and CUDA-core paths, on nn.Linear weights at up to four rows the deep CUDA-core
-tiles; see `linear_sweep.py`) for the model's five projection shapes (`SWEEP_SHAPES`) at `--beams` rows against cuBLAS (each
-in a CUDA graph of repeated launches, weights rotated through more memory than L2 holds), about two minutes.
+tiles; see `linear_sweep.py`) for the model's five projection shapes (`SWEEP_SHAPES`) at `--beams` rows against
+cuBLAS (each in a CUDA graph of repeated launches, weights rotated through more memory than L2 holds), about two
+minutes.
 `--sweep-layout linear` times them all with nn.Linear's weight layout (K contiguous), as a one-time copy of GPT-2's
 Conv1D weights would hold them; `--sweep-grid` (several rows) times every tensor-core launch of a grid
 (`tensor_core_grid`) instead of a random draw, about six minutes for Llama-1B.

@@ -246,18 +246,14 @@ def test_calls_on_one_model_take_turns(monkeypatch):
     from tendril.generation import api
 
     model, held = tiny_model("gpt2"), []
-    build = api.runner
+    loops = api._state(model).loops
+    run = loops.run
 
-    def spying_runner(*args):
-        run = build(*args)
+    def spying_run(*inputs):
+        held.append(api._state(model).turn.locked())
+        return run(*inputs)
 
-        def call(*inputs):
-            held.append(api._state(model).turn.locked())
-            return run(*inputs)
-
-        return call
-
-    monkeypatch.setattr(api, "runner", spying_runner)
+    monkeypatch.setattr(loops, "run", spying_run)
     ids, mask = left_padded([3])
     generate(model, ids, mask, max_new_tokens=2, eos_token_id=[], pad_token_id=0)
     assert held == [True] and not api._state(model).turn.locked()
@@ -315,3 +311,25 @@ def test_a_generation_config_setting_tendril_lacks_raises_or_runs_hf():
         generate(model, ids, mask, max_new_tokens=NEW, eos_token_id=[], pad_token_id=0)
     got = generate(model, ids, mask, max_new_tokens=NEW, eos_token_id=[], pad_token_id=0, unsupported="hf")
     assert torch.equal(got, hf_generate(model, ids, mask, None, max_new_tokens=NEW))
+
+
+def test_every_plans_loop_runs_through_one_graphed_function_keyed_by_plan_and_shape():
+    """One graphed function per model (here on the null backend, which captures as CUDA would key): the plan is part of
+    the key, so two plans of one shape are two graphs of one function, sharing its pool and graph budget, and each
+    replays its own loop."""
+    from tendril.generation import api
+    from tendril.graphs.backend import NullBackend
+
+    model = tiny_model("gpt2")
+    state = api._state(model)
+    state.loops = api.DecodeLoops(state.arch, graphs=True, backend=NullBackend())
+    ids, mask = left_padded([4, 3])
+    plans = [dict(), dict(num_beams=2), dict(repetition_penalty=1.3)]
+    for _ in range(2):
+        for options in plans:
+            expected = hf_generate(model, ids, mask, None, max_new_tokens=4, **options)
+            assert torch.equal(generate(model, ids, mask, max_new_tokens=4, eos_token_id=[], pad_token_id=0,
+                                        **options), expected), options
+    (runner,) = api.graphed_runners(model)
+    assert len(state.loops.by_plan) == 3 and len(runner.stats.graphs) == 3 and runner.stats.eager_calls == 0
+    assert {key.constants[0][2] for key in runner.stats.graphs} == set(state.loops.by_plan)  # keyed by the plan

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from tendril.generation import generate
-from tendril.generation.api import graphed_runners
+from tendril.generation.api import _state, graphed_runners
 from tendril.generation.noise import draw_key
 from tendril.graphs.control import control_flow_stats
 from tests.generation.models import hf_generate, left_padded, tiny_model
@@ -69,14 +69,15 @@ def test_replay_does_not_sync_with_the_host(options):
     ids, mask = left_padded([5, 5], device="cuda")
     generate(model, ids, mask, max_new_tokens=NEW, eos_token_id=3, pad_token_id=0, seed=0, **options)  # capture
     (runner,) = graphed_runners(model)
+    (plan,) = _state(model).loops.by_plan
     copies = options.get("num_beams", 1)
     prompt, prompt_mask = ids.repeat_interleave(copies, 0), mask.repeat_interleave(copies, 0)
     key = draw_key(ids.device, 1)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        state = runner(prompt, prompt_mask, key)
-        state = runner(prompt, prompt_mask, key)
+        state = runner(plan, prompt, prompt_mask, key)
+        state = runner(plan, prompt, prompt_mask, key)
     finally:
         torch.cuda.set_sync_debug_mode(0)
     assert runner.stats.replays == 3 and runner.stats.eager_calls == 0

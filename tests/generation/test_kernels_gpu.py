@@ -10,7 +10,7 @@ import torch
 from benchmarks.cases.decode_models import TIE_ULPS, tie_gap_ulps
 from benchmarks.tools.linear_sweep import SWEEP_SHAPES
 from tendril.generation import generate
-from tendril.generation.api import graphed_runners, release_graphs
+from tendril.generation.api import _state, graphed_runners, release_graphs
 from tendril.generation.kernels import launch, linear, reference
 from tendril.generation.kernels.layers import Norm, Projection
 from tendril.generation.loop import FUSED_PROMPT_TOKENS
@@ -255,12 +255,13 @@ def test_fused_replay_does_not_sync_with_the_host():
     ids, mask = left_padded([5, 5], device="cuda")
     generate(model, ids, mask, max_new_tokens=NEW, eos_token_id=3, pad_token_id=0, step="fused")
     (runner,) = graphed_runners(model)
+    (plan,) = _state(model).loops.by_plan
     key = draw_key(ids.device, 1)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        runner(ids, mask, key)
-        runner(ids, mask, key)
+        runner(plan, ids, mask, key)
+        runner(plan, ids, mask, key)
     finally:
         torch.cuda.set_sync_debug_mode(0)
     assert runner.stats.replays == 3 and runner.stats.eager_calls == 0

@@ -159,7 +159,7 @@ def test_streamed_tokens_are_the_returned_tokens(family, sample, step):
     assert torch.equal(out, generate(model, ids, **options))
     assert torch.equal(streamer.values[0], ids) and streamer.ends == 1
     assert streamer.tokens == out[0, ids.shape[1] :].tolist()
-    (loop,) = [run for run in _state(model).runners.values() if run.ring is not None]  # type: ignore[attr-defined]
+    (loop,) = [run for run in _state(model).loops.by_plan.values() if run.ring is not None]
     assert [loop.ring.read(count)[1] for count in range(1, NEW + 1)] == streamer.tokens  # written by the loop
 
 
@@ -199,9 +199,9 @@ def test_a_ring_smaller_than_the_output_still_delivers_every_token(monkeypatch):
     first = Collector()
     out = generate(model, ids, streamer=first, **options)
     assert first.tokens == out[0, ids.shape[1] :].tolist()
-    (plan, loop), = _state(model).runners.items()
+    (plan, loop), = _state(model).loops.by_plan.items()
     assert plan.stream_slots == 2
-    lapped = LappedStreamer(loop.ring)  # type: ignore[attr-defined]
+    lapped = LappedStreamer(loop.ring)
     assert torch.equal(generate(model, ids, streamer=lapped, **options), out)
     assert lapped.saw_lap and lapped.tokens == first.tokens and len(lapped.tokens) == 20
 
@@ -225,8 +225,8 @@ def test_beam_search_streams_the_chosen_sequence_at_the_end(gpt2, sample):
     assert torch.equal(streamer.values[0], ids) and streamer.ends == 1
     assert streamer.tokens == out[0, ids.shape[1] :].tolist() and len(streamer.tokens) == NEW
     assert all(value.shape == (1,) for value in streamer.values[1:])
-    beams = [(plan, run) for plan, run in _state(gpt2).runners.items() if plan.num_beams == 3]
-    assert beams and all(plan.stream_slots == 0 and run.ring is None for plan, run in beams)  # type: ignore[attr-defined]
+    beams = [(plan, run) for plan, run in _state(gpt2).loops.by_plan.items() if plan.num_beams == 3]
+    assert beams and all(plan.stream_slots == 0 and run.ring is None for plan, run in beams)
 
 
 def test_beam_search_streams_up_to_eos_like_its_result(gpt2):
@@ -254,8 +254,8 @@ def test_several_sequences_refuse_a_streamer_like_hf(gpt2):
 def test_without_a_streamer_the_loop_has_no_ring():
     model = tiny_model("gpt2")
     generate(model, left_padded([4])[0], max_new_tokens=3, eos_token_id=[])
-    (plan, run), = _state(model).runners.items()
-    assert plan.stream_slots == 0 and run.ring is None  # type: ignore[attr-defined]
+    (plan, run), = _state(model).loops.by_plan.items()
+    assert plan.stream_slots == 0 and run.ring is None
 
 
 def _word_tokenizer() -> transformers.PreTrainedTokenizerFast:

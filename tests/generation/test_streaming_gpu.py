@@ -10,7 +10,7 @@ import torch
 
 from tendril.cuda.mapped import MappedHostMemory
 from tendril.generation import generate, streaming
-from tendril.generation.api import graphed_runners
+from tendril.generation.api import _state, graphed_runners
 from tendril.generation.kernels import publish
 from tendril.generation.noise import draw_key
 from tendril.generation.streaming import Slot, TokenRing
@@ -66,7 +66,7 @@ def test_each_streamed_token_carries_its_device_time():
 
 
 def _streaming_loop(model):
-    (loop,) = [run.fn for run in graphed_runners(model) if run.fn.ring is not None]
+    (loop,) = [loop for loop in _state(model).loops.by_plan.values() if loop.ring is not None]
     return loop
 
 
@@ -134,12 +134,13 @@ def test_streaming_replays_without_syncing_inside_the_launch():
     model = tiny_model("gpt2", device="cuda")
     ids, _ = left_padded([5], device="cuda")
     generate(model, ids, max_new_tokens=NEW, eos_token_id=[], streamer=Collector())  # capture
-    (runner,) = [run for run in graphed_runners(model) if run.fn.ring is not None]
+    (runner,) = graphed_runners(model)
+    (plan,) = [plan for plan, loop in _state(model).loops.by_plan.items() if loop.ring is not None]
     key = draw_key(ids.device, 1)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        state = runner(ids, torch.ones_like(ids), key)
+        state = runner(plan, ids, torch.ones_like(ids), key)
     finally:
         torch.cuda.set_sync_debug_mode(0)
     torch.cuda.synchronize()

@@ -4,8 +4,9 @@ Layout: `cache.py` (tendril's static KV cache), `architectures/` (graph-safe for
 GPT-2, GPT-J, Llama/Mistral/Qwen2), `kernels/` (tendril's fused Triton decode kernels), `processors.py` (HF's
 logits processors on the device), `noise.py` (counter-based sampling noise), `greedy.py` and `beam.py` (the loop
 bodies), `loop.py` (a call's plan and its loop, run by `tendril.graphs.control.while_loop`; how the one-token
-forward runs), `compile_limit.py` (compiled functions past torch._dynamo's recompile limit), `api.py` (`generate`, graphed per input shape on CUDA), `streaming.py` (tokens streamed to an HF streamer
-while the loop runs), `stepping.py` (`decode_step`: the loop's body alone, for profiling).
+forward runs), `compile_limit.py` (compiled functions past torch._dynamo's recompile limit), `api.py` (`generate`,
+every plan's loop in one function graphed per plan and input shape on CUDA), `streaming.py` (tokens streamed to an
+HF streamer while the loop runs), `stepping.py` (`decode_step`: the loop's body alone, for profiling).
 """
 
 from __future__ import annotations

@@ -29,7 +29,8 @@ from tendril.generation.greedy import greedy_result
 from tendril.generation.loop import DecodeLoop, Plan, Step, check_step
 from tendril.generation.noise import draw_key
 from tendril.generation.processors import LogitsProcessing
-from tendril.generation.streaming import Streamer, TokenDelivery, check_streamable
+from tendril.generation.streaming import Streamer, TokenDelivery, TokenRing, check_streamable
+from tendril.graphs.backend import Backend
 from tendril.graphs.callable import GraphedCallable, graphed
 from tendril.graphs.module_state import ModuleChangedWarning, ModuleState
 from tendril.utils.checks import is_integer
@@ -247,12 +248,14 @@ def generate(
     copies = beams if beams > 1 else returned
     prompt, mask = input_ids.repeat_interleave(copies, dim=0), mask.repeat_interleave(copies, dim=0)
     arch.check_length(prompt_len + max_new_tokens)
-    with torch.inference_mode(), _state(model).turn:
-        run = runner(model, arch, plan)
+    state = _state(model)
+    with torch.inference_mode(), state.turn:
+        loop = state.loops.loop(model, plan)
+        run = functools.partial(state.loops.run, plan)
         result = functools.partial(_result, num_beams=beams, batch=batch, prompt_len=prompt_len,
                                    num_return_sequences=returned)
         if streamer is not None:
-            return _streamed(run, result, streamer, input_ids, prompt, mask, draw_key(device, seed))
+            return _streamed(run, loop.ring, result, streamer, input_ids, prompt, mask, draw_key(device, seed))
         return result(run(prompt, mask, draw_key(device, seed)))
 
 
@@ -266,6 +269,7 @@ def _result(carried: tuple[torch.Tensor, ...], *, num_beams: int, batch: int, pr
 
 def _streamed(
     run: Callable[..., tuple[torch.Tensor, ...]],
+    ring: TokenRing | None,
     result: Callable[[tuple[torch.Tensor, ...]], torch.Tensor],
     streamer: Streamer,
     input_ids: torch.Tensor,
@@ -276,7 +280,7 @@ def _streamed(
     """One launch whose tokens a host thread streams (see `streaming`): while it runs from the loop's ring
     (greedy, sampling), or all after it (beam search, whose loop has no ring)."""
     prompt_len = prompt.shape[1]
-    with TokenDelivery(streamer, _unwrapped(run).ring, input_ids) as delivery:
+    with TokenDelivery(streamer, ring, input_ids) as delivery:
         carried = run(prompt, mask, noise_key)
         if prompt.is_cuda:  # wait with the GIL released, so the delivery thread runs while the graph does
             torch.cuda.current_stream(prompt.device).synchronize()
@@ -285,17 +289,43 @@ def _streamed(
     return out
 
 
+class DecodeLoops:
+    """A model's decode loops, one per plan, run through one function, `run(plan, prompt, mask, noise_key)`: on CUDA
+    a `tendril.graphed` callable keyed by the plan and the input shapes, so the graphs of every plan share one memory
+    pool (a new plan's graphs reuse the memory of the others' KV caches and activations, which they never run beside)
+    and one graph budget (`graphed`'s `max_graphs`; past it calls run eagerly, warned), elsewhere the loops
+    themselves, run eagerly."""
+
+    def __init__(self, arch: DecoderArchitecture, graphs: bool, backend: Backend | None = None) -> None:
+        """`graphs`: run the loops through `tendril.graphed` (on `backend`; None: CUDA's)."""
+        self.arch = arch
+        self.by_plan: dict[Plan, DecodeLoop] = {}
+        self.run: Callable[..., tuple[torch.Tensor, ...]] = graphed(self._run, backend=backend) if graphs else self._run
+
+    def loop(self, model: nn.Module, plan: Plan) -> DecodeLoop:
+        """The decode loop of `plan`, built if it is not yet (outside any graph: its buffers are the model's, not a
+        graph's)."""
+        found = self.by_plan.get(plan)
+        if found is None:
+            found = self.by_plan[plan] = DecodeLoop(model, self.arch, plan)
+        return found
+
+    def _run(self, plan: Plan, prompt: torch.Tensor, mask: torch.Tensor,
+             noise_key: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return self.by_plan[plan](prompt, mask, noise_key)
+
+
 @dataclass
 class _ModelState:
     """What tendril keeps per model (in the model's `__dict__`, so it lives and dies with the model)."""
 
     arch: DecoderArchitecture
     """One decode path per model, so compiled steps and captured graphs see the same object every call."""
-    runners: dict[Plan, Callable[..., tuple[torch.Tensor, ...]]]
+    loops: DecodeLoops
     modules: ModuleState
-    """The model's tensors and modes when `arch` and `runners` were built: both read them as they were then."""
+    """The model's tensors and modes when `arch` and `loops` were built: both read them as they were then."""
     turn: threading.Lock = field(default_factory=threading.Lock)
-    """Held by each `generate` call: calls from several threads take turns, since they share the runners' graphs."""
+    """Held by each `generate` call: calls from several threads take turns, since they share the loops' graphs."""
 
     def __reduce__(self) -> tuple[Callable[[], None], tuple[()]]:
         """A copy or a pickle of the model (`copy.deepcopy`, `torch.save`) carries no state: it is a cache of
@@ -313,7 +343,9 @@ _STATE_ATTRIBUTE = "_tendril_generation"
 def _state(model: nn.Module) -> _ModelState:
     state = model.__dict__.get(_STATE_ATTRIBUTE)
     if state is None:
-        state = model.__dict__[_STATE_ATTRIBUTE] = _ModelState(decoder_for(model), {}, ModuleState([model]))
+        arch = decoder_for(model)
+        loops = DecodeLoops(arch, graphs=next(model.parameters()).is_cuda)
+        state = model.__dict__[_STATE_ATTRIBUTE] = _ModelState(arch, loops, ModuleState([model]))
     return state
 
 
@@ -330,31 +362,18 @@ def _architecture(model: nn.Module) -> DecoderArchitecture:
     return _state(model).arch
 
 
-def runner(model: nn.Module, arch: DecoderArchitecture, plan: Plan) -> Callable[..., tuple[torch.Tensor, ...]]:
-    """The decode loop for (model, plan): on CUDA a `tendril.graphed` callable (one graph per input shape,
-    replayed with one launch), elsewhere the loop itself, run eagerly. Moving or casting the model builds new ones
-    (`_architecture` drops the model's state)."""
-    runners = _state(model).runners
-    found = runners.get(plan)
-    if found is None:
-        loop = DecodeLoop(model, arch, plan)
-        found = runners[plan] = graphed(loop) if next(model.parameters()).is_cuda else loop
-    return found
-
-
 def decode_loop(model: nn.Module, plan: Plan) -> DecodeLoop:
-    """The decode loop `generate` runs for (model, plan), built if it is not yet (unwrapped from its graph)."""
-    return _unwrapped(runner(model, _architecture(model), plan))
-
-
-def _unwrapped(run: Callable[..., tuple[torch.Tensor, ...]]) -> DecodeLoop:
-    return run.fn if isinstance(run, GraphedCallable) else run  # type: ignore[return-value]
+    """The decode loop `generate` runs for (model, plan), built if it is not yet (the loop itself, not its graphs)."""
+    _architecture(model)
+    return _state(model).loops.loop(model, plan)
 
 
 def graphed_runners(model: nn.Module) -> list[GraphedCallable]:
-    """The graphed decode loops built for `model` so far (their `.stats` count captures, replays, fallbacks)."""
+    """The graphed function that runs `model`'s decode loops (`DecodeLoops.run`; its `.stats` count captures, replays
+    and fallbacks of every plan), once `generate` ran the model on CUDA; an empty list otherwise."""
     state = model.__dict__.get(_STATE_ATTRIBUTE)
-    return [r for r in state.runners.values() if isinstance(r, GraphedCallable)] if state is not None else []
+    run = state.loops.run if state is not None else None
+    return [run] if isinstance(run, GraphedCallable) else []
 
 
 def release_graphs(model: nn.Module) -> None:
