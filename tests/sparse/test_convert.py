@@ -77,6 +77,15 @@ def test_fusions_fold_batchnorm_relu_and_residual_adds_into_the_sparse_layers():
     assert isinstance(net.steps[-1], SparseLinearStep)
 
 
+def test_the_network_holds_no_autograd_history_of_the_models_parameters():
+    """Folding BatchNorm multiplies by its (grad-requiring) gains: the folded weights and biases must be plain tensors,
+    not nodes of an autograd graph holding the model's parameters."""
+    model = randomize_batchnorm(ResNetLike(Bottleneck, (1, 1))).eval()
+    net = convert(model, torch.randn(1, 3, 16, 16), tune=False)
+    steps = [s for s in net.steps if isinstance(s, (SparseConvStep, SparseLinearStep))]
+    assert steps and all(s.bias.grad_fn is None and s.weights.values.grad_fn is None for s in steps)
+
+
 def test_step_calls_rerun_each_step_on_the_activations_of_one_forward():
     torch.manual_seed(0)
     model = randomize_batchnorm(ResNetLike(BasicBlock, (1, 1))).eval()

@@ -338,9 +338,9 @@ def convert(
         raise UnsupportedLayerError(
             f"torch.fx could not trace the model ({error}); convert needs a traceable CNN"
         ) from error
-    with torch.no_grad():
+    with torch.no_grad():  # the network's weights and biases carry no autograd history of the model's parameters
         ShapeProp(gm).propagate(example_input)
-    network = _Converter(gm, activation_capacity, example_input.dtype).run()
+        network = _Converter(gm, activation_capacity, example_input.dtype).run()
     network.pixel_runs = pixel_runs
     network.dense_fallback = dense_fallback
     if tune and network.device.type == "cuda":
