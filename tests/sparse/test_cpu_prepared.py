@@ -211,3 +211,36 @@ def test_thread_counts_and_tune_repetitions_must_be_positive_integers(bad):
         net.set_backend("cpu", bad)
     with pytest.raises(ValueError, match=rf"reps={bad!r}: expected an integer"):
         net.tune(torch.randn(1, 3, SIZE, SIZE), reps=bad)
+
+
+def test_forwards_from_several_threads_take_turns_and_each_gets_its_own_output():
+    """The CPU layers write reused buffers: overlapping forwards of one network would read each other's."""
+    import threading
+
+    net = _network()
+    inputs = [torch.randn(1, 3, SIZE, SIZE) for _ in range(4)]
+    expected = [net(x).clone() for x in inputs]
+    wrong: list[int] = []
+
+    def work(index: int) -> None:
+        for _ in range(10):
+            if not torch.equal(net(inputs[index]), expected[index]):
+                wrong.append(index)
+
+    threads = [threading.Thread(target=work, args=(index,)) for index in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert wrong == []
+
+
+def test_a_network_copied_before_its_first_forward_runs_on_its_own():
+    import copy
+
+    torch.manual_seed(0)
+    model = randomize_batchnorm(ResNetLike(Bottleneck, (1, 1))).eval()
+    net = convert(model, torch.randn(1, 3, SIZE, SIZE), tune=False)  # tune runs forwards
+    twin = copy.deepcopy(net)
+    x = torch.randn(1, 3, SIZE, SIZE)
+    assert torch.equal(twin(x), net(x)) and twin._turn is not net._turn

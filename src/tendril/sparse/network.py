@@ -31,10 +31,13 @@ run the network's dtype (`ConvKernel.dtypes`; the CUDA C++ ones are fp32 only), 
 from __future__ import annotations
 
 import contextlib
+import functools
 import statistics
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any, TypeVar, cast
 
 import torch
 
@@ -47,6 +50,19 @@ from tendril.sparse.validation import VALUE_DTYPES
 from tendril.utils.checks import is_integer
 
 BACKENDS = ("cuda", "triton", "cpu")
+
+Method = TypeVar("Method", bound=Callable[..., Any])
+
+
+def _one_call_at_a_time(method: Method) -> Method:
+    """`method` run holding the network's lock (`SparseNetwork._turn`)."""
+
+    @functools.wraps(method)
+    def taking_turns(self: SparseNetwork, *args: Any, **kwargs: Any) -> Any:
+        with self._turn:
+            return method(self, *args, **kwargs)
+
+    return cast(Method, taking_turns)
 
 
 class ActivationOverflowError(RuntimeError):
@@ -106,6 +122,9 @@ class SparseNetwork:
         self.cpu_library_ms: dict[str, float] = {}
         """`{"library": ms, "compiled": ms}`: the median forward times on which `tune` chose `cpu_library` (empty
         until it has)."""
+        self._turn = threading.RLock()
+        """Held by every call that runs steps or replaces the run state: calls from several threads take turns (the
+        steps share the state's buffers, and the CPU backend's reused outputs)."""
         self._reused_outputs = _outputs_never_returned(steps, output_name)
         self._counted_outputs = _outputs_read_directly(steps, self._reused_outputs)
         self._planes_readers = _planes_readers(steps, self._reused_outputs)
@@ -133,6 +152,7 @@ class SparseNetwork:
         layer. Off by default, so those densities are from the last `tune` or `profile`
         forward (which always count)."""
 
+    @_one_call_at_a_time
     def set_backend(self, backend: str, threads: int = 1) -> SparseNetwork:
         """Choose `"cuda"`, `"triton"` or `"cpu"` (with `threads` workers for the CPU backend)."""
         if backend not in BACKENDS:
@@ -163,8 +183,19 @@ class SparseNetwork:
 
     @cpu_library.setter
     def cpu_library(self, library: bool) -> None:
-        self._cpu_library = bool(library)
-        self.state = self._new_state(self.state.overflow)
+        with self._turn:
+            self._cpu_library = bool(library)
+            self.state = self._new_state(self.state.overflow)
+
+    def __getstate__(self) -> dict[str, Any]:
+        """A copy (`copy.deepcopy`) without the lock, which `__setstate__` makes anew."""
+        state = self.__dict__.copy()
+        del state["_turn"]
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._turn = threading.RLock()
 
     def _new_state(self, overflow: torch.Tensor, library: bool | None = None) -> RunState:
         return RunState(
@@ -177,11 +208,12 @@ class SparseNetwork:
             planes_readers=self._planes_readers,
         )
 
+    @_one_call_at_a_time
     @torch.no_grad()
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """The model's output for `x`, a new tensor. On the CPU backend the layers whose outputs stay inside the
-        network write them into buffers of their own, rewritten by every forward (`RunState.reused_outputs`), so run
-        a network from one Python thread at a time."""
+        network write them into buffers of their own, rewritten by every forward (`RunState.reused_outputs`), so calls
+        from several threads take turns (`_turn`)."""
         if x.device != self.device or x.dtype != self.dtype:
             raise ValueError(f"x: expected a {self.dtype} input on {self.device}, got {x.dtype} on {x.device}")
         self.state.count_inputs = self.count_activations
@@ -200,6 +232,7 @@ class SparseNetwork:
             return contextlib.nullcontext()
         return cpu_threads.kernel_threads(self.threads)
 
+    @_one_call_at_a_time
     @torch.no_grad()
     def profile(self, x: torch.Tensor, count_inputs: bool = True) -> list[tuple[str, float]]:
         """One forward timing each step (CUDA events on the GPU, wall clock on the CPU): `(step, ms)`. With
@@ -225,6 +258,7 @@ class SparseNetwork:
         torch.cuda.synchronize(self.device)
         return [(name, b.elapsed_time(e)) for name, b, e in events]
 
+    @_one_call_at_a_time
     @torch.no_grad()
     def tune(self, x: torch.Tensor, reps: int = 10) -> dict[str, str]:
         """Pick each convolution's kernel by timing the candidates on `x`: shared-memory CUDA (`"cuda"`),
@@ -291,6 +325,7 @@ class SparseNetwork:
         networks' kernels at once with `register.kernel.precompile` before tuning them."""
         return KernelTuner(self).register_plans()
 
+    @_one_call_at_a_time
     @torch.no_grad()
     def step_calls(self, x: torch.Tensor) -> list[StepCall]:
         """Run one forward on `x` and return every step ready to run again on the activations it saw there, with

@@ -16,7 +16,7 @@ What it reuses between calls:
 - its output buffer, when the state lists the layer in `RunState.reused_outputs` (a network lists the layers whose
   output never reaches its caller): each call then overwrites the previous call's output. Otherwise every call
   writes a new tensor.
-So a prepared layer serves one call at a time: a network runs from one Python thread at a time on the CPU.
+So a prepared layer serves one call at a time: a network's calls take turns (`SparseNetwork._turn`).
 
 Counts passed between layers: an unpadded 1×1 stride-1 layer reads its input directly, so no pass over it counts
 its nonzeros on the way (the cost model and the layer report need them) and it would count them with a pass of its
