@@ -140,3 +140,18 @@ def test_a_graphed_amp_step_with_overflows_equals_the_eager_loop():
     assert len(step.keys()) == 2 and step.stats.eager_calls == 0
     assert_identical(state_of(model, optimizer), state_of(reference, reference_optimizer))
     assert scaler.get_scale() == reference_scaler.get_scale()
+
+
+@pytest.mark.parametrize(
+    ("options", "named"),
+    [
+        (dict(init_scale=0.0), "init_scale"),
+        (dict(init_scale=-8.0), "init_scale"),
+        (dict(init_scale=float("nan")), "init_scale"),
+        (dict(growth_interval=0), "growth_interval"),
+        (dict(growth_interval=1.5), "growth_interval"),
+    ],
+)
+def test_a_device_grad_scaler_refuses_a_scale_or_interval_that_would_silently_stop_training(options, named):
+    with pytest.raises(ValueError, match=named):
+        DeviceGradScaler("cpu", **options)

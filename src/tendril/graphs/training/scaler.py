@@ -23,15 +23,30 @@ fix, and `reset_after_failed_capture` clears the per-step bookkeeping a capture 
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from typing import Any
 
 import torch
 from torch.amp import GradScaler
 
+from tendril.utils.checks import is_integer
+
 
 class DeviceGradScaler(GradScaler):
-    """`torch.amp.GradScaler` whose `step` skips an overflowing update on the device (see the module docstring)."""
+    """`torch.amp.GradScaler` whose `step` skips an overflowing update on the device (see the module docstring).
+
+    Its arguments are GradScaler's, checked where GradScaler takes any value: a scale that is not a positive finite
+    number would zero or negate every gradient, and a growth interval that is not a positive integer would never grow
+    the scale, both without an error."""
+
+    def __init__(self, device: str = "cuda", init_scale: float = 2.0**16, growth_factor: float = 2.0,
+                 backoff_factor: float = 0.5, growth_interval: int = 2000, enabled: bool = True) -> None:
+        if not (isinstance(init_scale, (int, float)) and math.isfinite(init_scale) and init_scale > 0):
+            raise ValueError(f"init_scale must be a positive finite number, got {init_scale!r}")
+        if not is_integer(growth_interval) or growth_interval < 1:
+            raise ValueError(f"growth_interval must be a positive integer (steps), got {growth_interval!r}")
+        super().__init__(device, init_scale, growth_factor, backoff_factor, growth_interval, enabled)
 
     def _maybe_opt_step(
         self, optimizer: torch.optim.Optimizer, optimizer_state: dict[str, Any], *args: Any, **kwargs: Any
