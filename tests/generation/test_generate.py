@@ -333,3 +333,16 @@ def test_every_plans_loop_runs_through_one_graphed_function_keyed_by_plan_and_sh
     (runner,) = api.graphed_runners(model)
     assert len(state.loops.by_plan) == 3 and len(runner.stats.graphs) == 3 and runner.stats.eager_calls == 0
     assert {key.constants[0][2] for key in runner.stats.graphs} == set(state.loops.by_plan)  # keyed by the plan
+
+
+def test_the_fused_step_refuses_dropout_in_training_mode_which_its_kernels_would_skip():
+    """The fused kernels compute the eval-mode forward: with dropout layers in training mode they would decode other
+    tokens than the model's own forward does, without a word."""
+    model = tiny_model("gpt2")
+    ids, mask = left_padded([4])
+    options = dict(max_new_tokens=3, eos_token_id=[], pad_token_id=0, step="fused")
+    model.transformer.h[1].attn.resid_dropout.train()
+    with pytest.raises(ValueError, match=r"transformer\.h\.1\.attn\.resid_dropout is in training mode"):
+        generate(model, ids, mask, **options)
+    model.transformer.h[1].attn.resid_dropout.p = 0.0  # a dropout that drops nothing changes nothing
+    assert torch.equal(generate(model, ids, mask, **options), hf_generate(model, ids, mask, None, max_new_tokens=3))

@@ -172,7 +172,8 @@ def generate(
     and beams on every family); in fp16/bf16 the same computation, rounded to the dtype wherever HF's eager
     forward rounds, but its matrix products sum in another order than cuBLAS, so logits differ in the last
     bits and tokens can differ from HF's where two candidates are (nearly) tied: numerically equivalent, not
-    bit-identical. Use "eager" or "compiled" for HF-exact fp16 tokens.
+    bit-identical. Use "eager" or "compiled" for HF-exact fp16 tokens. "fused" computes the eval-mode forward, so it
+    refuses a model whose dropout layers are in training mode.
     `streamer` (HF's `TextStreamer`, `TextIteratorStreamer`, or anything with their `put`/`end`) receives
     the prompt, then each token as the device loop chooses it, then `end()`, as from HF's `generate`, with
     no host sync per token (see `tendril.generation.streaming`). As in HF it needs one sequence (batch size
@@ -227,6 +228,11 @@ def generate(
         raise ValueError(f"input_ids are on {input_ids.device} but the model is on {weight.device}; move them with "
                          f".to({str(weight.device)!r})")
     _check_prompt(model, input_ids, attention_mask, eos, pad)
+    training = _state(model).modules.training_layers() if step == "fused" else []
+    if training:
+        raise ValueError(f"step='fused' decodes as the model runs in eval mode, but {', '.join(training[:3])} "
+                         f"{'is' if len(training) == 1 else 'are'} in training mode (dropout): call model.eval(), or "
+                         "use step='eager' or 'compiled' to decode with the layers as they are")
     processing = LogitsProcessing(
         do_sample=decoding["do_sample"], temperature=float(decoding["temperature"]), top_k=int(decoding["top_k"]),
         top_p=float(decoding["top_p"]), repetition_penalty=float(decoding["repetition_penalty"]),

@@ -173,6 +173,12 @@ class ModuleState:
         invalidate them (`tendril.graphs.training.step`)."""
         return tuple(map(_training, self._mode_list))
 
+    def training_layers(self) -> list[str]:
+        """The names of the recorded layers that act differently in training (`MODE_DEPENDENT`; a dropout of p = 0
+        aside) and are in training mode now."""
+        return [name or type(module).__name__ for name, module in self._mode_modules
+                if module.training and isinstance(module, MODE_DEPENDENT) and getattr(module, "p", 1.0) != 0]
+
     def _sentinels_in_place(self) -> bool:
         for ref, address in self._sentinels:
             tensor = ref()
