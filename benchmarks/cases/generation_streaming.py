@@ -39,7 +39,7 @@ from torch import nn
 from benchmarks.cases.decode_models import fastest_step, gpt2, llama, tiny_gpt2, tiny_llama
 from benchmarks.registry import Context, Goal, register
 from tendril.generation import Step, generate
-from tendril.generation.api import graphed_runners
+from tendril.generation.api import _state
 from tendril.generation.streaming import TokenRing
 
 PROMPT_LEN = 16
@@ -109,7 +109,7 @@ class Delivery:
 
 def _ring(model: nn.Module) -> TokenRing:
     """The ring of `model`'s one streaming loop."""
-    rings = [run.fn.ring for run in graphed_runners(model) if run.fn.ring is not None]
+    rings = [loop.ring for loop in _state(model).loops.by_plan.values() if loop.ring is not None]
     if len(rings) != 1:
         raise RuntimeError(f"expected one streaming loop, found {len(rings)}")
     return rings[0]
