@@ -29,6 +29,10 @@ def test_graph_options_refuse_negative_bounds_and_values_of_another_type():
             GraphOptions(warmup=bad)
     with pytest.raises(TypeError, match="clone_outputs must be True or False"):
         GraphOptions(clone_outputs="yes")
+    with pytest.raises(TypeError, match=r"tendril.Buckets \(e.g. tendril.sequence_buckets\(\[4, 8\]\)\)"):
+        GraphOptions(buckets=[4, 8])  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="fn must be callable"):
+        tendril.graphed(5)  # type: ignore[arg-type]
     assert GraphOptions().memory == GraphMemoryPolicy()
 
 

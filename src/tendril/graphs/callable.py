@@ -465,18 +465,16 @@ def graphed(
 ) -> GraphedCallable:
     """Run `fn` (an `nn.Module` or any function of tensors) as CUDA graphs keyed by its argument shapes.
 
-    `buckets` pads calls up to declared sizes (see `tendril.graphs.buckets.sequence_buckets`);
-    `max_graphs` bounds the number of graphs (new keys past it run eagerly); `clone_outputs=True`
-    returns copies instead of views of graph memory (which the next call overwrites), and lets calls from several
-    threads take turns, where otherwise a call overlapping another raises (`turns`); `warmup` eager
-    runs precede each capture. `backend` defaults to CUDA (`NullBackend` simulates it for tests).
-    Without CUDA every call runs eagerly, with one warning.
+    `buckets` pads calls up to declared sizes (see `tendril.graphs.buckets.sequence_buckets`); `max_graphs` bounds
+    the number of graphs (new keys past it run eagerly); `clone_outputs=True` returns copies instead of views of graph
+    memory (which the next call overwrites), and lets calls from several threads take turns, where otherwise a call
+    overlapping another raises (`turns`); `warmup` eager runs precede each capture. `backend` defaults to CUDA
+    (`NullBackend` simulates it for tests). Without CUDA every call runs eagerly, with one warning.
 
-    `memory` bounds the device memory the driver holds for the graphs' executables: a budget ("256MiB", or
-    bytes) or a `GraphMemoryPolicy` (budget, strategy, prefetching; see `tendril.graphs.options` and
-    `tendril.graphs.executables`). Under a budget, captured graphs stay on the host and executables are made
-    on demand, with results identical to one executable per graph. It configures the default backend, so it
-    cannot be combined with `backend=` (`ValueError`).
+    `memory` bounds the device memory the driver holds for the graphs' executables: a budget ("256MiB", or bytes) or a
+    `GraphMemoryPolicy` (budget, strategy, prefetching; see `tendril.graphs.options` and `tendril.graphs.executables`).
+    Under a budget, captured graphs stay on the host and executables are made on demand, with results identical to
+    one executable per graph. It configures the default backend, so it cannot be combined with `backend=`.
 
     `compile` captures the graphs from Inductor's kernels instead of the function's own: True, an Inductor mode
     ("default", "max-autotune-no-cudagraphs") or a `CompileOptions` (background compiling, a debugging
@@ -487,8 +485,10 @@ def graphed(
     host plan per new length in each process; `backend=CudaBackend()` compiles and captures with the plain graphs'
     restriction instead (`capture.GRAPH_SDPA_BACKENDS`). See `tendril.graphs.compiled`.
     """
-    policy = GraphMemoryPolicy.of(memory)
-    options = GraphOptions(buckets, max_graphs, clone_outputs, warmup, policy, CompileOptions.of(compile))
+    if not callable(fn):
+        raise TypeError(f"fn must be callable (a module or a function of tensors), got {type(fn).__name__}")
+    options = GraphOptions(buckets, max_graphs, clone_outputs, warmup, GraphMemoryPolicy.of(memory),
+                           CompileOptions.of(compile))
     return GraphedCallable(fn, options, backend=backend, config=config)
 
 

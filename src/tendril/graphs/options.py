@@ -152,6 +152,11 @@ class GraphOptions:
     compile: CompileOptions | None = None
 
     def __post_init__(self) -> None:
+        from tendril.graphs.buckets import Buckets
+
+        if self.buckets is not None and not isinstance(self.buckets, Buckets):
+            raise TypeError(f"buckets must be a tendril.Buckets (e.g. tendril.sequence_buckets({self.buckets!r})), got "
+                            f"{type(self.buckets).__name__}")
         if not is_integer(self.max_graphs) or self.max_graphs < 0:
             raise ValueError(f"max_graphs must be an integer >= 0, got {self.max_graphs!r}")
         if not is_integer(self.warmup) or self.warmup < 0:
