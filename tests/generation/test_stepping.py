@@ -8,7 +8,7 @@ import torch
 
 from tendril.generation import decode_step, generate
 from tendril.generation.api import release_graphs
-from tests.generation.models import tiny_model
+from tests.generation.models import left_padded, tiny_model
 
 NEW = 6
 
@@ -53,3 +53,22 @@ def test_restart_runs_the_prompt_pass_of_another_prompt_for_beams():
 def test_decode_step_refuses_an_unknown_step():
     with pytest.raises(ValueError, match="step must be one of"):
         decode_step(tiny_model("gpt2"), _prompt(3), max_new_tokens=NEW, step="inductor")
+
+
+@pytest.mark.parametrize(
+    ("prompt", "options", "named"),
+    [
+        ("ids", dict(max_new_tokens=0), "max_new_tokens must be an int >= 1"),
+        ("ids", dict(max_new_tokens=4, num_beams=0), "num_beams must be >= 1"),
+        ("ids", dict(max_new_tokens=4, num_beams=2.0), "num_beams must be an integer"),
+        ("outside", dict(max_new_tokens=4), "the model's vocabulary"),
+        ("ids", dict(max_new_tokens=1000), "exceeds the model's 128 positions"),
+    ],
+)
+def test_decode_step_checks_its_prompt_and_options_as_generate_does(prompt, options, named):
+    """Ids outside the vocabulary would index the embedding (on CUDA a device-side assert that ends the context), and a
+    cache past the model's positions would read position embeddings that do not exist."""
+    model = tiny_model("gpt2")
+    ids, _ = left_padded([5])
+    with pytest.raises(ValueError, match=named):
+        decode_step(model, ids + 1000 if prompt == "outside" else ids, **options)

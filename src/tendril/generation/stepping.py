@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tendril.generation.api import decode_loop
+from tendril.generation.api import _architecture, _check_inputs, _check_integers, _check_prompt, decode_loop
 from tendril.generation.loop import DecodeLoop, Plan, Step
 from tendril.generation.noise import draw_key
 from tendril.generation.processors import LogitsProcessing
@@ -66,8 +66,15 @@ def decode_step(
     pad_token_id=0)` runs, on its own: greedy or beam search with HF's other defaults, no eos, an all-ones mask.
 
     The loop is the one `generate` built for those options (built here if it was not), so a compiled or fused
-    step is shared with `generate`'s. `prompt` is [batch, length] int64 on the model's device.
+    step is shared with `generate`'s. `prompt` is [batch, length] int64 on the model's device, checked as `generate`
+    checks its prompt.
     """
+    _check_inputs(prompt, None, max_new_tokens)
+    _check_integers(num_beams=num_beams)
+    if num_beams < 1:
+        raise ValueError(f"num_beams must be >= 1, got {num_beams}")
+    _check_prompt(model, prompt, None, [], 0)
+    _architecture(model).check_length(prompt.shape[1] + max_new_tokens)
     plan = Plan.build(max_new_tokens=max_new_tokens, processing=LogitsProcessing(), eos=(), pad=0,
                       num_beams=num_beams, step=step)
     rows = prompt.repeat_interleave(num_beams, dim=0)
