@@ -30,6 +30,12 @@ def test_invalid_sizes_and_missing_pads_are_rejected():
         with pytest.raises(ValueError, match="positive integers"):
             sequence_buckets(sizes)
     assert sequence_buckets(np.array([4, 8])).sizes == (4, 8)
+    for how in (dict(dim="a"), dict(dim=1.5), dict(dim=1, value="x"), dict(dim=1, rank=0), dict(dim=3, rank=2)):
+        with pytest.raises(ValueError, match="Pad"):
+            Pad(**how)
+    with pytest.raises(ValueError, match="each pad is"):
+        Buckets((8,), (("x", 1),))
+    assert Buckets((8,), [("x", Pad(1))]).pads == (("x", Pad(1)),)  # a list of pads is kept as a tuple
 
 
 def test_sequence_buckets_pad_ids_and_create_the_mask():

@@ -45,6 +45,14 @@ class Pad:
     """The argument's number of dimensions when it is to be padded (None: any); a call whose argument has another
     rank is not padded (it runs under its exact key), since `dim` would name another dimension there."""
 
+    def __post_init__(self) -> None:
+        if not is_integer(self.dim):
+            raise ValueError(f"Pad.dim must be an integer (a dimension), got {self.dim!r}")
+        if isinstance(self.value, bool) or not isinstance(self.value, (int, float)):
+            raise ValueError(f"Pad.value must be a number (the fill value), got {self.value!r}")
+        if self.rank is not None and (not is_integer(self.rank) or not -self.rank <= self.dim < self.rank):
+            raise ValueError(f"Pad.rank must be None or an integer that has dimension {self.dim!r}, got {self.rank!r}")
+
 
 @dataclass(frozen=True)
 class PaddedCall:
@@ -76,9 +84,15 @@ class Buckets:
             list(sizes) != sorted(set(sizes))
         ):
             raise ValueError(f"bucket sizes must be distinct positive integers in ascending order, got {sizes}")
-        if not self.pads:
+        pads = tuple(self.pads)
+        if not pads:
             raise ValueError("Buckets needs at least one padded argument, e.g. pads=(('input_ids', Pad(dim=1)),)")
+        for entry in pads:
+            if not (isinstance(entry, tuple) and len(entry) == 2 and isinstance(entry[0], (str, int))
+                    and isinstance(entry[1], Pad)):
+                raise ValueError(f"each pad is (argument name or position, Pad(...)), got {entry!r}")
         object.__setattr__(self, "sizes", tuple(map(int, sizes)))
+        object.__setattr__(self, "pads", pads)
 
     def bucket_for(self, length: int) -> int | None:
         """The smallest bucket >= `length`, or None if the call is longer than the largest."""
