@@ -31,8 +31,9 @@ from tendril.generation.noise import draw_key
 from tendril.generation.processors import LogitsProcessing
 from tendril.generation.streaming import Streamer, TokenDelivery, TokenRing, check_streamable
 from tendril.graphs.backend import Backend
-from tendril.graphs.callable import GraphedCallable, graphed
+from tendril.graphs.callable import GraphedCallable
 from tendril.graphs.module_state import ModuleChangedWarning, ModuleState
+from tendril.graphs.options import GraphOptions
 from tendril.utils.checks import is_integer
 
 _SUPPORTED = (
@@ -302,11 +303,14 @@ class DecodeLoops:
     and one graph budget (`graphed`'s `max_graphs`; past it calls run eagerly, warned), elsewhere the loops
     themselves, run eagerly."""
 
-    def __init__(self, arch: DecoderArchitecture, graphs: bool, backend: Backend | None = None) -> None:
-        """`graphs`: run the loops through `tendril.graphed` (on `backend`; None: CUDA's)."""
+    def __init__(self, arch: DecoderArchitecture, graphs: bool, backend: Backend | None = None,
+                 name: str = "generate") -> None:
+        """`graphs`: run the loops through `tendril.graphed` (on `backend`; None: CUDA's), named `name` in its stats
+        and warnings."""
         self.arch = arch
         self.by_plan: dict[Plan, DecodeLoop] = {}
-        self.run: Callable[..., tuple[torch.Tensor, ...]] = graphed(self._run, backend=backend) if graphs else self._run
+        self.run: Callable[..., tuple[torch.Tensor, ...]] = (
+            GraphedCallable(self._run, GraphOptions(), backend=backend, name=name) if graphs else self._run)
 
     def loop(self, model: nn.Module, plan: Plan) -> DecodeLoop:
         """The decode loop of `plan`, built if it is not yet (outside any graph: its buffers are the model's, not a
@@ -350,7 +354,7 @@ def _state(model: nn.Module) -> _ModelState:
     state = model.__dict__.get(_STATE_ATTRIBUTE)
     if state is None:
         arch = decoder_for(model)
-        loops = DecodeLoops(arch, graphs=next(model.parameters()).is_cuda)
+        loops = DecodeLoops(arch, graphs=next(model.parameters()).is_cuda, name=f"generate({type(model).__name__})")
         state = model.__dict__[_STATE_ATTRIBUTE] = _ModelState(arch, loops, ModuleState([model]))
     return state
 
