@@ -80,13 +80,15 @@ MALFORMED: dict[str, MalformedBuild] = {
 }
 
 
-def malformed_check(name: str) -> Callable[[str], None]:
+def must_raise(build: Callable[[str], object], what: str) -> Callable[[str], None]:
+    """A check that `build(device)` raises ValueError or TypeError (`what` names the call in a failure)."""
+
     def check(device: str) -> None:
         try:
-            built = MALFORMED[name](device)
+            built = build(device)
         except (ValueError, TypeError):
             return
-        raise SilentWrong(f"constructing {name} did not raise ValueError or TypeError (built {type(built).__name__})")
+        raise SilentWrong(f"{what} did not raise ValueError or TypeError (gave {type(built).__name__})")
 
     return check
 
@@ -152,17 +154,6 @@ REFUSED: dict[str, Callable[[str], object]] = {
     "while_loop-bound_bool": _loop_bound,
     "buckets-size_float": _bucket_sizes,
 }
-
-
-def refused_check(name: str) -> Callable[[str], None]:
-    def check(device: str) -> None:
-        try:
-            built = REFUSED[name](device)
-        except (ValueError, TypeError):
-            return
-        raise SilentWrong(f"{name} did not raise ValueError or TypeError (returned {type(built).__name__})")
-
-    return check
 
 
 class _AddedToItself(torch.nn.Module):
@@ -346,7 +337,7 @@ def _repository_root() -> str:
 
 def library_cases() -> Iterator[BadCase]:
     for name in MALFORMED:
-        yield BadCase(f"sparse-{name}", malformed_check(name))
+        yield BadCase(f"sparse-{name}", must_raise(MALFORMED[name], f"constructing {name}"))
     for name in GENERATE:
         yield BadCase(f"generate-{name}", generate_check(name))
     for eos in (-7, 96, 10**6):
@@ -354,5 +345,5 @@ def library_cases() -> Iterator[BadCase]:
     for token in (96, -1):
         yield BadCase(f"generate-token_{token}", invalid_ids_check(token))
     for name in REFUSED:
-        yield BadCase(name, refused_check(name))
+        yield BadCase(name, must_raise(REFUSED[name], name))
     yield BadCase("convert-layer_output_added_to_itself", convert_matches_check)
