@@ -232,6 +232,8 @@ GENERATE: dict[str, tuple[dict[str, Any], Callable[[torch.Tensor], torch.Tensor]
     "seed_float": ({"do_sample": True, "seed": 1.5}, None),
     "seed_out_of_range": ({"do_sample": True, "seed": 2**64}, None),
     "length_penalty_str": ({"num_beams": 2, "length_penalty": "1"}, None),
+    "eos_float_in_list": ({"eos_token_id": [3, 3.7]}, None),
+    "pad_float": ({"pad_token_id": 1.5}, None),
 }
 
 

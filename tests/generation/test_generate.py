@@ -157,12 +157,23 @@ def test_options_outside_the_supported_set_are_refused(gpt2):
         (dict(do_sample=True, seed=1.5), "seed must be an integer"),
         (dict(do_sample=True, seed=2**64), "seed must be an integer"),
         (dict(num_beams=2, length_penalty="1"), "length_penalty must be a finite number"),
+        (dict(eos_token_id=(3, 3.7)), "eos_token_id must be a token id or a sequence of them"),
+        (dict(eos_token_id=[True]), "eos_token_id must be a token id or a sequence of them"),
+        (dict(pad_token_id=1.5), "pad_token_id must be a token id"),
     ],
 )
 def test_options_that_must_be_whole_or_real_numbers_are_refused_not_truncated(gpt2, options, named):
     ids, mask = left_padded([3])
     with pytest.raises(ValueError, match=named):
         generate(gpt2, ids, mask, max_new_tokens=2, **options)
+
+
+def test_eos_ids_may_come_as_a_tensor():
+    model = tiny_model("gpt2")
+    ids, mask = left_padded([4])
+    expected = generate(model, ids, mask, max_new_tokens=4, eos_token_id=[3, 5], pad_token_id=0)
+    for eos in (torch.tensor([3, 5]), (3, 5)):
+        assert torch.equal(generate(model, ids, mask, max_new_tokens=4, eos_token_id=eos, pad_token_id=0), expected)
 
 
 def test_token_ids_outside_the_vocabulary_are_refused_before_anything_runs(gpt2):

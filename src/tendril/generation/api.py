@@ -48,7 +48,11 @@ def _eos_ids(model: nn.Module, eos_token_id: int | Sequence[int] | None) -> list
         eos_token_id = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
         if eos_token_id is None:
             return []
-    return [int(eos_token_id)] if isinstance(eos_token_id, int) else [int(t) for t in eos_token_id]
+    values = eos_token_id.tolist() if hasattr(eos_token_id, "tolist") else eos_token_id  # a tensor or an array
+    ids: list[Any] = list(values) if isinstance(values, (list, tuple)) else [values]
+    if not all(map(is_integer, ids)):
+        raise ValueError(f"eos_token_id must be a token id or a sequence of them (integers), got {eos_token_id!r}")
+    return [int(t) for t in ids]
 
 
 def _pad_id(model: nn.Module, pad_token_id: int | None, eos: list[int]) -> int | None:
@@ -56,7 +60,9 @@ def _pad_id(model: nn.Module, pad_token_id: int | None, eos: list[int]) -> int |
         pad_token_id = getattr(getattr(model, "generation_config", None), "pad_token_id", None)
     if pad_token_id is None and eos:
         pad_token_id = eos[0]
-    return pad_token_id
+    if pad_token_id is not None and not is_integer(pad_token_id):
+        raise ValueError(f"pad_token_id must be a token id (an integer), got {pad_token_id!r}")
+    return None if pad_token_id is None else int(pad_token_id)
 
 
 def _check_inputs(input_ids: torch.Tensor, attention_mask: torch.Tensor | None, max_new_tokens: int) -> None:
