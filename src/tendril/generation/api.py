@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import copy
 import functools
-import math
-import numbers
 import threading
 import warnings
 from collections.abc import Callable, Sequence
@@ -34,7 +32,7 @@ from tendril.graphs.backend import Backend
 from tendril.graphs.callable import GraphedCallable
 from tendril.graphs.module_state import ModuleChangedWarning, ModuleState
 from tendril.graphs.options import GraphOptions
-from tendril.utils.checks import is_integer
+from tendril.utils.checks import is_finite_number, is_integer
 
 _SUPPORTED = (
     "attention_mask, max_new_tokens, eos_token_id, pad_token_id, do_sample, temperature, top_k, top_p, "
@@ -48,7 +46,8 @@ def _eos_ids(model: nn.Module, eos_token_id: int | Sequence[int] | None) -> list
         eos_token_id = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
         if eos_token_id is None:
             return []
-    values = eos_token_id.tolist() if hasattr(eos_token_id, "tolist") else eos_token_id  # a tensor or an array
+    # a tensor or an array of ids, read on the host before any graph (an argument, not the loop's state)
+    values = eos_token_id.tolist() if hasattr(eos_token_id, "tolist") else eos_token_id
     ids: list[Any] = list(values) if isinstance(values, (list, tuple)) else [values]
     if not all(map(is_integer, ids)):
         raise ValueError(f"eos_token_id must be a token id or a sequence of them (integers), got {eos_token_id!r}")
@@ -248,9 +247,7 @@ def generate(
     early_stopping, length_penalty = decoding["early_stopping"], decoding["length_penalty"]
     if early_stopping not in (True, False, "never"):
         raise ValueError(f"early_stopping must be True, False or 'never', got {early_stopping!r}")
-    if isinstance(length_penalty, bool) or not isinstance(length_penalty, numbers.Real) or (
-        not math.isfinite(length_penalty)
-    ):
+    if not is_finite_number(length_penalty):
         raise ValueError(f"length_penalty must be a finite number, got {length_penalty!r}")
     plan = Plan.build(max_new_tokens=max_new_tokens, processing=processing, eos=eos, pad=pad, num_beams=beams,
                       length_penalty=float(length_penalty), early_stopping=early_stopping, step=step,

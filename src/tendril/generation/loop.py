@@ -6,7 +6,7 @@ plan's `step`, one of `STEPS`:
 
 - "eager": the architecture's own forward, captured as is (PyTorch's kernels);
 - "compiled": that forward through `torch.compile` (Inductor), one graph with no breaks; the first call per
-  shape pays the compilation (`CompiledStep`);
+  shape pays the compilation (`compiled_step`);
 - "fused": tendril's Triton decode kernels (`tendril.generation.kernels`), no compilation of the forward; they
   also run prompts of up to `FUSED_PROMPT_TOKENS` tokens (all rows counted), longer ones the model's own forward.
 
@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal, get_args
+from typing import Literal, NamedTuple, get_args
 
 import torch
 from torch import nn
@@ -151,31 +151,31 @@ COMPILE_BACKEND = "inductor"
 """`torch.compile` backend of `step="compiled"` (tests use "eager" to check tracing without code generation)."""
 
 
-class CompiledStep:
+def compiled_step(arch: DecoderArchitecture) -> StepForward:
     """`arch.forward` compiled for one-token steps: static shapes, one graph (no breaks, so no host code), every new
     shape (rows, cache layout) compiled anew; past dynamo's recompile limit a shape runs `arch.forward` uncompiled
     (`compile_limit`)."""
-
-    def __init__(self, arch: DecoderArchitecture) -> None:
-        compiled = torch.compile(arch.forward, backend=COMPILE_BACKEND, fullgraph=True, dynamic=False)
-        self.calls = WithinLimit(compiled, arch.forward, "step='compiled': the one-token forward", _shape)
-
-    def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, query_slots: torch.Tensor,
-                 cache: StaticKVCache) -> torch.Tensor:
-        return self.calls(tokens, positions, query_slots, cache)
+    compiled = torch.compile(arch.forward, backend=COMPILE_BACKEND, fullgraph=True, dynamic=False)
+    return WithinLimit(compiled, arch.forward, "step='compiled': the one-token forward", _shape)
 
 
-def _shape(tokens: torch.Tensor, positions: torch.Tensor, query_slots: torch.Tensor,
-           cache: StaticKVCache) -> tuple[object, ...]:
-    """What a compiled step's graph is specialised on: the rows, the cache's slots and dtype, and its row table."""
-    return (f"{tokens.shape[0]} rows", f"{cache.max_len} cache slots", cache.storage.dtype,
-            "row table" if cache.source_rows is not None else "no row table")
+class _Shape(NamedTuple):
+    """What a compiled step's graph is specialised on."""
+
+    rows: int
+    cache_slots: int
+    dtype: torch.dtype
+    row_table: bool
+
+
+def _shape(tokens: torch.Tensor, positions: torch.Tensor, query_slots: torch.Tensor, cache: StaticKVCache) -> _Shape:
+    return _Shape(tokens.shape[0], cache.max_len, cache.storage.dtype, cache.source_rows is not None)
 
 
 def step_forward(arch: DecoderArchitecture, step: Step) -> StepForward | None:
     """What runs the one-token forward for `step` (None: `arch.forward` itself)."""
     if step == "compiled":
-        return CompiledStep(arch)
+        return compiled_step(arch)
     if step == "fused":
         return arch.fused_step()
     return None

@@ -23,14 +23,13 @@ fix, and `reset_after_failed_capture` clears the per-step bookkeeping a capture 
 
 from __future__ import annotations
 
-import math
 from collections import defaultdict
 from typing import Any
 
 import torch
 from torch.amp import GradScaler
 
-from tendril.utils.checks import is_integer
+from tendril.utils.checks import is_finite_number, is_integer
 
 
 class DeviceGradScaler(GradScaler):
@@ -42,7 +41,7 @@ class DeviceGradScaler(GradScaler):
 
     def __init__(self, device: str = "cuda", init_scale: float = 2.0**16, growth_factor: float = 2.0,
                  backoff_factor: float = 0.5, growth_interval: int = 2000, enabled: bool = True) -> None:
-        if not (isinstance(init_scale, (int, float)) and math.isfinite(init_scale) and init_scale > 0):
+        if not (is_finite_number(init_scale) and init_scale > 0):
             raise ValueError(f"init_scale must be a positive finite number, got {init_scale!r}")
         if not is_integer(growth_interval) or growth_interval < 1:
             raise ValueError(f"growth_interval must be a positive integer (steps), got {growth_interval!r}")
