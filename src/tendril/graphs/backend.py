@@ -64,6 +64,10 @@ class Backend(Protocol):
     def pool_bytes(self) -> int:
         """Bytes the shared pool(s) reserve."""
 
+    def forget_graphs(self) -> None:
+        """The callable dropped every graph this backend captured for it: keep nothing of them (a later capture starts
+        a fresh pool: the old one is freed with its last graph, and capturing into a freed pool fails)."""
+
 
 _HOST_SYNC_MARKERS = (
     "operation not permitted when stream is capturing",
@@ -129,6 +133,8 @@ class NullBackend:
         self.captures = 0
         self.replays = 0
         self.warmup_runs = 0
+        self.forgotten = 0
+        """Calls of `forget_graphs`: the times the callable dropped every graph."""
 
     def unavailable(self) -> tuple[Fallback, str] | None:
         return None
@@ -162,3 +168,6 @@ class NullBackend:
 
     def pool_bytes(self) -> int:
         return 0
+
+    def forget_graphs(self) -> None:
+        self.forgotten += 1

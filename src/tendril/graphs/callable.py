@@ -406,9 +406,8 @@ class GraphedCallable:
         return entry
 
     def _check_modules(self, tensors: bool = True, modes: bool = True) -> ModuleState:
-        """The state of the callable's modules, brought up to date: if a tensor was replaced or moved (`tensors`) or a
-        module's training mode flipped (`modes`) since the graphs were captured, every graph is dropped (later calls
-        capture again), counted and warned about."""
+        """The callable's modules' state, brought up to date: if a tensor was replaced or moved (`tensors`) or a mode
+        flipped (`modes`) since the capture, every graph is dropped (later calls capture again), counted and warned."""
         if self._module_state is None:
             self._module_state = ModuleState(modules_of(self.fn))
         state = self._module_state
@@ -417,6 +416,7 @@ class GraphedCallable:
             state.renew()
             if self._entries:
                 self._entries.clear()
+                self._backend.forget_graphs()
                 self.stats.module_changes += 1
                 self.stats.module_change_detail = change
                 warnings.warn(f"tendril.graphed({self.name}): {change} since its graphs were captured; they are "

@@ -231,6 +231,13 @@ class CudaBackend:
     def pool_bytes(self) -> int:
         return sum(self._pool_growth.values())
 
+    def forget_graphs(self) -> None:
+        """Every graph was dropped (`Backend.forget_graphs`): their executables destroyed, no pool kept."""
+        for cache in self._caches.values():
+            cache.close()
+        for table in (self._caches, self._pools, self._graphs_per_device, self._pool_growth, self._last_stream):
+            table.clear()
+
     def executable_caches(self) -> dict[torch.device, ExecutableCache]:
         """The executable cache of each device (empty under the dedicated strategy)."""
         return dict(self._caches)

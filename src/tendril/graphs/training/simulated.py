@@ -40,6 +40,9 @@ class Recording:
     def pool_bytes(self) -> int:
         return self.inner.pool_bytes()
 
+    def forget_graphs(self) -> None:
+        self.inner.forget_graphs()
+
     def capture(
         self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], key: GraphKey, warmup: int
     ) -> Captured:
