@@ -61,7 +61,7 @@ def sweep_configs(out_f: int, in_f: int, k_contiguous: bool, rows: int = 1, size
                   grid: bool = False) -> list[tuple[int, int, int, int, bool]]:
     """(BLOCK_N, BLOCK_K, SPLIT_K, num_warps, dot) tried by `--sweep` for one shape and row count, the default first,
     for several rows the other path's default (CUDA cores or tensor cores, `launch.launch_config`) second, on
-    nn.Linear weights and up to `launch.MAX_ROWS_PER_PROGRAM` rows every deep CUDA-core launch (`deep_configs`)
+    nn.Linear weights and up to `launch.FEW_ROWS` rows every deep CUDA-core launch (`deep_configs`)
     next, then `size` others drawn
     (with a fixed seed) from the plausible ones (all of them when `size` is larger): tiles of 2-16K elements, at
     least 64 programs, at most 8 tiles a program, K split into whole non-empty shares, on either path for several
@@ -80,7 +80,7 @@ def sweep_configs(out_f: int, in_f: int, k_contiguous: bool, rows: int = 1, size
         defaults.append(launch.launch_config(columns, in_f, rows, k_contiguous=k_contiguous, sm_count=sm_count,
                                              normed=normed, dot=not defaults[0].dot, matrices=segments))
     chosen = [(d.block_n, d.block_k, d.split_k, d.num_warps, d.dot) for d in defaults]
-    if k_contiguous and rows <= launch.MAX_ROWS_PER_PROGRAM:
+    if k_contiguous and rows <= launch.FEW_ROWS:
         chosen += [c for c in deep_configs(in_f, segments, rows) if c not in chosen]
     if grid and rows > 1:
         return [*chosen, *[c for c in tensor_core_grid(in_f, segments) if c not in chosen]]
@@ -117,7 +117,7 @@ def deep_configs(in_f: int, segments: int = 1, rows: int = 1) -> list[tuple[int,
 
     from tendril.generation.kernels import launch
 
-    block_m = min(triton.next_power_of_2(rows), launch.MAX_ROWS_PER_PROGRAM)
+    block_m = min(triton.next_power_of_2(rows), launch.FEW_ROWS)
     configs = []
     top = triton.next_power_of_2(in_f)
     for block_k in (top, top // 2):

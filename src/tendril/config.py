@@ -55,8 +55,8 @@ class Config:
     pdl: bool = True
     """Launch the fused decode kernels with programmatic dependent launch where the GPU supports it."""
     weight_copies: bool = True
-    """GPT-2's fused decode keeps K-contiguous copies of its Conv1D weights for launches of one row
-    (`Projection.with_one_row_copies`): faster one-token steps for the layers' weight memory once more. Off: they
+    """GPT-2's fused decode keeps K-contiguous copies of its Conv1D weights for launches of few rows
+    (`Projection.with_copies`): faster one-token and beam steps for the layers' weight memory once more. Off: they
     read the model's own layout."""
     triton_interpret: bool = False
     """Triton kernels run in Triton's interpreter (on CPU tensors), so CPU paths that bypass Triton must not."""

@@ -41,7 +41,9 @@ def test_beam_sweeps_on_contiguous_weights_try_deep_cuda_core_launches_within_th
     """Beams (a few rows) on nn.Linear weights: after both paths' defaults, the deep CUDA-core launches whose broadcast
     products (one per row of the program) fit the one-row budget; none on Conv1D weights."""
     configs = tool.sweep_configs(2304, 768, True, rows=rows, size=0, normed=True, sm_count=132)
-    assert configs[0][4] and not configs[1][4]  # tensor cores by default, then the CUDA-core path's default
+    assert not configs[0][4] and configs[1][4]  # a small projection: deep CUDA-core tiles, then tensor cores
+    large = tool.sweep_configs(3072, 2048, True, rows=rows, size=0, normed=True, sm_count=132)
+    assert large[0][4] and not large[1][4]  # Llama-1B's QKV: tensor cores, then the CUDA-core path's default
     deep = configs[2:]
     assert deep and deep == [c for c in tool.deep_configs(768, 1, rows) if c not in configs[:2]]
     for block_n, block_k, split_k, warps, dot in deep:

@@ -15,9 +15,9 @@ from tests.generation.kernel_cases import (
     check_attention_through_rows,
     check_greedy_choice,
     check_linear,
-    check_one_row_copies,
     check_prompt_attention,
     check_step_inputs,
+    check_weight_copies,
 )
 from tests.generation.topk_cases import check_beam_top_k
 
@@ -49,7 +49,7 @@ def main() -> None:
     assert check_linear(torch.float16, "cpu", rows=3, launches=((None, None, None),)) > 0
     assert check_linear(torch.float16, "cpu", rows=17, launches=((None, None, None), (32, 64, 1, True)),
                         picked=(0, 3)) > 0
-    assert check_one_row_copies(torch.float16, "cpu") > 0
+    assert check_weight_copies(torch.float16, "cpu") > 0
     _bfloat16_dot_in_float32()
     assert check_linear(torch.bfloat16, "cpu", rows=2, launches=((None, None, None),), picked=(3, 4, 6)) > 0
     for dtype in (torch.float32, torch.float16):

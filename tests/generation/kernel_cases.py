@@ -5,7 +5,15 @@ from __future__ import annotations
 
 import torch
 
-from tendril.generation.kernels import argmax_kernel, attention, linear, prompt_kernel, reference, step_inputs_kernel
+from tendril.generation.kernels import (
+    argmax_kernel,
+    attention,
+    layers,
+    linear,
+    prompt_kernel,
+    reference,
+    step_inputs_kernel,
+)
 from tendril.generation.kernels.layers import Norm, Projection
 
 
@@ -84,25 +92,30 @@ def check_linear(dtype: torch.dtype, device: str, rows: int = 3, launches=LAUNCH
     return checked
 
 
-def check_one_row_copies(dtype: torch.dtype, device: str) -> int:
-    """A Conv1D-layout projection with one-row copies (`Projection.with_one_row_copies`): one-row launches read the
-    copies (poisoned with NaN, only those come out NaN), launches of more rows the model's weights, and `refresh`
-    writes the copies again, after a change through `.data` too. Returns the number of comparisons."""
+def check_weight_copies(dtype: torch.dtype, device: str) -> int:
+    """A Conv1D-layout projection with copies (`Projection.with_copies`): launches of up to `copy_rows` rows (4 for
+    this small 16-bit projection, 1 in float32) read the copies (poisoned with NaN, only those come out NaN),
+    launches of more rows the model's weights, and `refresh` writes the copies again, after a change through `.data`
+    too. Returns the number of comparisons."""
     torch.manual_seed(3)
     k, n = 72, 40
     weight = _weight(n, k, dtype, device, conv1d=True)
-    projection = Projection((weight,), (torch.randn(n, device=device).to(dtype),)).with_one_row_copies()
-    copy = projection.one_row_weights[0]
+    projection = Projection((weight,), (torch.randn(n, device=device).to(dtype),)).with_copies()
+    copy = projection.copies[0]
     assert copy.stride(1) == 1 and torch.equal(copy, weight)
+    assert projection.copy_rows == (1 if dtype == torch.float32 else layers.FEW_ROWS)
     checked = 0
-    for rows in (1, 3):
+    for rows in sorted({1, 2, 3, projection.copy_rows, projection.copy_rows + 1}):
         x = torch.randn(rows, k, device=device).to(dtype)
         torch.testing.assert_close(linear.fused_linear(x, projection), reference.fused_linear(x, projection),
                                    **_tolerance(dtype))
         checked += 1
     copy.fill_(float("nan"))
-    assert linear.fused_linear(torch.randn(1, k, device=device).to(dtype), projection).isnan().all()
-    assert not linear.fused_linear(torch.randn(3, k, device=device).to(dtype), projection).isnan().any()
+    for rows in (1, projection.copy_rows, projection.copy_rows + 1):
+        got = linear.fused_linear(torch.randn(rows, k, device=device).to(dtype), projection)
+        assert got.isnan().all() if rows <= projection.copy_rows else not got.isnan().any(), rows
+    projection.refresh(rows=projection.copy_rows + 1)  # launches of that many rows read the model's weights
+    assert copy.isnan().all()
     projection.refresh(rows=1)
     assert torch.equal(copy, weight)
     weight.data.mul_(2)  # moves no version counter

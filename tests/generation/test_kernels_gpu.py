@@ -21,9 +21,9 @@ from tests.generation.kernel_cases import (
     check_attention_through_rows,
     check_greedy_choice,
     check_linear,
-    check_one_row_copies,
     check_prompt_attention,
     check_step_inputs,
+    check_weight_copies,
 )
 from tests.generation.models import hf_generate, left_padded, tiny_model
 
@@ -35,7 +35,7 @@ NEW = 16
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_linear_kernel_matches_reference(dtype, pdl):
     assert check_linear(dtype, "cuda", rows=1, pdl=pdl) > 0
-    assert check_one_row_copies(dtype, "cuda") > 0
+    assert check_weight_copies(dtype, "cuda") > 0
     assert check_linear(dtype, "cuda", rows=4, pdl=pdl) > 0
     assert check_linear(dtype, "cuda", rows=6, launches=((None, None, None),), pdl=pdl) > 0  # a half-full row group
 
@@ -115,16 +115,12 @@ def compiled_spills(kernel) -> dict[str, int]:
 SHAPES = [(*shape, False)[:8] for shape in SWEEP_SHAPES["gpt2"] + SWEEP_SHAPES["llama1b"]]  # gated: False unless set
 
 
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("label, out_f, in_f, layout, norm_kind, activation, residual, gated", SHAPES,
-                         ids=[shape[0] for shape in SHAPES])
-def test_linear_tensor_core_and_cuda_core_paths_at_model_sizes(label, out_f, in_f, layout, norm_kind, activation,
-                                                                 residual, gated, dtype):
-    """A 4-beam step's projections of GPT-2 and Llama-3.2-1B: the tensor-core path (the default at 4 rows) and
-    the CUDA-core path each match the reference, so each other up to the order of their float32 sums, as does
-    the greedy step's default launch (one row), and no launch spills registers."""
+def _model_sized_case(out_f: int, in_f: int, layout: str, norm_kind: str | None, activation: str, residual: bool,
+                      gated: bool, dtype: torch.dtype, rows: int
+                      ) -> tuple[torch.Tensor, Projection, dict, torch.Tensor]:
+    """x, the projection, `fused_linear`'s options and the reference's result for one of `SHAPES` at `rows` rows."""
     torch.manual_seed(0)
-    rows, segments = 4, 2 if gated else 1
+    segments = 2 if gated else 1
     w = (torch.randn(segments * out_f, in_f, device="cuda") * 0.02).to(dtype)
     if layout == "conv1d":
         w = w.t().contiguous().t()
@@ -136,9 +132,25 @@ def test_linear_tensor_core_and_cuda_core_paths_at_model_sizes(label, out_f, in_
     x = torch.randn(rows, in_f, device="cuda").to(dtype)
     options = dict(norm=norm, activation=activation, gated=gated,
                    addends=(torch.randn(rows, out_f, device="cuda").to(dtype),) if residual else ())
-    expected = reference.fused_linear(x, projection, **options)
-    assert launch.launch_config(segments * out_f, in_f, rows, k_contiguous=layout == "linear").dot
-    tolerance = dict(rtol=4e-3, atol=4e-3) if dtype == torch.float16 else dict(rtol=3e-2, atol=3e-2)
+    return x, projection, options, reference.fused_linear(x, projection, **options)
+
+
+def _tolerance(dtype: torch.dtype) -> dict[str, float]:
+    return dict(rtol=4e-3, atol=4e-3) if dtype == torch.float16 else dict(rtol=3e-2, atol=3e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("label, out_f, in_f, layout, norm_kind, activation, residual, gated", SHAPES,
+                         ids=[shape[0] for shape in SHAPES])
+def test_linear_tensor_core_and_cuda_core_paths_at_model_sizes(label, out_f, in_f, layout, norm_kind, activation,
+                                                                 residual, gated, dtype):
+    """A 4-beam step's projections of GPT-2 and Llama-3.2-1B in their models' layouts: the tensor-core path (the
+    default at 4 rows there) and the CUDA-core path each match the reference, so each other up to the order of their
+    float32 sums, as does the greedy step's default launch (one row), and no launch spills registers."""
+    rows = 4
+    x, projection, options, expected = _model_sized_case(out_f, in_f, layout, norm_kind, activation, residual, gated,
+                                                         dtype, rows)
+    assert launch.launch_config((2 if gated else 1) * out_f, in_f, rows, k_contiguous=layout == "linear").dot
     results = []
     forget_compiled(linear._fused_linear_kernel)  # other tests' launches (other dtypes, tiles) are not checked here
     for dot in (None, True, False):
@@ -146,13 +158,40 @@ def test_linear_tensor_core_and_cuda_core_paths_at_model_sizes(label, out_f, in_
             out = torch.full((rows, out_f), float("nan"), device="cuda", dtype=dtype)
             got = linear.fused_linear(x, projection, out=out, dot=dot, **options)
             assert not got.isnan().any() and not projection.split_k_counters.any()
-            torch.testing.assert_close(got, expected, **tolerance)
+            torch.testing.assert_close(got, expected, **_tolerance(dtype))
         results.append(got)
     assert torch.equal(results[0], results[1])  # the default is the tensor-core path
-    torch.testing.assert_close(results[1], results[2], **tolerance)
+    torch.testing.assert_close(results[1], results[2], **_tolerance(dtype))
     one_row = {**options, "addends": tuple(addend[:1] for addend in options["addends"])}
     out = torch.full((1, out_f), float("nan"), device="cuda", dtype=dtype)
-    torch.testing.assert_close(linear.fused_linear(x[:1], projection, out=out, **one_row), expected[:1], **tolerance)
+    torch.testing.assert_close(linear.fused_linear(x[:1], projection, out=out, **one_row), expected[:1],
+                               **_tolerance(dtype))
+    spilled = {key: spills for key, spills in compiled_spills(linear._fused_linear_kernel).items() if spills}
+    assert not spilled, spilled
+
+
+GPT2_LAYERS = [shape for shape in SHAPES if shape[3] == "conv1d"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("label, out_f, in_f, layout, norm_kind, activation, residual, gated", GPT2_LAYERS,
+                         ids=[shape[0] for shape in GPT2_LAYERS])
+def test_gpt2_layers_of_2_to_4_rows_on_their_copies_take_deep_cuda_core_tiles(label, out_f, in_f, layout, norm_kind,
+                                                                             activation, residual, gated, dtype):
+    """GPT-2's layer projections with their K-contiguous copies, as its beam steps read them: 2, 3 and 4 rows
+    launch on CUDA cores over deep tiles (`launch._few_rows_deep`), read the copies, match the reference into
+    NaN-poisoned outputs, equal the tensor-core path up to the order of float32 sums, and spill no registers."""
+    forget_compiled(linear._fused_linear_kernel)
+    for rows in (2, 3, 4):
+        x, model_layout, options, expected = _model_sized_case(out_f, in_f, layout, norm_kind, activation, residual,
+                                                               gated, dtype, rows)
+        projection = model_layout.with_copies()
+        assert projection.copy_rows == 4 and projection.weights_for(rows) == projection.copies
+        assert not launch.launch_config(out_f, in_f, rows, k_contiguous=True).dot
+        out = torch.full((rows, out_f), float("nan"), device="cuda", dtype=dtype)
+        got = linear.fused_linear(x, projection, out=out, **options)
+        torch.testing.assert_close(got, expected, **_tolerance(dtype))
+        torch.testing.assert_close(got, linear.fused_linear(x, projection, dot=True, **options), **_tolerance(dtype))
     spilled = {key: spills for key, spills in compiled_spills(linear._fused_linear_kernel).items() if spills}
     assert not spilled, spilled
 

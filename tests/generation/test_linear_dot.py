@@ -67,7 +67,7 @@ def test_conv1d_tensor_core_launches_split_k_to_half_the_sms_and_fit_one_wave_of
 def test_linear_tensor_core_launches_split_k_in_powers_of_two_to_fill_the_sms_with_short_shares(
         columns, in_features, matrices, normed, rows):
     config = launch.launch_config(matrices * columns, in_features, rows, k_contiguous=True, normed=normed,
-                                  matrices=matrices)
+                                  matrices=matrices, dot=True)  # small launches of up to 4 rows take deep tiles
     assert config.dot and config.block_m == launch.DOT_ROWS
     assert config.block_k == max(min(triton.next_power_of_2(in_features), launch.DOT_TILE // launch.DOT_COLUMNS
                                      // matrices), launch.DOT_MIN)
@@ -114,6 +114,25 @@ def test_gpt2_4_row_launches_are_the_fastest_of_the_committed_sweep():
     for (columns, in_features, normed), launch_shape in expected.items():
         config = launch.launch_config(columns, in_features, 4, k_contiguous=False, normed=normed)
         assert config.dot and (config.block_n, config.block_k, config.split_k, config.num_warps) == launch_shape
+
+
+def test_gpt2_launches_of_2_to_4_rows_on_the_copies_take_the_fastest_deep_tiles_of_the_committed_sweep():
+    """benchmarks/results/profile_generation-gpt2-beam4-linear-sweep.md: at 4 rows on K-contiguous weights (the copies
+    GPT-2's steps of up to 4 rows read) each layer was fastest on CUDA cores, one tile over all of K, 8 warps; 2 and 3
+    rows take the same budget of products; 5 rows, and GPT-2's LM head (not small), tensor cores."""
+    expected = {(2304, 768, True): (8, 1024), (768, 768, False): (8, 1024), (3072, 768, True): (8, 1024),
+                (768, 3072, False): (2, 4096)}
+    for (columns, in_features, normed), (block_n, block_k) in expected.items():
+        for rows in (2, 3, 4):
+            config = launch.launch_config(columns, in_features, rows, k_contiguous=True, normed=normed)
+            block_m = triton.next_power_of_2(rows)
+            assert config == launch.LaunchConfig(block_m, block_n * 4 // block_m, block_k, 1, 8), (rows, config)
+            assert block_m * config.block_n * block_k <= launch.FEW_ROWS_TILE
+        assert launch.launch_config(columns, in_features, 5, k_contiguous=True, normed=normed).dot
+        assert launch.launch_config(columns, in_features, 4, k_contiguous=False, normed=normed).dot
+    assert launch.launch_config(50257, 768, 4, k_contiguous=True).dot
+    gated = launch.launch_config(2 * 1024, 512, 4, k_contiguous=True, matrices=2)  # a small gated projection
+    assert not gated.dot and 4 * gated.block_n * gated.block_k * 2 <= launch.FEW_ROWS_TILE
 
 
 def test_one_row_half_launches_take_deep_tiles_where_the_committed_sweep_found_them_fastest():
@@ -201,7 +220,7 @@ def test_forcing_a_path_is_checked():
         linear.fused_linear(torch.zeros(4, 64), projection, dot=True)
     half = Projection((torch.zeros(32, 64, dtype=torch.float16),), (None,))
     with pytest.raises(ValueError, match="block_n=8, block_k=64: the tensor-core path needs both at least 16"):
-        linear.fused_linear(torch.zeros(4, 64, dtype=torch.float16), half, block_n=8)
+        linear.fused_linear(torch.zeros(4, 64, dtype=torch.float16), half, block_n=8, dot=True)
     with pytest.raises(ValueError, match="dot=True needs"):  # fp16 x, float32 weights: no exact tl.dot
         linear.fused_linear(torch.zeros(4, 64, dtype=torch.float16), projection, dot=True)
 

@@ -109,17 +109,17 @@ class Embedding:
 class FusedStep:
     """A fused forward: `embedding`, then `layers`. Called as a `StepForward`; `step_at` for decode loops.
 
-    `copied` lists the layers' projections that hold one-row copies of the model's weights
-    (`Projection.with_one_row_copies`): `refresh` writes those copies again, at the start of the prompt pass of every
+    `copied` lists the layers' projections that hold copies of the model's weights
+    (`Projection.with_copies`): `refresh` writes those copies again, at the start of the prompt pass of every
     decode call whose rows read them (`Decoder.prefill`)."""
 
     def __init__(self, embedding: Embedding, layers: Layers, copied: Sequence[Projection] = ()) -> None:
         self.embedding = embedding
         self.layers = layers
-        self.copied = tuple(p for p in copied if p.one_row_weights is not None)
+        self.copied = tuple(p for p in copied if p.copies is not None)
 
     def refresh(self, rows: int) -> None:
-        """Copy the model's weights into the one-row copies, if launches of `rows` rows read them (capturable)."""
+        """Copy the model's weights into the copies, if launches of `rows` rows read them (capturable)."""
         for projection in self.copied:
             projection.refresh(rows)
 

@@ -1,8 +1,8 @@
 """GPT-2 (`model_type` gpt2): learned positions, fused QKV projection (Conv1D), pre-LN blocks.
 
 Its fused step runs five kernels a layer: LN1 + QKV, attention (cache write included), output projection
-+ residual, LN2 + FC + GELU, MLP projection + residual; then the final LN with the LM head. Its one-token steps read
-K-contiguous copies of the Conv1D weights (`Projection.with_one_row_copies`), which double the layers' weight memory
++ residual, LN2 + FC + GELU, MLP projection + residual; then the final LN with the LM head. Its one-token and beam steps
+read K-contiguous copies of the Conv1D weights (`Projection.with_copies`), which double the layers' weight memory
 (`TENDRIL_WEIGHT_COPIES=0`: none).
 """
 
@@ -36,8 +36,8 @@ class GPT2(DecoderArchitecture):
 
     def __init__(self, model: Any) -> None:
         super().__init__(model)
-        self._one_row_projections: dict[int, tuple[tuple[int, torch.dtype, torch.device], Projection]] = {}
-        """Per Conv1D module (by id): its weight's storage (address, dtype, device) and the projection with one-row
+        self._copied_projections: dict[int, tuple[tuple[int, torch.dtype, torch.device], Projection]] = {}
+        """Per Conv1D module (by id): its weight's storage (address, dtype, device) and the projection with
         copies built from it (`_conv1d`)."""
 
     def check(self, config: Any) -> None:
@@ -75,7 +75,7 @@ class GPT2(DecoderArchitecture):
         return last_logits(self.model.lm_head, transformer.ln_f(hidden))
 
     def _conv1d(self, module: Any) -> Projection:
-        """The projection of a Conv1D module with its one-row copies (`Projection.with_one_row_copies`), shared by every
+        """The projection of a Conv1D module with its copies (`Projection.with_copies`), shared by every
         decode loop of the model (each would otherwise hold copies of its own); built again when the module's weight
         has new storage (the model was cast or moved), which replaces the module's entry. Without copies when
         `tendril.settings.weight_copies` is off."""
@@ -83,9 +83,9 @@ class GPT2(DecoderArchitecture):
             return Projection.of(module)
         weight = module.weight
         storage = (weight.data_ptr(), weight.dtype, weight.device)
-        entry = self._one_row_projections.get(id(module))
+        entry = self._copied_projections.get(id(module))
         if entry is None or entry[0] != storage:
-            entry = self._one_row_projections[id(module)] = (storage, Projection.of(module).with_one_row_copies())
+            entry = self._copied_projections[id(module)] = (storage, Projection.of(module).with_copies())
         return entry[1]
 
     def fused_step(self) -> FusedStep:

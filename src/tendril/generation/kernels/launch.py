@@ -8,12 +8,10 @@ from dataclasses import dataclass
 
 import triton
 
-from tendril.generation.kernels.layers import SPLIT_K_LOCKS
+from tendril.generation.kernels.layers import FEW_ROWS, SMALL_LAUNCH_BYTES_PER_SM, SPLIT_K_LOCKS, deep_rows
 
 TILE_BYTES = 16384
 """Weight bytes a program reads per tile by default (8192 fp16 elements), shared by its rows."""
-MAX_ROWS_PER_PROGRAM = 4
-"""Rows a program computes together on the CUDA-core path (reading each weight tile once for all of them)."""
 DOT_ROWS = 16
 """Rows a program computes together on the tensor-core path, masked past the last row: the rows of one MMA tile
 (a smaller block, which Triton pads to the tile itself, holds more registers)."""
@@ -75,13 +73,16 @@ DOT_SHARE_DEPTH = 1024
 ONE_ROW_PROGRAMS_PER_SM = 32
 """A deep-tile launch of more programs per SM than this (an LM head) runs many waves; there a program's share is two
 tiles of half the depth, so the second tile's loads overlap the first's products."""
-SMALL_LAUNCH_BYTES_PER_SM = 49152
-"""A deep-tile launch whose weights come to fewer bytes per SM than this (GPT-2's layers) is bound by memory latency,
-not bandwidth: its time is a few round trips, which more programs resident on an SM overlap. So it narrows its
-column blocks (halving, down to `SMALL_LAUNCH_MIN_COLUMNS`) until it has `SMALL_LAUNCH_PROGRAMS_PER_SM` programs per
-SM. Larger launches (Llama-1B's layers: 64-500 KB per SM) keep the widest blocks their registers allow."""
 SMALL_LAUNCH_PROGRAMS_PER_SM = 4
 SMALL_LAUNCH_MIN_COLUMNS = 4
+"""A one-row deep-tile launch of a small projection (`layers.SMALL_LAUNCH_BYTES_PER_SM`: bound by memory latency,
+its time a few round trips, which more programs resident on an SM overlap) narrows its column blocks (halving, down
+to `SMALL_LAUNCH_MIN_COLUMNS`) until it has `SMALL_LAUNCH_PROGRAMS_PER_SM` programs per SM."""
+FEW_ROWS_TILE = 32768
+FEW_ROWS_WARPS = 8
+"""A deep-tile launch of 2 to `FEW_ROWS` rows (`_few_rows_deep`) holds `FEW_ROWS_TILE` products (rows x columns x
+depth, over every matrix it reads) a program, at `FEW_ROWS_WARPS` warps: its share is all of K in one tile where
+that fits, so every weight it needs loads before the programmatic dependent launch's wait."""
 
 
 @dataclass(frozen=True)
@@ -129,14 +130,15 @@ def launch_config(
     One row of 16-bit inputs contiguous in memory (nn.Linear) takes deep tiles first (`_one_row_deep`): a program
     owns a few columns over all of K (up to `ONE_ROW_DEPTH`), so its whole share of the weights loads before the
     programmatic dependent launch's wait, it reads the input once, and it reduces its products across threads once.
-    Conv1D weights (contiguous columns: a deep tile reads short runs of each row) and float32 inputs keep the tiles
-    below.
+    So do 2 to `FEW_ROWS` rows of a small projection (`layers.deep_rows`), whose time is latency more than bandwidth
+    (`_few_rows_deep`). Conv1D weights (contiguous columns: a deep tile reads short runs of each row) and float32
+    inputs keep the tiles below.
 
     Two paths. The CUDA-core path multiplies a `[rows, BLOCK_K]` input tile by a `[BLOCK_K, BLOCK_N]` weight tile
     as a broadcast product summed over K: right for one row (a matrix-vector product has nothing for tensor
     cores), but its cost grows with the rows, so it shrinks the weight tile per row (`TILE_BYTES` shared by up
-    to `MAX_ROWS_PER_PROGRAM` rows): more, smaller tiles. The tensor-core path (`dot`, the default for more than
-    one row of half inputs) pads the rows to a `DOT_ROWS` block and accumulates `tl.dot` products in float32:
+    to `FEW_ROWS` rows): more, smaller tiles. The tensor-core path (`dot`, the default for more than
+    one row of half inputs otherwise) pads the rows to a `DOT_ROWS` block and accumulates `tl.dot` products in float32:
     an MMA instruction takes 16 rows at once and the padding is never loaded, so up to 16 rows share each
     weight tile, read once, and the launch is the same for any of them. On nn.Linear weights it is
     `_dot_k_contiguous`'s; on Conv1D weights tiles of `DOT_TILE` elements, at most `DOT_TILE_K` deep
@@ -161,14 +163,16 @@ def launch_config(
     if dot and not half_inputs:
         raise ValueError("dot=True needs x and weights of one 16-bit float dtype (fp16 or bf16): tl.dot on float32 "
                          "rounds its inputs to TF32")
-    dot = (half_inputs and rows > 1) if dot is None else dot
-    if rows == 1 and not dot and half_inputs and element_size == 2:
-        one_row = _one_row_deep(columns, in_features, k_contiguous, sm_count, matrices)
-        if one_row is not None:
-            return one_row
+    deep = (half_inputs and k_contiguous and element_size == 2
+            and rows <= deep_rows(columns, in_features, element_size, sm_count))
+    dot = (half_inputs and rows > 1 and not deep) if dot is None else dot
+    if deep and not dot:
+        if rows == 1:
+            return _one_row_deep(columns, in_features, sm_count, matrices)
+        return _few_rows_deep(columns, in_features, rows, matrices)
     if dot and k_contiguous:
         return _dot_k_contiguous(columns, in_features, rows, sm_count, matrices, normed)
-    block_m = DOT_ROWS if dot else min(triton.next_power_of_2(max(rows, 1)), MAX_ROWS_PER_PROGRAM)
+    block_m = DOT_ROWS if dot else min(triton.next_power_of_2(max(rows, 1)), FEW_ROWS)
     tile = TILE_BYTES // element_size // block_m
     if dot:
         dot_tile, depth = (DOT_TILE, DOT_TILE_K) if normed else (PLAIN_DOT_TILE, PLAIN_DOT_TILE_K)
@@ -245,14 +249,10 @@ def _dot_k_contiguous(columns: int, in_features: int, rows: int, sm_count: int, 
     return LaunchConfig(DOT_ROWS, block_n, block_k, _without_empty_shares(k_tiles, split_k), num_warps, dot=True)
 
 
-def _one_row_deep(columns: int, in_features: int, k_contiguous: bool, sm_count: int,
-                  matrices: int) -> LaunchConfig | None:
-    """The deep-tile launch of a one-row 16-bit projection (`launch_config`), or None for weights whose columns are
-    contiguous (Conv1D's own layout): shares of one tile (two for launches of many waves, `ONE_ROW_PROGRAMS_PER_SM`)
-    as wide as `ONE_ROW_TILE` allows (narrower for small launches, `SMALL_LAUNCH_BYTES_PER_SM`), K split only when
-    the launch would leave SMs idle."""
-    if not k_contiguous:
-        return None
+def _one_row_deep(columns: int, in_features: int, sm_count: int, matrices: int) -> LaunchConfig:
+    """The deep-tile launch of a one-row 16-bit projection on K-contiguous weights (`launch_config`): shares of one
+    tile (two for launches of many waves, `ONE_ROW_PROGRAMS_PER_SM`) as wide as `ONE_ROW_TILE` allows (narrower for
+    small launches, `SMALL_LAUNCH_BYTES_PER_SM`), K split only when the launch would leave SMs idle."""
     per_matrix = columns // matrices
     block_k = min(triton.next_power_of_2(in_features), ONE_ROW_DEPTH)
 
@@ -274,3 +274,14 @@ def _one_row_deep(columns: int, in_features: int, k_contiguous: bool, sm_count: 
     if column_blocks < sm_count and column_blocks <= SPLIT_K_LOCKS:
         split_k = _without_empty_shares(k_tiles, min(k_tiles, triton.cdiv(sm_count, column_blocks)))
     return LaunchConfig(1, block_n, block_k, split_k)
+
+
+def _few_rows_deep(columns: int, in_features: int, rows: int, matrices: int) -> LaunchConfig:
+    """The deep-tile launch of 2 to `FEW_ROWS` rows of a small 16-bit projection on K-contiguous weights
+    (`launch_config`): one tile over all of K where `FEW_ROWS_TILE` holds one column of it, as wide as
+    `FEW_ROWS_TILE` then allows, K unsplit."""
+    block_m = triton.next_power_of_2(rows)
+    block_k = min(triton.next_power_of_2(in_features), _pow2_at_most(FEW_ROWS_TILE // (block_m * matrices)))
+    block_n = min(_pow2_at_most(FEW_ROWS_TILE // (block_m * block_k * matrices)),
+                  triton.next_power_of_2(columns // matrices))
+    return LaunchConfig(block_m, block_n, block_k, 1, num_warps=FEW_ROWS_WARPS)

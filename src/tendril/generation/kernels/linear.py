@@ -15,9 +15,10 @@ launch. No second kernel, no memset per launch: the counters belong to the `Proj
 
 Two paths for the products (`DOT`, chosen by `launch.launch_config`). One row (greedy decoding) is a
 matrix-vector product: the CUDA-core path multiplies each input tile by its weight tile as a broadcast
-product summed over K, for up to 4 rows. Several rows of fp16/bf16 (beam search) take the tensor-core
-path: the rows padded to a 16-row block (the padding masked: never loaded, never stored) and `tl.dot`
-accumulating in float32 (an MMA instruction takes 16 rows at once), in smaller tiles (`launch.launch_config`).
+product summed over K, for up to 4 rows (beams of a small projection too). Several rows of fp16/bf16 otherwise
+take the tensor-core path: the rows padded to a 16-row block (the padding masked: never loaded, never stored) and
+`tl.dot` accumulating in float32 (an MMA instruction takes 16 rows at once), in smaller tiles
+(`launch.launch_config`).
 
 Memory round trips. A batch-1 projection is a few microseconds, and most of it is waiting for memory, so
 the kernel orders its loads to overlap. Under programmatic dependent launch (`pdl.py`) the first two
@@ -53,7 +54,7 @@ import triton.language as tl
 
 from tendril.generation.kernels import pdl as programmatic
 from tendril.generation.kernels.launch import DOT_MIN, launch_config, share_tiles
-from tendril.generation.kernels.layers import ACTIVATIONS, SPLIT_K_LOCKS, Norm, Projection
+from tendril.generation.kernels.layers import ACTIVATIONS, SPLIT_K_LOCKS, Norm, Projection, sm_count
 
 _NORMS = {None: 0, "layer": 1, "rms": 2}
 
@@ -306,10 +307,6 @@ def _fused_linear_kernel(
 
 
 @functools.lru_cache(maxsize=16)
-def _sm_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
-
-
 def fused_linear(
     x: torch.Tensor,
     projection: Projection,
@@ -362,7 +359,7 @@ def fused_linear(
     biases += [biases[0]] * (3 - len(biases))
     padded = list(sizes) + [0] * (3 - len(sizes))
     config = launch_config(sum(sizes), in_features, rows, k_contiguous=weights[0].stride(1) == 1,
-                           element_size=weights[0].element_size(), sm_count=_sm_count(x.device),
+                           element_size=weights[0].element_size(), sm_count=sm_count(x.device),
                            half_inputs=x.dtype in (torch.float16, torch.bfloat16) and weights[0].dtype == x.dtype,
                            normed=norm is not None, dot=dot, matrices=2 if gated else 1)
     block_n, block_k = block_n or config.block_n, block_k or config.block_k
