@@ -9,7 +9,7 @@ import pytest
 import torch
 import triton
 
-from tendril.generation.kernels import launch, linear
+from tendril.generation.kernels import launch, layers, linear
 from tendril.generation.kernels.layers import SPLIT_K_LOCKS, Norm, Projection
 
 GPT2 = [(2304, 768, False), (768, 768, False), (3072, 768, False), (768, 3072, False), (50257, 768, True)]
@@ -165,7 +165,7 @@ def test_only_launches_of_few_weight_bytes_per_sm_narrow_their_blocks():
     for columns in (256, 768, 2304, 3072, 8192, 32768):
         for in_features in (768, 2048, 3072, 8192):
             config = launch.launch_config(columns, in_features, 1, k_contiguous=True)
-            small = columns * in_features * 2 < launch.SMALL_LAUNCH_BYTES_PER_SM * 132
+            small = columns * in_features * 2 < layers.SMALL_LAUNCH_BYTES_PER_SM * 132
             widest = min(launch.ONE_ROW_TILE // min(triton.next_power_of_2(in_features), launch.ONE_ROW_DEPTH),
                          triton.next_power_of_2(columns))
             if not small:

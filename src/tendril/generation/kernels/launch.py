@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import triton
 
-from tendril.generation.kernels.layers import FEW_ROWS, SMALL_LAUNCH_BYTES_PER_SM, SPLIT_K_LOCKS, deep_rows
+from tendril.generation.kernels.layers import FEW_ROWS, SPLIT_K_LOCKS, deep_rows, is_small
 
 TILE_BYTES = 16384
 """Weight bytes a program reads per tile by default (8192 fp16 elements), shared by its rows."""
@@ -252,7 +252,7 @@ def _dot_k_contiguous(columns: int, in_features: int, rows: int, sm_count: int, 
 def _one_row_deep(columns: int, in_features: int, sm_count: int, matrices: int) -> LaunchConfig:
     """The deep-tile launch of a one-row 16-bit projection on K-contiguous weights (`launch_config`): shares of one
     tile (two for launches of many waves, `ONE_ROW_PROGRAMS_PER_SM`) as wide as `ONE_ROW_TILE` allows (narrower for
-    small launches, `SMALL_LAUNCH_BYTES_PER_SM`), K split only when the launch would leave SMs idle."""
+    small launches, `layers.is_small`), K split only when the launch would leave SMs idle."""
     per_matrix = columns // matrices
     block_k = min(triton.next_power_of_2(in_features), ONE_ROW_DEPTH)
 
@@ -264,7 +264,7 @@ def _one_row_deep(columns: int, in_features: int, sm_count: int, matrices: int) 
     if triton.cdiv(per_matrix, block_n) > ONE_ROW_PROGRAMS_PER_SM * sm_count and block_k > 1:
         block_k //= 2
         block_n = width(block_k)
-    small = columns * in_features * 2 < SMALL_LAUNCH_BYTES_PER_SM * sm_count  # 16-bit weights
+    small = is_small(columns, in_features, 2, sm_count)
     while (small and block_n > SMALL_LAUNCH_MIN_COLUMNS
            and triton.cdiv(per_matrix, block_n) < SMALL_LAUNCH_PROGRAMS_PER_SM * sm_count):
         block_n //= 2

@@ -45,12 +45,16 @@ def sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
 
 
+def is_small(columns: int, in_features: int, element_size: int, sms: int) -> bool:
+    """Whether a projection of this shape has 16-bit weights of fewer bytes per SM than `SMALL_LAUNCH_BYTES_PER_SM`."""
+    return element_size == 2 and columns * in_features * element_size < SMALL_LAUNCH_BYTES_PER_SM * sms
+
+
 def deep_rows(columns: int, in_features: int, element_size: int, sms: int) -> int:
     """The most rows whose default launch on K-contiguous weights of this shape takes deep CUDA-core tiles
-    (`launch.launch_config`): `FEW_ROWS` for 16-bit weights of a small projection (`SMALL_LAUNCH_BYTES_PER_SM`),
-    otherwise one. The launches of at most that many rows are the ones that read a projection's copies."""
-    small = element_size == 2 and columns * in_features * element_size < SMALL_LAUNCH_BYTES_PER_SM * sms
-    return FEW_ROWS if small else 1
+    (`launch.launch_config`): `FEW_ROWS` for a small projection (`is_small`), otherwise one. The launches of at most
+    that many rows are the ones that read a projection's copies."""
+    return FEW_ROWS if is_small(columns, in_features, element_size, sms) else 1
 
 
 ACTIVATIONS = {"none": 0, "gelu_tanh": 1, "gelu": 2, "silu": 3, "relu": 4}
