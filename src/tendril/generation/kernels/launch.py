@@ -79,10 +79,13 @@ SMALL_LAUNCH_MIN_COLUMNS = 4
 its time a few round trips, which more programs resident on an SM overlap) narrows its column blocks (halving, down
 to `SMALL_LAUNCH_MIN_COLUMNS`) until it has `SMALL_LAUNCH_PROGRAMS_PER_SM` programs per SM."""
 FEW_ROWS_TILE = 32768
+FEW_ROWS_COLUMNS = 8
 FEW_ROWS_WARPS = 8
-"""A deep-tile launch of 2 to `FEW_ROWS` rows (`_few_rows_deep`) holds `FEW_ROWS_TILE` products (rows x columns x
-depth, over every matrix it reads) a program, at `FEW_ROWS_WARPS` warps: its share is all of K in one tile where
-that fits, so every weight it needs loads before the programmatic dependent launch's wait."""
+"""A deep-tile launch of 2 to `FEW_ROWS` rows (`_few_rows_deep`) holds up to `FEW_ROWS_TILE` products (rows x
+columns x depth, over every matrix it reads) a program, at `FEW_ROWS_WARPS` warps, in blocks of at most
+`FEW_ROWS_COLUMNS` columns (wider ones, which fewer rows would allow, leave fewer programs to overlap the memory
+latency these small launches are bound by): its share is all of K in one tile where that fits, so every weight it
+needs loads before the programmatic dependent launch's wait."""
 
 
 @dataclass(frozen=True)
@@ -279,9 +282,9 @@ def _one_row_deep(columns: int, in_features: int, sm_count: int, matrices: int) 
 def _few_rows_deep(columns: int, in_features: int, rows: int, matrices: int) -> LaunchConfig:
     """The deep-tile launch of 2 to `FEW_ROWS` rows of a small 16-bit projection on K-contiguous weights
     (`launch_config`): one tile over all of K where `FEW_ROWS_TILE` holds one column of it, as wide as
-    `FEW_ROWS_TILE` then allows, K unsplit."""
+    `FEW_ROWS_TILE` then allows up to `FEW_ROWS_COLUMNS`, K unsplit."""
     block_m = triton.next_power_of_2(rows)
     block_k = min(triton.next_power_of_2(in_features), _pow2_at_most(FEW_ROWS_TILE // (block_m * matrices)))
-    block_n = min(_pow2_at_most(FEW_ROWS_TILE // (block_m * block_k * matrices)),
+    block_n = min(_pow2_at_most(FEW_ROWS_TILE // (block_m * block_k * matrices)), FEW_ROWS_COLUMNS,
                   triton.next_power_of_2(columns // matrices))
     return LaunchConfig(block_m, block_n, block_k, 1, num_warps=FEW_ROWS_WARPS)
