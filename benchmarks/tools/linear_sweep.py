@@ -111,8 +111,8 @@ def deep_configs(in_f: int, segments: int = 1, rows: int = 1) -> list[tuple[int,
     """The deep CUDA-core launches around the one-row rule's (`launch._one_row_deep`): shares of one tile over all of
     K or two of half of it, 1-16 columns wide, unsplit, whose products (tiles in flight, every matrix counted, times
     the program's rows: the broadcast product holds one per row) come to at least 4K elements and at most
-    `launch.ONE_ROW_TILE` at 4 warps (more spill), twice that at 8. For several rows (beams) they are what the
-    tensor-core launches the rule takes there are measured against."""
+    `launch.ONE_ROW_TILE` at 4 warps (more spill), twice that at 8. For several rows (beams) they are measured
+    against the tensor-core launches, and around the few-row rule's (`launch._few_rows_deep`) for small projections."""
     import triton
 
     from tendril.generation.kernels import launch
