@@ -272,6 +272,6 @@ def test_assign_copies_a_mixed_state_into_its_buffers_as_the_while_node_does():
         state[6],
     ]
     expected = [v.clone() for v in new]
-    loops._assign(state, new)
+    loops.assign_state(state, new)
     for buffer, value in zip(state, expected, strict=True):
         assert buffer.dtype == value.dtype and torch.equal(buffer, value)

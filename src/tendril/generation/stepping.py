@@ -16,6 +16,7 @@ from tendril.generation.api import _architecture, _check_inputs, _check_integers
 from tendril.generation.loop import DecodeLoop, Plan, Step
 from tendril.generation.noise import draw_key
 from tendril.generation.processors import LogitsProcessing
+from tendril.graphs.control.loops import assign_state
 
 
 class DecodeStep:
@@ -39,10 +40,10 @@ class DecodeStep:
         """The cache holds this many new tokens: the first from the prompt pass, one per `step()` after it."""
 
     def step(self) -> None:
-        """Advance the state by one loop body (capturable: it writes the buffers in place, reading nothing else)."""
+        """Advance the state by one loop body (capturable: it writes the buffers in place, reading nothing else, as the
+        decode loop's conditional node writes its state: `while_loop`'s `assign_state`)."""
         with torch.inference_mode():
-            for buffer, value in zip(self.buffers, self.search.body(*self.buffers), strict=True):
-                buffer.copy_(value)
+            assign_state(self.buffers, self.search.body(*self.buffers))
 
     def reset(self) -> None:
         """Put back the state after the construction's prompt pass."""

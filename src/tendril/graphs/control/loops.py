@@ -226,7 +226,7 @@ def _while_conditional_node(loop: _Loop, carried: list[torch.Tensor]) -> tuple[t
         first = loop.test(state)
     splice = capture.add_node(first, ConditionalKind.WHILE, branches=1)
     with capture.capture_body(splice.bodies[0], loop.body_fn, f"{loop.label}: body_fn or cond_fn"):
-        _assign(state, loop.step(state))
+        assign_state(state, loop.step(state))
         set_condition(splice.handle, loop.test(state))
     return tuple(state)
 
@@ -252,8 +252,9 @@ def _cond_conditional_node(
     return taken.rebuild(outputs)
 
 
-def _assign(state: list[torch.Tensor], new: list[torch.Tensor]) -> None:
-    """Copy `new` into the loop's state buffers; values that alias another buffer are copied out first.
+def assign_state(state: Sequence[torch.Tensor], new: Sequence[torch.Tensor]) -> None:
+    """Copy `new` into the loop's state buffers; values that alias another buffer are copied out first (capturable).
+    Also what `tendril.generation.decode_step`'s stepper writes its buffers with, so that its step is the loop's body.
 
     The contiguous pairs go as bytes through one multi-tensor copy (a kernel or two for the whole state, where a
     copy each would be a graph node each: a body's state is often many small tensors); others copy one by one."""
