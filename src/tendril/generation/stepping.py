@@ -48,16 +48,14 @@ class DecodeStep:
     def reset(self) -> None:
         """Put back the state after the construction's prompt pass."""
         with torch.inference_mode():
-            for buffer, value in zip(self.buffers, self.start, strict=True):
-                buffer.copy_(value)
+            assign_state(self.buffers, self.start)
 
     def restart(self, prompt: torch.Tensor) -> None:
         """Run the prompt pass for `prompt` (the construction's shape, before repeating for beams) into the buffers."""
         decoder = self.search.decoder
         with torch.inference_mode():
             decoder.prompt.copy_(prompt.repeat_interleave(decoder.prompt.shape[0] // prompt.shape[0], dim=0))
-            for buffer, value in zip(self.buffers, self.search.start(decoder.prefill()), strict=True):
-                buffer.copy_(value)
+            assign_state(self.buffers, self.search.start(decoder.prefill()))
 
 
 def decode_step(
